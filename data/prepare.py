@@ -1,0 +1,622 @@
+"""Prepare AvaMERG-format data into ArrayRecord shards: validate, extract features, join targets.
+
+    python -m data.prepare --raw RAW --out SHARDS --encoder lite [--targets TARGETS]
+        [--make-standin-targets] [--split-by conversation] [--skip-invalid]
+        [--records-per-shard N] [--workers 2] [--overwrite]
+
+RAW holds ``{split}.json`` (lists of AvaMERG dialogues) and ``media/{utt_id}.wav|.mp4``. Each split file
+becomes ``SHARDS/{split}/{split}-{i}-of-{n}.array_record`` with one msgpack record per ``turns`` entry
+(`empatheia_jax.shard_format.SHARD_RECORD_FIELDS`). Encoder features are computed once per utterance
+(turns are growing prefixes, so later turns reuse them) and generator targets are joined to the response
+by utterance id. Invalid input fails the run with every problem listed; ``--skip-invalid`` skips the bad
+dialogues instead and lists them in ``SHARDS/skipped_report.txt`` and the manifest. Shards are written
+under temporary names and renamed; ``manifest.json`` is written last, so an interrupted run leaves a
+folder that `verify_shards` and the input pipeline refuse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from empatheia_jax import schema
+from empatheia_jax.encoders import Encoder, get_encoder
+from empatheia_jax.shard_format import (
+    ARRAY_RECORD_OPTIONS,
+    MANIFEST,
+    MANIFEST_FORMAT,
+    SHARD_RECORD_FIELDS,
+    STANDARD_SPLITS,
+    discover_splits,
+    encode_shard_record,
+    make_shard_record,
+    sha256_file,
+    shard_filename,
+    verify_shards,
+)
+from empatheia_jax.targets import TargetReader, make_standin_targets
+
+__all__ = [
+    "InvalidInputError",
+    "PreparedRaw",
+    "STANDARD_SPLITS",
+    "SHARD_RECORD_FIELDS",
+    "dialogue_records",
+    "discover_splits",
+    "extract_features",
+    "load_raw",
+    "make_shard_record",
+    "prepare",
+    "verify_shards",
+]
+
+SKIPPED_REPORT = "skipped_report.txt"
+
+
+class InvalidInputError(ValueError):
+    """RAW data that fails validation; `problems` holds every problem found (not just the first)."""
+
+    def __init__(self, problems: list[str], hint: str = ""):
+        self.problems = problems
+        head = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"{len(problems)} problem(s) in the input{hint}:\n{head}")
+
+
+@dataclass
+class PreparedRaw:
+    """Validated dialogues per split, plus what was skipped and why."""
+
+    raw: Path
+    splits: dict[str, list[schema.Dialogue]]
+    skipped: list[dict[str, Any]] = field(default_factory=list)  # {split, conversation_id, problems}
+
+    @property
+    def media_dir(self) -> Path:
+        return Path(schema.media_dir_of(self.raw))
+
+
+def _conv_label(obj: Any, i: int) -> str:
+    cid = obj.get("conversation_id") if isinstance(obj, dict) else None
+    return cid if isinstance(cid, str) and cid else f"#{i}"
+
+
+def load_raw(
+    raw: str | os.PathLike,
+    *,
+    splits: list[str] | None = None,
+    emotion_map: schema.EmotionMap,
+    skip_invalid: bool = False,
+    check_media_readable: bool = True,
+) -> PreparedRaw:
+    """Validate every split file (records and media) and build the dialogues.
+
+    Without `skip_invalid` any problem raises InvalidInputError listing all of them. With it, dialogues
+    with problems are skipped and recorded; problems that cannot be pinned to one dialogue (unreadable
+    JSON) and conversations that appear in more than one split are always fatal (a split leak would
+    silently inflate evaluation).
+    """
+    raw = Path(raw)
+    splits = splits or discover_splits(raw)
+    media = schema.media_dir_of(raw)
+    fatal: list[str] = []
+    skipped: list[dict[str, Any]] = []
+    out: dict[str, list[schema.Dialogue]] = {}
+    owner: dict[str, str] = {}
+    for split in splits:
+        path = schema.split_json_path(raw, split)
+        problems = schema.validate_file(
+            path, media, emotion_map=emotion_map, check_media_readable=check_media_readable
+        )
+        by_conv: dict[str | None, list[str]] = defaultdict(list)
+        for p in problems:
+            by_conv[p.conversation_id].append(str(p))
+        if None in by_conv:  # file-level (JSON) problems: nothing can be salvaged
+            fatal += by_conv.pop(None)
+            continue
+        with open(path, encoding="utf-8") as f:
+            objs = json.load(f)
+        if by_conv and not skip_invalid:
+            fatal += [p for ps in by_conv.values() for p in ps]
+            continue
+        dialogues = []
+        for i, obj in enumerate(objs):
+            label = _conv_label(obj, i)
+            if label in by_conv:
+                skipped.append({"split": split, "conversation_id": label, "problems": by_conv[label]})
+                continue
+            d = schema.Dialogue.from_json(obj, source=path)
+            if d.conversation_id in owner:
+                fatal.append(
+                    f"{split}.json: conversation {d.conversation_id} is also in "
+                    f"{owner[d.conversation_id]}.json; a conversation must not span splits "
+                    "(--split-by conversation)"
+                )
+                continue
+            owner[d.conversation_id] = split
+            dialogues.append(d)
+        out[split] = dialogues
+    if fatal:
+        hint = "" if skip_invalid else " (use --skip-invalid to skip the bad dialogues and report them)"
+        raise InvalidInputError(fatal, hint)
+    return PreparedRaw(raw, out, skipped)
+
+
+def history_utterances(dialogue: schema.Dialogue) -> list[str]:
+    """Distinct utterance ids that occur in some turn's history (the ones that need features)."""
+    seen: dict[str, None] = {}
+    for t in dialogue.turns:
+        for uid, _, _ in schema.turn_utterances(dialogue, t):
+            seen.setdefault(uid, None)
+    return list(seen)
+
+
+def extract_features(
+    encoder: Encoder, utt_ids: list[str], media_dir: str | os.PathLike
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """utt_id -> (audio [k,d_a], video [k,d_v]); errors name the utterance and the file."""
+    media_dir = Path(media_dir)
+    feats = {}
+    for uid in utt_ids:
+        wav, mp4 = media_dir / f"{uid}.wav", media_dir / f"{uid}.mp4"
+        try:
+            a = encoder.encode_audio(wav)
+        except Exception as e:
+            raise RuntimeError(f"utterance {uid}: audio features of {wav} failed: {e}") from e
+        try:
+            v = encoder.encode_video(mp4)
+        except Exception as e:
+            raise RuntimeError(f"utterance {uid}: video features of {mp4} failed: {e}") from e
+        feats[uid] = (a, v)
+    return feats
+
+
+def dialogue_records(
+    dialogue: schema.Dialogue,
+    *,
+    split: str,
+    feats: dict[str, tuple[np.ndarray, np.ndarray]],
+    emotion_map: schema.EmotionMap,
+    targets: TargetReader | None,
+    audio_dim: int,
+    video_dim: int,
+    k: int,
+) -> list[dict[str, Any]]:
+    """One shard record per turn of `dialogue`; features looked up in `feats`, targets by response id."""
+    recs = []
+    for j, t in enumerate(dialogue.turns):
+        uids = [u for u, _, _ in schema.turn_utterances(dialogue, t)]
+        if uids:
+            audio = np.stack([feats[u][0] for u in uids])
+            video = np.stack([feats[u][1] for u in uids])
+        else:
+            audio = np.zeros((0, k, audio_dim), np.float32)
+            video = np.zeros((0, k, video_dim), np.float32)
+        tg = {}
+        if targets is not None:
+            resp = schema.response_utterance_id(dialogue, j)
+            for kind in targets.kinds:
+                a = targets.get(kind, resp)
+                if a is not None:
+                    tg[kind] = a
+        recs.append(
+            make_shard_record(
+                dialogue,
+                j,
+                split=split,
+                emotion_map=emotion_map,
+                audio_feats=audio,
+                video_feats=video,
+                targets=tg,
+            )
+        )
+    return recs
+
+
+# ----------------------------------------------------------------------------------------------
+# feature workers
+
+_ENC: Encoder | None = None
+
+
+def _worker_init(name: str, kwargs: dict[str, Any]) -> None:
+    global _ENC
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _ENC = get_encoder(name, **kwargs)
+
+
+def _worker_features(job: tuple[int, list[str], str]) -> tuple[int, dict[str, Any] | None, str | None]:
+    i, uids, media = job
+    assert _ENC is not None
+    try:
+        return i, extract_features(_ENC, uids, media), None
+    except Exception as e:  # noqa: BLE001 - returned to the parent, which decides (skip or fail)
+        return i, None, str(e)
+
+
+class _FeaturePool:
+    """Features per dialogue job, in job order: in-process, or one spawn pool (no forked JAX state) kept for
+    all splits, since starting workers that load a transformers encoder costs seconds each."""
+
+    def __init__(self, encoder: Encoder, name: str, kwargs: dict[str, Any], workers: int):
+        self.encoder, self.pool = encoder, None
+        if workers > 1:
+            import multiprocessing as mp
+
+            self.pool = mp.get_context("spawn").Pool(workers, _worker_init, (name, kwargs))
+
+    def __enter__(self) -> _FeaturePool:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self.pool is not None:
+            if exc_type is None:
+                self.pool.close()
+            else:
+                self.pool.terminate()
+            self.pool.join()
+
+    def stream(
+        self, jobs: list[tuple[int, list[str], str]]
+    ) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
+        if self.pool is not None:
+            yield from self.pool.imap(_worker_features, jobs, chunksize=4)
+            return
+        for i, uids, media in jobs:
+            try:
+                yield i, extract_features(self.encoder, uids, media), None
+            except Exception as e:  # noqa: BLE001 - the caller skips or fails, naming the dialogue
+                yield i, None, str(e)
+
+
+# ----------------------------------------------------------------------------------------------
+# shard writing
+
+
+class _ShardSetWriter:
+    """Writes one split's records into shards of `per_shard` records, under temporary names.
+
+    Final names need the shard count, known only at the end (a dialogue may still be skipped), so
+    shards are renamed by `finish()`; `abort()` removes the temporaries.
+    """
+
+    def __init__(self, out: Path, split: str, per_shard: int):
+        from array_record.python.array_record_module import ArrayRecordWriter
+
+        self._writer_cls = ArrayRecordWriter
+        self.dir = out / split
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.split, self.per_shard = split, per_shard
+        self.tmp: list[tuple[Path, int]] = []
+        self._w: Any = None
+        self._n = 0
+
+    def write(self, data: bytes) -> None:
+        if self._w is None or self._n >= self.per_shard:
+            self._close_current()
+            fd, path = tempfile.mkstemp(dir=self.dir, prefix=f".{self.split}-", suffix=".array_record.tmp")
+            os.close(fd)
+            self._w = self._writer_cls(path, ARRAY_RECORD_OPTIONS)
+            self.tmp.append((Path(path), 0))
+            self._n = 0
+        self._w.write(data)
+        self._n += 1
+        self.tmp[-1] = (self.tmp[-1][0], self._n)
+
+    def _close_current(self) -> None:
+        if self._w is not None:
+            self._w.close()
+            self._w = None
+
+    def finish(self, out: Path) -> list[dict[str, Any]]:
+        self._close_current()
+        n = len(self.tmp)
+        shards = []
+        for i, (tmp, count) in enumerate(self.tmp):
+            final = self.dir / shard_filename(self.split, i, n)
+            os.replace(tmp, final)
+            shards.append(
+                {"path": str(final.relative_to(out)), "records": count, "sha256": sha256_file(final)}
+            )
+        self.tmp = []
+        return shards
+
+    def abort(self) -> None:
+        self._close_current()
+        for tmp, _ in self.tmp:
+            tmp.unlink(missing_ok=True)
+        self.tmp = []
+
+
+def _clean_stale(out: Path, keep: set[Path]) -> None:
+    """Remove shards (and temporaries) of earlier runs: only files named like ours, in split folders."""
+    for p in list(out.glob("*/*-?????-of-?????.array_record")) + list(out.glob("*/.*.array_record.tmp")):
+        if p.name.startswith((f"{p.parent.name}-", f".{p.parent.name}-")) and p.resolve() not in keep:
+            p.unlink()
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def prepare(
+    raw: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    encoder: str = "lite",
+    encoder_kwargs: dict[str, Any] | None = None,
+    targets: str | os.PathLike | None = None,
+    make_standin: bool = False,
+    splits: list[str] | None = None,
+    split_by: str = "conversation",
+    skip_invalid: bool = False,
+    records_per_shard: int = 1000,
+    workers: int = 1,
+    emotion_map: str = "avamerg7",
+    overwrite: bool = False,
+    require_targets: bool = False,
+    progress: bool = True,
+    command: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the whole preparation and return the manifest (also written to ``OUT/manifest.json``)."""
+    from tqdm import tqdm
+
+    log = log or (lambda s: print(f"[prepare] {s}", file=sys.stderr))
+    t_start = time.perf_counter()
+    if split_by != "conversation":
+        raise ValueError(
+            f"--split-by {split_by!r}: only 'conversation' (splits = RAW/{{split}}.json) is supported"
+        )
+    if records_per_shard < 1:
+        raise ValueError("records_per_shard must be >= 1")
+    raw, out = Path(raw), Path(out)
+    if (out / MANIFEST).exists() and not overwrite:
+        raise FileExistsError(f"{out / MANIFEST} exists; pass --overwrite to replace this shard folder")
+    em = schema.EmotionMap.load(emotion_map)
+    encoder_kwargs = dict(encoder_kwargs or {})
+    enc = get_encoder(encoder, **encoder_kwargs)
+
+    data = load_raw(raw, splits=splits, emotion_map=em, skip_invalid=skip_invalid)
+    if data.skipped:
+        log(f"SKIPPING {len(data.skipped)} invalid dialogue(s); see {out / SKIPPED_REPORT}")
+
+    if make_standin:
+        if targets is None:
+            raise ValueError("--make-standin-targets needs --targets DIR to write them to")
+        valid = [d for ds in data.splits.values() for d in ds]  # skipped dialogues may lack media
+        make_standin_targets(raw, targets, dialogues=valid, workers=workers, progress=progress)
+    reader = TargetReader(targets) if targets is not None else None
+    if reader is not None:
+        for kind, info in reader.summary().items():
+            flag = "  <-- STAND-IN, not generator features" if info["stand_in"] else ""
+            log(f"targets {kind}: dim {info['dim']}, source {info['source']}{flag}")
+    else:
+        log("no --targets: records carry no generator targets (stages 2-4 need them)")
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)  # from here on the folder is "unfinished"
+    split_info: dict[str, Any] = {}
+    coverage: dict[str, dict[str, int]] = {}
+    keep: set[Path] = set()
+    n_utts = 0
+    t_feat = 0.0
+    with _FeaturePool(enc, encoder, encoder_kwargs, workers) as features:
+        for split, dialogues in data.splits.items():
+            writer = _ShardSetWriter(out, split, records_per_shard)
+            cov: dict[str, int] = defaultdict(int)
+            n_rec = n_dia = n_split_utts = 0
+            jobs = [(i, history_utterances(d), str(data.media_dir)) for i, d in enumerate(dialogues)]
+            total_utts = sum(len(j[1]) for j in jobs)
+            bar = tqdm(total=total_utts, desc=f"{split}: utterances", unit="utt", disable=not progress)
+            try:
+                t0 = time.perf_counter()
+                for i, feats, err in features.stream(jobs):
+                    d = dialogues[i]
+                    bar.update(len(jobs[i][1]))
+                    if err is not None:
+                        if not skip_invalid:
+                            raise InvalidInputError(
+                                [f"{split}.json: conversation {d.conversation_id}: {err}"]
+                            )
+                        data.skipped.append(
+                            {"split": split, "conversation_id": d.conversation_id, "problems": [err]}
+                        )
+                        log(f"SKIPPING {split}/{d.conversation_id}: {err}")
+                        continue
+                    recs = dialogue_records(
+                        d,
+                        split=split,
+                        feats=feats,
+                        emotion_map=em,
+                        targets=reader,
+                        audio_dim=enc.audio_dim,
+                        video_dim=enc.video_dim,
+                        k=enc.k,
+                    )
+                    for r in recs:
+                        writer.write(encode_shard_record(r))
+                        for kind in r["targets"]:
+                            cov[kind] += 1
+                    n_rec += len(recs)
+                    n_dia += 1
+                    n_split_utts += len(jobs[i][1])
+                t_feat += time.perf_counter() - t0
+                shards = writer.finish(out)
+            except BaseException:
+                writer.abort()
+                raise
+            finally:
+                bar.close()
+            keep |= {(out / s["path"]).resolve() for s in shards}
+            n_utts += n_split_utts
+            split_info[split] = {
+                "records": n_rec,
+                "dialogues": n_dia,
+                "utterances": n_split_utts,
+                "shards": shards,
+            }
+            coverage[split] = {k: cov.get(k, 0) for k in (reader.kinds if reader else ())}
+            log(f"{split}: {n_rec} records from {n_dia} dialogues in {len(shards)} shard(s)")
+            if reader is not None:
+                for kind in reader.kinds:
+                    if coverage[split][kind] < n_rec:
+                        missing = n_rec - coverage[split][kind]
+                        msg = f"{split}: {missing} of {n_rec} records have no {kind} target"
+                        if require_targets:
+                            raise InvalidInputError([msg])
+                        log("WARNING " + msg)
+    _clean_stale(out, keep)
+
+    report = out / SKIPPED_REPORT
+    if data.skipped:
+        lines = [f"# {len(data.skipped)} dialogue(s) skipped by data/prepare.py --skip-invalid", ""]
+        for s in data.skipped:
+            lines.append(f"{s['split']}\t{s['conversation_id']}")
+            lines += [f"    {p}" for p in s["problems"]]
+        report.write_text("\n".join(lines) + "\n")
+    else:
+        report.unlink(missing_ok=True)
+
+    total_records = sum(s["records"] for s in split_info.values())
+    seconds = time.perf_counter() - t_start
+    tsum = None
+    if reader is not None:
+        tsum = {
+            "dir": str(Path(targets).resolve()),
+            "stand_in": any(v["stand_in"] for v in reader.summary().values()),
+            "kinds": reader.summary(),
+            "coverage": coverage,
+        }
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "schema_version": schema.SCHEMA_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": command if command is not None else shlex.join([sys.executable, *sys.argv]),
+        "raw": str(raw.resolve()),
+        "split_by": split_by,
+        "emotion_map": {"name": em.name, "classes": list(em.classes)},
+        "encoder": {"name": enc.name, "config": enc.config()},
+        "features": {"k": enc.k, "audio_dim": enc.audio_dim, "video_dim": enc.video_dim},
+        "targets": tsum,
+        "record_fields": list(SHARD_RECORD_FIELDS),
+        "array_record_options": ARRAY_RECORD_OPTIONS,
+        "records": total_records,
+        "splits": split_info,
+        "skipped": {
+            "count": len(data.skipped),
+            "report": SKIPPED_REPORT if data.skipped else None,
+            "dialogues": [
+                {"split": s["split"], "conversation_id": s["conversation_id"], "problems": len(s["problems"])}
+                for s in data.skipped
+            ],
+        },
+        "timing": {
+            "seconds": round(seconds, 3),
+            "feature_seconds": round(t_feat, 3),
+            "utterances": n_utts,
+            "records_per_second": round(total_records / max(seconds, 1e-9), 2),
+            "utterances_per_second": round(n_utts / max(t_feat, 1e-9), 2),
+            "workers": workers,
+        },
+    }
+    _write_json_atomic(out / MANIFEST, manifest)
+    if tsum and tsum["stand_in"]:
+        log("NOTE: targets are STAND-INS (source=stand-in), recorded as such in manifest.json")
+    log(
+        f"wrote {total_records} records ({n_utts} utterances encoded with {enc.name}) to {out} "
+        f"in {seconds:.1f}s "
+        f"({manifest['timing']['records_per_second']} records/s)"
+    )
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n")[0])
+    ap.add_argument("--raw", required=True, help="folder with {split}.json and media/")
+    ap.add_argument("--out", required=True, help="shard folder to write")
+    ap.add_argument("--encoder", default="lite", help="encoder name: lite, hubert+clip, hubert+lite, ...")
+    ap.add_argument(
+        "--encoder-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="encoder keyword argument, e.g. hubert_path=/models/hubert (JSON values allowed)",
+    )
+    ap.add_argument("--k", type=int, default=None, help="vectors per <Aud>/<Vid> placeholder (encoder k)")
+    ap.add_argument("--targets", default=None, help="generator-target folder (meta.json + safetensors)")
+    ap.add_argument(
+        "--make-standin-targets",
+        action="store_true",
+        help="first compute STAND-IN targets for RAW into --targets (sample data only)",
+    )
+    ap.add_argument("--splits", default=None, help="comma-separated splits (default: every RAW/*.json)")
+    ap.add_argument(
+        "--split-by",
+        default="conversation",
+        choices=["conversation"],
+        help="splits come from RAW/{split}.json; a conversation in two splits is an error",
+    )
+    ap.add_argument(
+        "--skip-invalid", action="store_true", help="skip invalid dialogues, listed in the report"
+    )
+    ap.add_argument("--require-targets", action="store_true", help="fail if a record lacks a target kind")
+    ap.add_argument("--records-per-shard", type=int, default=1000)
+    ap.add_argument("--workers", type=int, default=1, help="feature-extraction processes")
+    ap.add_argument("--emotion-map", default="avamerg7", choices=list(schema.EMOTION_MAP_NAMES))
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing shard folder")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    kwargs: dict[str, Any] = {}
+    for item in args.encoder_arg:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--encoder-arg {item!r}: expected KEY=VALUE")
+        try:
+            kwargs[key] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[key] = value
+    if args.k is not None:
+        kwargs["k"] = args.k
+    try:
+        prepare(
+            args.raw,
+            args.out,
+            encoder=args.encoder,
+            encoder_kwargs=kwargs,
+            targets=args.targets,
+            make_standin=args.make_standin_targets,
+            splits=args.splits.split(",") if args.splits else None,
+            split_by=args.split_by,
+            skip_invalid=args.skip_invalid,
+            records_per_shard=args.records_per_shard,
+            workers=args.workers,
+            emotion_map=args.emotion_map,
+            overwrite=args.overwrite,
+            require_targets=args.require_targets,
+            progress=not args.no_progress,
+            command=shlex.join(["python", "-m", "data.prepare", *(sys.argv[1:] if argv is None else argv)]),
+        )
+    except (InvalidInputError, FileExistsError, FileNotFoundError) as e:
+        print(f"[prepare] ERROR: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
