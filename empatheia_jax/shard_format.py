@@ -28,7 +28,9 @@ from empatheia_jax.targets import TARGET_KINDS
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "empatheia-shards/1"
-ARRAY_RECORD_OPTIONS = "group_size:1"  # random access per record (grain reads single records)
+# group_size:1 = random access per record (grain reads single records); uncompressed because zstd decoding
+# (0.9 ms/record) was the input pipeline bottleneck (docs/benchmarks.md).
+ARRAY_RECORD_OPTIONS = "group_size:1,uncompressed"
 
 PROFILE_FIELDS = ("age", "gender", "timbre", "ID")
 HISTORY_FIELDS = ("index", "role", "utterance", "utt_id")
