@@ -1,0 +1,194 @@
+"""Empatheia's training losses (paper §5, eqs 8-13) as pure functions on arrays.
+
+Every term is computed and returned separately (so metrics report each one), then `combine` sums the
+terms a stage trains on:
+
+    L_emp  token cross-entropy on target tokens only                  (eq 8)
+    L_ccl  ||C^s - Ĉ^s||² + ||C^v - Ĉ^v||², masked mean over rows     (eq 9)
+    L_sal  ||S^s - Ŝ^s||² + ||S^v - Ŝ^v||²                            (eq 10)
+    L_cls  emotion + age + gender + timbre cross-entropy              (eq 11, minus sign restored)
+    L_sac  L_sal + L_cls                                              (eq 12)
+    L_oal  L_emp + α·L_ccl + β·L_sac                                  (eq 13)
+    KL     the VAE blocks' KL to N(0, I), weighted from config         (not in the paper's equations)
+
+Everything is float32, and a mean over an empty set is 0, never NaN (a batch without a valid target row
+or label must not poison the step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from empatheia_jax.models.vae import kl_divergence
+
+# Term names: the keys of `combine`'s input and of its metrics.
+EMP = "emp"  # L_emp: CoE + reply (+ signal tokens in the overall stage)
+SIGNAL_CE = "signal_ce"  # CE on the <AUDi>/<VIDi> signal tokens (stage 3)
+CCL_SPEECH = "ccl_speech"
+CCL_VIDEO = "ccl_video"
+SAL_SPEECH = "sal_speech"
+SAL_VIDEO = "sal_video"
+CLS_EMOTION = "cls_emotion"
+CLS_AGE = "cls_age"
+CLS_GENDER = "cls_gender"
+CLS_TIMBRE = "cls_timbre"
+KL = "kl"  # sum of the KL terms of the VAE blocks that the stage trains
+
+CCL_TERMS = (CCL_SPEECH, CCL_VIDEO)
+SAL_TERMS = (SAL_SPEECH, SAL_VIDEO)
+CLS_TERMS = (CLS_EMOTION, CLS_AGE, CLS_GENDER, CLS_TIMBRE)
+TERMS = (EMP, SIGNAL_CE, *CCL_TERMS, *SAL_TERMS, *CLS_TERMS, KL)
+
+# Names of the derived metrics that `combine` adds next to the terms.
+CCL, SAL, CLS, SAC, TOTAL = "ccl", "sal", "cls", "sac", "total"
+
+STAGES = ("coe", "ccl", "sac", "overall")
+STAGE_TERMS: dict[str, tuple[str, ...]] = {
+    "coe": (EMP,),
+    "ccl": (*CCL_TERMS, KL),
+    "sac": (*SAL_TERMS, *CLS_TERMS, SIGNAL_CE, KL),
+    "overall": (EMP, *CCL_TERMS, *SAL_TERMS, *CLS_TERMS, KL),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Terms
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _safe_mean(total: jax.Array, count: jax.Array) -> jax.Array:
+    return total / jnp.maximum(count, 1).astype(jnp.float32)
+
+
+def token_cross_entropy(
+    logits: jax.Array, target_ids: jax.Array, loss_mask: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """L_emp (eq 8): mean CE over the tokens where loss_mask is set, and their count.
+
+    logits [B, T, V] are already aligned with target_ids [B, T] (the input pipeline shifts: position t
+    predicts target_ids[t]); prompt/history/padding positions have loss_mask 0. Computed in float32 with
+    log-sum-exp, so bf16 logits are fine. The count is returned so gradient accumulation can weight
+    micro-batches by tokens instead of averaging means.
+    """
+    m = loss_mask.astype(bool)
+    ids = jnp.where(m, target_ids, 0)  # padding ids may be out of range; they are masked anyway
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), ids)
+    n = jnp.sum(m, dtype=jnp.int32)
+    return _safe_mean(jnp.sum(jnp.where(m, ce, 0.0)), n), n
+
+
+def masked_squared_l2(pred: jax.Array, target: jax.Array, mask: jax.Array) -> jax.Array:
+    """L_ccl for one modality (eq 9): ||pred_row - target_row||² summed over D, mean over valid rows.
+
+    pred/target [B, L, D], mask [B, L]. The mean is over all valid rows of the batch (a long utterance
+    weighs more than a short one, as every phoneme / frame counts once); 0 when no row is valid. Masked
+    rows do not enter the value or the gradient, whatever they hold (inf/NaN padding included).
+    """
+    m = mask.astype(bool)
+    diff = pred.astype(jnp.float32) - target.astype(jnp.float32)
+    diff = jnp.where(m[..., None], diff, 0.0)
+    per_row = jnp.sum(jnp.square(diff), axis=-1)
+    return _safe_mean(jnp.sum(per_row), jnp.sum(m))
+
+
+def squared_l2(pred: jax.Array, target: jax.Array, mask: jax.Array) -> jax.Array:
+    """L_sal for one modality (eq 10): ||pred - target||² over D, mean over examples whose mask is set.
+
+    pred/target [B, D], mask [B] (e.g. the pipeline's style_mask column: the example has that target).
+    """
+    return masked_squared_l2(pred[:, None, :], target[:, None, :], mask[:, None])
+
+
+def classification_ce(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """L_cls for one attribute (eq 11): mean of -log p(label) over the examples with a label.
+
+    logits [B, C], labels [B] int, -1 (any negative) = unknown and ignored; 0 when nothing is labelled.
+    This is the real cross-entropy -Σ y log p (eq 11 as printed lacks the minus sign and would be
+    minimised by making the right class *less* likely).
+    """
+    valid = labels >= 0
+    ce = optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), jnp.where(valid, labels, 0)
+    )
+    return _safe_mean(jnp.sum(jnp.where(valid, ce, 0.0)), jnp.sum(valid))
+
+
+def kl_term(mu: jax.Array, logvar: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """KL of one VAE block as a scalar: `vae.kl_divergence` per example, mean over the batch.
+
+    mask [B, Q] marks valid queries (None = all). Examples without any valid query are left out of the
+    batch mean (they carry no information), and the result is 0 if none has one.
+    """
+    per_example = kl_divergence(mu, logvar, mask)
+    if mask is None:
+        return jnp.mean(per_example)
+    has = jnp.any(mask.astype(bool), axis=-1)
+    return _safe_mean(jnp.sum(jnp.where(has, per_example, 0.0)), jnp.sum(has))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stage totals
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LossWeights:
+    """alpha, beta: eq 13's weights of L_ccl and L_sac (paper: 0.2, 0.3); kl: weight of the VAE KL."""
+
+    alpha: float = 0.2
+    beta: float = 0.3
+    kl: float = 1e-3
+
+
+def combine(
+    terms: Mapping[str, jax.Array], stage: str, weights: LossWeights | None = None
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The stage's total loss and a metrics dict holding every given term plus ccl/sal/cls/sac/total.
+
+    coe:     L_emp
+    ccl:     L_ccl + kl·KL
+    sac:     L_sal + L_cls + signal_ce + kl·KL
+    overall: L_emp + α·L_ccl + β·(L_sal + L_cls) + kl·KL
+
+    A term the stage needs but `terms` lacks raises KeyError (a forgotten head must not train silently
+    as 0; an ablation passes an explicit 0). Known terms the stage does not use are reported, not added;
+    unknown names raise (typos). weights=None means `LossWeights()` (the paper's α, β).
+    """
+    weights = weights or LossWeights()
+    if stage not in STAGE_TERMS:
+        raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+    unknown = sorted(set(terms) - set(TERMS))
+    if unknown:
+        raise KeyError(f"unknown loss terms {unknown}; known terms are {TERMS}")
+    missing = [t for t in STAGE_TERMS[stage] if t not in terms]
+    if missing:
+        raise KeyError(f"stage {stage!r} needs loss terms {missing}; got {sorted(terms)}")
+
+    t = {k: jnp.asarray(v, jnp.float32) for k, v in terms.items()}
+    metrics = dict(t)
+
+    def group(names: tuple[str, ...]) -> jax.Array | None:
+        return sum((t[n] for n in names), jnp.zeros((), jnp.float32)) if all(n in t for n in names) else None
+
+    ccl, sal, cls = group(CCL_TERMS), group(SAL_TERMS), group(CLS_TERMS)
+    for name, value in ((CCL, ccl), (SAL, sal), (CLS, cls)):
+        if value is not None:
+            metrics[name] = value
+    if sal is not None and cls is not None:
+        metrics[SAC] = sal + cls
+
+    if stage == "coe":
+        total = t[EMP]
+    elif stage == "ccl":
+        total = ccl + weights.kl * t[KL]
+    elif stage == "sac":
+        total = sal + cls + t[SIGNAL_CE] + weights.kl * t[KL]
+    else:
+        total = t[EMP] + weights.alpha * ccl + weights.beta * (sal + cls) + weights.kl * t[KL]
+    metrics[TOTAL] = total
+    return total, metrics

@@ -1,0 +1,348 @@
+"""The one transformer-VAE block behind the Content Synchronizer and the Style Disentangler (paper eqs 1-6).
+
+    z   = Enc(FFN(h), q)     learnable queries q [Q, d_model] self-attend and cross-attend to FFN(h)
+    out = Dec(FFN'(z), q)    the same queries self-attend and cross-attend to FFN'(z)
+
+One output row per query: row i of `out` predicts target row i (CS: phoneme / video frame i; SD: the
+emotion or profile code). The CS instantiates it once per modality over r^t, the SD twice per modality
+(emotion, profile) over r^s / r^v; `empatheia_jax.models.empatheia` assembles them.
+
+Attention is Flax's own `nnx.MultiHeadAttention`: its `kernel_init` / `out_kernel_init` / `bias_init` /
+`out_bias_init` take `nnx.with_partitioning` initializers, so every projection carries logical axis names
+and nothing had to be rewritten. Parameters are created inside `nnx.use_eager_sharding(False)`, as in the
+backbone: placement comes from `empatheia_jax.sharding` at jit time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class VAEConfig:
+    """Shape of one VAE block.
+
+    d_in: width of the input rows h (the LLM's d_model); d_model: the block's internal width;
+    num_queries: Q, the number of learnable queries = output rows; d_latent: width of z per query;
+    d_out: width of an output row (e.g. 1024 for StyleTTS2 content, 256 for a style half).
+    positions: add sinusoidal positions to both attention memories. Cross-attention is otherwise
+    permutation-invariant over the memory rows, and the CS must map the i-th response token / latent row
+    to output row i; the positions count valid rows only, so left or right padding gives the same result.
+    logvar_limit: logvar is soft-clamped to (-limit, limit) with limit*tanh(x/limit), so exp(logvar) can
+    neither overflow nor underflow early in training while keeping a gradient everywhere.
+    dtype: compute dtype (bf16 on accelerators); param_dtype: parameter dtype (fp32 master weights).
+    The mu/logvar heads always compute in float32 and every output is float32.
+    """
+
+    d_in: int
+    d_model: int
+    num_queries: int
+    d_latent: int
+    d_out: int
+    num_heads: int
+    enc_layers: int = 4
+    dec_layers: int = 4
+    mlp_ratio: float = 4.0
+    dropout: float = 0.0
+    positions: bool = True
+    logvar_limit: float = 10.0
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    def __post_init__(self):
+        problems = []
+        # Zero layers would make mu ignore h (or out ignore z): never what a config means.
+        for name in ("d_in", "d_model", "num_queries", "d_latent", "d_out", "num_heads", "enc_layers",
+                     "dec_layers"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name}={getattr(self, name)} must be positive")
+        if self.num_heads > 0 and self.d_model % self.num_heads:
+            problems.append(f"d_model={self.d_model} is not a multiple of num_heads={self.num_heads}")
+        if self.mlp_ratio <= 0:
+            problems.append(f"mlp_ratio={self.mlp_ratio} must be positive")
+        if not 0.0 <= self.dropout < 1.0:
+            problems.append(f"dropout={self.dropout} must be in [0, 1)")
+        if self.logvar_limit <= 0:
+            problems.append(f"logvar_limit={self.logvar_limit} must be positive")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                problems.append(f"{name}={getattr(self, name)!r} not in {sorted(_DTYPES)}")
+        if problems:
+            raise ValueError("invalid VAEConfig: " + "; ".join(problems))
+
+    @property
+    def d_hidden(self) -> int:
+        """Hidden width of every MLP / FFN in the block."""
+        return max(1, int(round(self.d_model * self.mlp_ratio)))
+
+    @property
+    def compute_dtype(self):
+        return _DTYPES[self.dtype]
+
+    def replace(self, **kw) -> VAEConfig:
+        return dataclasses.replace(self, **kw)
+
+
+@struct.dataclass
+class VAEOutput:
+    """What one VAE block returns; all float32."""
+
+    out: jax.Array  # [B, Q, d_out]   row i predicts target row i
+    mu: jax.Array  # [B, Q, d_latent]
+    logvar: jax.Array  # [B, Q, d_latent] log sigma^2
+    z: jax.Array  # [B, Q, d_latent] mu + sigma*eps when sampled, else mu
+
+
+def kl_divergence(mu: jax.Array, logvar: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """KL(N(mu, sigma^2) || N(0, I)) per example, [B], in float32.
+
+    Reduction: summed over the latent dims (the KL of a diagonal Gaussian), then averaged over the valid
+    queries of the example (mask [B, Q], None = all valid). Averaging over queries keeps the weight from
+    config independent of Q (16 SD queries vs. hundreds of CS rows); an example with no valid query gives 0.
+    """
+    mu = mu.astype(jnp.float32)
+    logvar = logvar.astype(jnp.float32)
+    per_query = 0.5 * jnp.sum(jnp.square(mu) + jnp.exp(logvar) - 1.0 - logvar, axis=-1)  # [B, Q]
+    if mask is None:
+        return jnp.mean(per_query, axis=-1)
+    m = mask.astype(bool)
+    total = jnp.sum(jnp.where(m, per_query, 0.0), axis=-1)
+    return total / jnp.maximum(jnp.sum(m, axis=-1), 1).astype(jnp.float32)
+
+
+def sinusoidal_positions(positions: jax.Array, dim: int) -> jax.Array:
+    """Transformer sine/cosine encoding of integer positions [...] -> float32 [..., dim]; no length limit."""
+    half = dim // 2
+    freqs = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / max(half, 1))
+    angles = positions.astype(jnp.float32)[..., None] * freqs
+    enc = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+    if dim % 2:
+        enc = jnp.pad(enc, [(0, 0)] * (enc.ndim - 1) + [(0, 1)])
+    return enc
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------------------
+
+
+_XAVIER = nnx.initializers.xavier_uniform()
+
+
+def _init(axes: tuple[str, ...], init=_XAVIER):
+    return nnx.with_partitioning(init, axes)
+
+
+def _zeros(axes: tuple[str, ...]):
+    return nnx.with_partitioning(nnx.initializers.zeros_init(), axes)
+
+
+def _linear(cfg: VAEConfig, d_in: int, d_out: int, axes: tuple[str, str], rngs: nnx.Rngs, dtype=None):
+    return nnx.Linear(
+        d_in,
+        d_out,
+        dtype=dtype or cfg.compute_dtype,
+        param_dtype=_DTYPES[cfg.param_dtype],
+        kernel_init=_init(axes),
+        bias_init=_zeros(axes[1:]),
+        rngs=rngs,
+    )
+
+
+def _layer_norm(cfg: VAEConfig, dim: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    return nnx.LayerNorm(
+        dim,
+        epsilon=1e-5,
+        dtype=cfg.compute_dtype,
+        param_dtype=_DTYPES[cfg.param_dtype],
+        scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), ("norm",)),
+        bias_init=_zeros(("norm",)),
+        rngs=rngs,
+    )
+
+
+def _attention(cfg: VAEConfig, rngs: nnx.Rngs) -> nnx.MultiHeadAttention:
+    # LinearGeneral calls the initializer on the flattened 2-D kernel, so xavier sees the true fan in/out.
+    return nnx.MultiHeadAttention(
+        num_heads=cfg.num_heads,
+        in_features=cfg.d_model,
+        qkv_features=cfg.d_model,
+        out_features=cfg.d_model,
+        dtype=cfg.compute_dtype,
+        param_dtype=_DTYPES[cfg.param_dtype],
+        kernel_init=_init(("embed", "heads", "head_dim")),
+        out_kernel_init=_init(("heads", "head_dim", "embed")),
+        bias_init=_zeros(("heads", "head_dim")),
+        out_bias_init=_zeros(("embed",)),
+        dropout_rate=0.0,  # dropout is applied on the residual branches, with an explicit key
+        decode=False,
+        keep_rngs=False,
+        rngs=rngs,
+    )
+
+
+def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+class FFN(nnx.Module):
+    """Two-layer GELU MLP; the paper's FFN(r) (d_in -> d_model) and FFN(z) (d_latent -> d_model)."""
+
+    def __init__(self, cfg: VAEConfig, d_in: int, d_out: int, in_axis: str, *, rngs: nnx.Rngs):
+        self.fc1 = _linear(cfg, d_in, cfg.d_hidden, (in_axis, "mlp"), rngs)
+        self.fc2 = _linear(cfg, cfg.d_hidden, d_out, ("mlp", "embed"), rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.fc2(jax.nn.gelu(self.fc1(x)))
+
+
+class QueryLayer(nnx.Module):
+    """Pre-norm transformer layer over the query stream: self-attention, cross-attention to a memory, MLP."""
+
+    def __init__(self, cfg: VAEConfig, *, rngs: nnx.Rngs):
+        self.dropout = cfg.dropout
+        self.self_norm = _layer_norm(cfg, cfg.d_model, rngs)
+        self.self_attn = _attention(cfg, rngs)
+        self.cross_norm = _layer_norm(cfg, cfg.d_model, rngs)
+        self.cross_attn = _attention(cfg, rngs)
+        self.mlp_norm = _layer_norm(cfg, cfg.d_model, rngs)
+        self.mlp = FFN(cfg, cfg.d_model, cfg.d_model, "embed", rngs=rngs)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        memory: jax.Array,
+        attn_mask: jax.Array,
+        has_memory: jax.Array,
+        key: jax.Array | None,
+    ) -> jax.Array:
+        """x [B,Q,d], memory [B,L,d], attn_mask [B,1,Q,L] (never all False), has_memory [B,1,1]."""
+        keys = (None,) * 3 if key is None else tuple(jax.random.split(key, 3))
+        h = self.self_norm(x)
+        x = x + _dropout(self.self_attn(h), self.dropout, keys[0])
+        h = self.cross_attn(self.cross_norm(x), memory, mask=attn_mask)
+        x = x + _dropout(h * has_memory.astype(h.dtype), self.dropout, keys[1])
+        x = x + _dropout(self.mlp(self.mlp_norm(x)), self.dropout, keys[2])
+        return x
+
+
+class QueryStack(nnx.Module):
+    """The learnable queries run through `n` QueryLayers over a memory; ends in a LayerNorm."""
+
+    def __init__(self, cfg: VAEConfig, n: int, *, rngs: nnx.Rngs):
+        self.layers = nnx.List([QueryLayer(cfg, rngs=rngs) for _ in range(n)])
+        self.memory_norm = _layer_norm(cfg, cfg.d_model, rngs)
+        self.final_norm = _layer_norm(cfg, cfg.d_model, rngs)
+
+    def __call__(
+        self, queries: jax.Array, memory: jax.Array, mask: jax.Array, key: jax.Array | None
+    ) -> jax.Array:
+        b, q = memory.shape[0], queries.shape[0]
+        x = jnp.broadcast_to(queries.astype(memory.dtype), (b, q, queries.shape[1]))
+        memory = self.memory_norm(memory)
+        has_memory = jnp.any(mask, axis=-1)  # [B]
+        # A row with no valid memory attends uniformly (finite) and its cross-attention output is zeroed,
+        # so its result is the same for any h and never NaN, on every attention implementation.
+        attn_mask = mask | ~has_memory[:, None]
+        attn_mask = jnp.broadcast_to(attn_mask[:, None, None, :], (b, 1, q, mask.shape[1]))
+        has_memory = has_memory[:, None, None]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, memory, attn_mask, has_memory, None if key is None else jax.random.fold_in(key, i))
+        return self.final_norm(x)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The block
+# ----------------------------------------------------------------------------------------------------------
+
+
+class TransformerVAE(nnx.Module):
+    """z = Enc(FFN(h), q); out = Dec(FFN(z), q) with one learnable query per output row (eqs 1-6)."""
+
+    def __init__(self, cfg: VAEConfig, *, rngs: nnx.Rngs):
+        with nnx.use_eager_sharding(False):
+            self._build(cfg, rngs)
+
+    def _build(self, cfg: VAEConfig, rngs: nnx.Rngs) -> None:
+        self.config = cfg
+        pdt = _DTYPES[cfg.param_dtype]
+        self.queries = nnx.Param(
+            nnx.initializers.normal(0.02)(rngs.params(), (cfg.num_queries, cfg.d_model), pdt),
+            out_sharding=("queries", "embed"),
+        )
+        self.in_ffn = FFN(cfg, cfg.d_in, cfg.d_model, "embed", rngs=rngs)
+        self.encoder = QueryStack(cfg, cfg.enc_layers, rngs=rngs)
+        # float32 heads: mu/logvar feed exp() and the KL, where bf16 rounding would show.
+        self.mu_head = _linear(cfg, cfg.d_model, cfg.d_latent, ("embed", "features"), rngs, jnp.float32)
+        self.logvar_head = _linear(cfg, cfg.d_model, cfg.d_latent, ("embed", "features"), rngs, jnp.float32)
+        self.z_ffn = FFN(cfg, cfg.d_latent, cfg.d_model, "features", rngs=rngs)
+        self.decoder = QueryStack(cfg, cfg.dec_layers, rngs=rngs)
+        self.out_proj = _linear(cfg, cfg.d_model, cfg.d_out, ("embed", "features"), rngs)
+
+    def _memory(self, ffn: FFN, x: jax.Array, mask: jax.Array) -> jax.Array:
+        cfg = self.config
+        # Padding rows are zeroed before and after the FFN, so whatever sits there (even inf/NaN) reaches
+        # neither the output nor the gradients.
+        x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
+        mem = ffn(x.astype(cfg.compute_dtype))
+        if cfg.positions:
+            pos = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)  # index among the valid rows
+            mem = mem + sinusoidal_positions(pos, cfg.d_model).astype(mem.dtype)
+        return jnp.where(mask[..., None], mem, jnp.zeros((), mem.dtype))
+
+    def encode(
+        self, h: jax.Array, h_mask: jax.Array, *, dropout_key: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """Eq 1: (mu, logvar), each float32 [B, Q, d_latent]."""
+        cfg = self.config
+        mask = h_mask.astype(bool)
+        x = self.encoder(self.queries[...], self._memory(self.in_ffn, h, mask), mask, dropout_key)
+        x = x.astype(jnp.float32)
+        mu = self.mu_head(x)
+        logvar = cfg.logvar_limit * jnp.tanh(self.logvar_head(x) / cfg.logvar_limit)
+        return mu, logvar
+
+    def decode(self, z: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+        """Eq 2: output rows, float32 [B, Q, d_out], from z [B, Q, d_latent]."""
+        mask = jnp.ones(z.shape[:2], bool)
+        x = self.decoder(self.queries[...], self._memory(self.z_ffn, z, mask), mask, dropout_key)
+        return self.out_proj(x).astype(jnp.float32)
+
+    def __call__(
+        self, h: jax.Array, h_mask: jax.Array, *, sample: bool, rng: jax.Array | None = None
+    ) -> VAEOutput:
+        """Runs the block on h [B, L, d_in] with h_mask [B, L] (True = valid row).
+
+        `sample` is a Python bool (static under jit). sample=True is training: z = mu + exp(0.5*logvar)*eps
+        and dropout (if configured), which needs `rng`; it is split once,
+        `eps_key, dropout_key = jax.random.split(rng)`, and eps = jax.random.normal(eps_key, mu.shape,
+        float32). sample=False is evaluation: z = mu, no dropout, deterministic.
+        """
+        if sample and rng is None:
+            raise ValueError("TransformerVAE(sample=True) needs an rng for the reparameterisation")
+        eps_key = drop_key = None
+        if sample:
+            eps_key, drop_key = jax.random.split(rng)
+            if self.config.dropout == 0.0:
+                drop_key = None
+        enc_key = dec_key = None
+        if drop_key is not None:
+            enc_key, dec_key = jax.random.split(drop_key)
+        mu, logvar = self.encode(h, h_mask, dropout_key=enc_key)
+        if sample:
+            eps = jax.random.normal(eps_key, mu.shape, jnp.float32)
+            z = mu + jnp.exp(0.5 * logvar) * eps
+        else:
+            z = mu
+        out = self.decode(z, dropout_key=dec_key)
+        return VAEOutput(out=out, mu=mu, logvar=logvar, z=z)
