@@ -1,0 +1,40 @@
+"""empatheia_jax: train, evaluate and serve Empatheia (multimodal empathetic dialogue) in JAX/Flax.
+
+Public API (names are a contract):
+
+    model, tokenizer = empatheia_jax.load_model("work/smollm2")      # a converted checkpoint folder
+    logits = model(input_ids)                                         # float32 [B, T, V]
+    replies = empatheia_jax.generate(model, tokenizer, prompts, max_new_tokens=64)
+    ids = empatheia_jax.generate_ids(model, tokenizer, prompts, max_new_tokens=64)
+
+The heavy modules (jax, orbax, transformers) are imported on first use, so `import empatheia_jax.schema`
+in a data-preparation process stays cheap.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from empatheia_jax.generation import generate, generate_ids, generate_tokens
+    from empatheia_jax.models.llama import Llama
+
+__all__ = ["load_model", "generate", "generate_ids", "generate_tokens"]
+
+
+def load_model(path: str | os.PathLike, *, mesh: Mesh | None = None) -> tuple[Llama, Any]:
+    """(model, tokenizer) from a converted checkpoint folder (see `converters.hf_to_flax`)."""
+    from empatheia_jax.checkpoint_io import load_checkpoint
+
+    return load_checkpoint(path, mesh=mesh)
+
+
+def __getattr__(name: str):
+    if name in ("generate", "generate_ids", "generate_tokens"):
+        from empatheia_jax import generation
+
+        return getattr(generation, name)
+    raise AttributeError(f"module 'empatheia_jax' has no attribute {name!r}")

@@ -31,6 +31,7 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("lora_rank", None),
     ("queries", None),
     ("features", None),
+    ("classes", None),
 )
 
 M = TypeVar("M", bound=nnx.Module)

@@ -133,3 +133,22 @@ def set_lora_b(model: nnx.Module, key: jax.Array, std: float = 0.02) -> None:
     for i, m in enumerate(lora_layers(model)):
         b = m.lora.lora_b
         b[...] = std * jax.random.normal(jax.random.fold_in(key, i), b.shape, jnp.float32).astype(b.dtype)
+
+
+def lora_config_of(model: nnx.Module) -> LoraConfig | None:
+    """The LoraConfig that `apply_lora` was called with, read back from the model (None without LoRA).
+
+    Exports use it so a checkpoint's adapter is described by what the model holds, not by a config that
+    might have drifted from it.
+    """
+    layers = [(path, m) for path, m in model.iter_modules() if isinstance(m, LoRALinear)]
+    if not layers:
+        return None
+    ranks = {m.lora.lora_a.shape[1] for _, m in layers}
+    scales = {float(m.lora_scale) for _, m in layers}
+    if len(ranks) != 1 or len(scales) != 1:
+        raise ValueError(f"LoRA layers disagree: ranks={sorted(ranks)} scales={sorted(scales)}")
+    rank, scale = ranks.pop(), scales.pop()
+    present = {str(path[-1]) for path, _ in layers}
+    targets = tuple(t for t in ATTENTION_TARGETS + MLP_TARGETS if t in present)
+    return LoraConfig(rank=rank, alpha=scale * rank, targets=targets)

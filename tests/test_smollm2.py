@@ -1,0 +1,94 @@
+"""The real embedded model: SmolLM2-135M-Instruct from its GGUF, against transformers on the same weights.
+
+The converted folder is cached across sessions (tests/helpers.py). So are transformers' reference outputs
+(`refs-*.npz` next to it, keyed by the GGUF, the prompt and the torch/transformers versions): loading and
+dequantizing the GGUF in torch is the slowest step here, and the reference cannot change unless one of
+those keys does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import cache_root, gguf_key, gguf_path, smollm2_checkpoint
+
+import empatheia_jax
+
+DIALOGUE = [
+    {"role": "user",
+     "content": "I failed my driving test again today. Third time. I feel like such an idiot."},
+]
+LOGIT_TOKENS = 48
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    model, tokenizer = empatheia_jax.load_model(smollm2_checkpoint())
+    return model, tokenizer
+
+
+def _prompt(tokenizer) -> str:
+    return tokenizer.apply_chat_template(DIALOGUE, tokenize=False, add_generation_prompt=True)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """transformers' fp32 logits on the first 48 prompt tokens and its 32-token greedy continuation."""
+    import torch
+    import transformers
+
+    _, tokenizer = smollm2
+    prompt = _prompt(tokenizer)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    key = hashlib.sha256(repr((gguf_key(), prompt, LOGIT_TOKENS, NEW_TOKENS, torch.__version__,
+                               transformers.__version__)).encode()).hexdigest()[:16]
+    path = cache_root() / f"refs-smollm2-{key}.npz"
+    if not path.is_file():
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf_path().parent), gguf_file=gguf_path().name,
+                                                  dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids[:LOGIT_TOKENS]])).logits[0].numpy()
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=NEW_TOKENS, do_sample=False)
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, ids=np.asarray(ids), logits=logits, generated=out[0, len(ids):].numpy())
+        tmp.rename(path)
+    ref = np.load(path)
+    assert ref["ids"].tolist() == ids
+    return prompt, ref
+
+
+def test_config_and_tokenizer(smollm2):
+    model, tokenizer = smollm2
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim, cfg.intermediate_size, cfg.vocab_size) == (30, 576, 9, 3, 64, 1536, 49152)
+    assert cfg.tie_word_embeddings and cfg.rope_theta == 1e5 and cfg.eos_token_id == 2
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
+    assert tokenizer.chat_template
+
+
+def test_logits_match_transformers(smollm2, reference):
+    model, _ = smollm2
+    _, ref = reference
+    assert len(ref["ids"]) >= LOGIT_TOKENS
+    with jax.default_matmul_precision("highest"):
+        ours = np.asarray(model(jnp.asarray(ref["ids"][None, :LOGIT_TOKENS])))[0]
+    assert ours.shape == ref["logits"].shape == (LOGIT_TOKENS, 49152)
+    np.testing.assert_allclose(ours, ref["logits"], atol=1e-3, rtol=0)
+
+
+def test_greedy_generate_matches_transformers(smollm2, reference):
+    model, tokenizer = smollm2
+    prompt, ref = reference
+    ids = empatheia_jax.generate_ids(model, tokenizer, [prompt], max_new_tokens=NEW_TOKENS)[0]
+    np.testing.assert_array_equal(ids, ref["generated"])
+    text = empatheia_jax.generate(model, tokenizer, [prompt], max_new_tokens=NEW_TOKENS)[0]
+    assert text == tokenizer.decode(ref["generated"], skip_special_tokens=True) and text.strip()
