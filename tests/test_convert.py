@@ -20,6 +20,7 @@ from converters import hf_to_flax
 from converters.hf_names import ConversionError
 from empatheia_jax import load_model
 from empatheia_jax.checkpoint_io import CheckpointError, empty_model, load_checkpoint, save_checkpoint
+from empatheia_jax.generation import generate_tokens
 from empatheia_jax.models.lora import LoraConfig, apply_lora, set_lora_b
 from empatheia_jax.sharding import make_mesh
 
@@ -141,6 +142,10 @@ def test_lora_checkpoint_roundtrip_sharded(tmp_path):
     assert loaded.layers[0].self_attn.q_proj.lora.lora_b[...].shape == (2, 32)
     with jax.set_mesh(mesh):
         np.testing.assert_allclose(np.asarray(loaded(ids)), ref, atol=1e-5, rtol=0)
+    # The decode program runs on the sharded parameters too (GSPMD), with the same ids.
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    np.testing.assert_array_equal(generate_tokens(loaded, prompts, 8, eos_ids=[]).new_tokens,
+                                  generate_tokens(model, prompts, 8, eos_ids=[]).new_tokens)
     with pytest.raises(FileExistsError, match="already exists"):
         save_checkpoint(folder, model, lora=lora)
     with pytest.raises(ValueError, match="pass lora="):
