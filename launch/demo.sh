@@ -48,4 +48,22 @@ print(f"---- reply ({time.perf_counter() - start:.1f} s; the first run also comp
 print(reply.strip())
 EOF
 
-# Later steps (added by their issues): AvaMERG sample -> shards, the four training stages, eval, chat.
+# ---------------------------------------------------------------------------------------------------
+step 3 "build the AvaMERG-format sample (real ED dialogues, espeak-ng speech, procedural talking faces)"
+if [[ -f "$WORK/sample/sample_meta.json" ]]; then
+    echo "already built: $WORK/sample"
+else
+    "$PY" -m data.make_sample --out "$WORK/sample" --dialogues "${DIALOGUES:-200}" --seed 0
+fi
+
+# ---------------------------------------------------------------------------------------------------
+step 4 "prepare shards: validate, lite features, STAND-IN generator targets (no StyleTTS2/DreamTalk here)"
+if [[ -f "$WORK/shards/manifest.json" ]]; then
+    echo "already prepared: $WORK/shards"
+else
+    "$PY" -m data.prepare --raw "$WORK/sample" --out "$WORK/shards" --encoder lite \
+        --targets "$WORK/targets" --make-standin-targets --split-by conversation --workers 2
+fi
+"$PY" -c "import json,sys; m=json.load(open(sys.argv[1])); print('records per split:', {k: v['records'] for k, v in m['splits'].items()}, '| stand-in targets:', m['targets']['stand_in'])" "$WORK/shards/manifest.json"
+
+# Later steps (added by their issues): the four training stages, eval, chat.
