@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+from helpers import missing_real_data
 
 from data import import_ed
 from data.import_ed import PROFILE_COMBOS, convert_ed_csv, dumps, ed_conversation_id, split_from_filename
@@ -39,7 +40,7 @@ LOST_IN_MERGE = {
 @pytest.fixture(scope="module")
 def real():
     if not os.path.isfile(REAL_CSV):
-        pytest.skip(f"real ED csv not found at {REAL_CSV} (set EMPATHEIA_ED_CSV)")
+        missing_real_data(f"real ED csv not found at {REAL_CSV} (set EMPATHEIA_ED_CSV)")
     return convert_ed_csv(REAL_CSV)
 
 
@@ -132,7 +133,7 @@ def test_real_deterministic(real, tmp_path):
 
 def test_cli_writes_split_and_report(tmp_path):
     if not os.path.isfile(REAL_CSV):
-        pytest.skip("real ED csv not available")
+        missing_real_data("real ED csv not available")
     assert import_ed.main(["--csv", REAL_CSV, "--out", str(tmp_path), "--quiet"]) == 0
     data = json.loads((tmp_path / "valid.json").read_text(encoding="utf-8"))
     assert len(data) == 2755

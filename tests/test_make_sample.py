@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import missing_real_data
 
 from data import make_sample
 from data.face_render import _layout, _mouth_box, render_face_video, render_frames
@@ -178,7 +179,7 @@ def test_real_ed_masking_and_balance():
     try:
         path = make_sample.resolve_ed_csv()
     except FileNotFoundError:
-        pytest.skip("real ED csv not available")
+        missing_real_data("real ED csv not available")
     from data.import_ed import convert_ed_csv
 
     emap = EmotionMap.load("avamerg7")
