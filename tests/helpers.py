@@ -133,3 +133,126 @@ def saved_smollm2_tokenizer(tmp_path_factory) -> str:
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             tok.save_pretrained(str(out))
     return os.fspath(out)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Synthetic AvaMERG folders and shards (no ../shared needed)
+# ----------------------------------------------------------------------------------------------------------
+
+SR = 16000
+
+
+def synthetic_dialogue(
+    cid: str,
+    emotion: str,
+    n_turns: int,
+    spk=(1, "young", "female", "high"),
+    lst=(2, "elderly", "male", "low"),
+) -> dict:
+    """A valid AvaMERG dialogue json whose speaker lines name `emotion` (so text alone can reveal it)."""
+
+    def prof(p):
+        return {"ID": p[0], "age": p[1], "gender": p[2], "timbre": p[3]}
+
+    lines = [
+        f"{cid} line {k}: {'I feel ' + emotion if k % 2 == 0 else 'Oh no, tell me more.'}"
+        for k in range(2 * n_turns)
+    ]
+    turns = []
+    for j in range(n_turns):
+        hist = [
+            {"index": k, "role": "speaker" if k % 2 == 0 else "listener", "utterance": lines[k]}
+            for k in range(2 * j + 1)
+        ]
+        coe = {
+            "speaker_emotion": emotion,
+            "event_scenario": f"scenario {cid}",
+            "emotion_cause": "",
+            "goal_to_response": "comfort",
+        }
+        turns.append(
+            {"context": "ctx", "dialogue_history": hist, "response": lines[2 * j + 1],
+             "chain_of_empathy": coe}
+        )
+    return {
+        "conversation_id": cid,
+        "speaker_profile": prof(spk),
+        "listener_profile": prof(lst),
+        "topic": f"topic {cid}",
+        "turns": turns,
+    }
+
+
+def write_synthetic_media(media: Path, utt_id: str, f0: float, shade: int) -> None:
+    """A 0.4 s tone (pitch f0) and an 8-frame 32x32 face (colour shade, moving mouth) for one utterance."""
+    import av
+    import numpy as np
+    import soundfile as sf
+
+    t = np.arange(int(0.4 * SR)) / SR
+    sf.write(
+        media / f"{utt_id}.wav",
+        (0.3 * np.sin(2 * np.pi * f0 * t) * (0.7 + 0.3 * np.sin(9 * t))).astype(np.float32),
+        SR,
+    )
+    with av.open(str(media / f"{utt_id}.mp4"), "w") as c:
+        s = c.add_stream("libx264", rate=25)
+        s.width = s.height = 32
+        s.pix_fmt = "yuv420p"
+        for i in range(8):
+            img = np.full((32, 32, 3), 40, np.uint8)
+            img[6:26, 8:24] = (shade, 150, 120)
+            img[20 : 21 + (i % 4), 12:20] = 10  # mouth moves
+            for p in s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+
+
+def make_raw(root: Path, splits: dict[str, list[dict]], skip_media=frozenset()) -> Path:
+    """RAW/{split}.json + RAW/media for every utterance (history and responses) except `skip_media`."""
+    import json
+
+    from empatheia_jax import schema
+
+    media = root / "media"
+    media.mkdir(parents=True, exist_ok=True)
+    for split, objs in splits.items():
+        (root / f"{split}.json").write_text(json.dumps(objs, indent=1))
+        for obj in objs:
+            d = schema.Dialogue.from_json(obj)
+            for k, (uid, role, _) in enumerate(schema.dialogue_utterances(d)):
+                if uid not in skip_media:
+                    f0 = 120.0 + 40 * k + (60 if role == "speaker" else 0)
+                    write_synthetic_media(media, uid, f0, 100 + 20 * k)
+    (root / "sample_meta.json").write_text("{}")  # not a split: must be ignored
+    return root
+
+
+TINY_EMOTIONS = ("sad", "joyful", "angry", "terrified", "surprised", "disgusted")
+TINY_PROFILES = ((1, "young", "female", "high"), (3, "child", "male", "mid"), (5, "elderly", "female", "low"),
+                 (7, "middle-aged", "male", "mid"))
+
+
+def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2))) -> Path:
+    """Lite-encoder shards with stand-in targets for trainer/eval tests: ROOT/raw, ROOT/shards (returned).
+
+    Dialogue i of a split has emotion TINY_EMOTIONS[i % 6], 1-2 turns, and rotating speaker/listener
+    profiles, so every label is present and every stage (text, media, targets) has data.
+    """
+    from data import prepare as prep
+    from empatheia_jax.targets import make_standin_targets
+
+    splits, n = {}, 0
+    for split, count in counts:
+        objs = []
+        for i in range(count):
+            spk, lst = TINY_PROFILES[n % 4], TINY_PROFILES[(n + 1) % 4]
+            objs.append(synthetic_dialogue(f"{split}{i}", TINY_EMOTIONS[n % 6], 1 + n % 2, spk=spk, lst=lst))
+            n += 1
+        splits[split] = objs
+    raw = make_raw(root / "raw", splits)
+    make_standin_targets(raw, raw / "targets", progress=False)
+    out = root / "shards"
+    prep.prepare(raw, out, targets=raw / "targets", records_per_shard=4, progress=False, command="tests")
+    return out

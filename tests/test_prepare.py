@@ -6,13 +6,12 @@ directly on the utterance's media, targets against TargetReader, TFDS examples a
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 
 import numpy as np
 import pytest
-import soundfile as sf
+from helpers import make_raw, synthetic_dialogue
 
 from data import prepare as prep
 from empatheia_jax import schema
@@ -26,93 +25,12 @@ from empatheia_jax.shard_format import (
 )
 from empatheia_jax.targets import TargetReader, make_standin_targets
 
-SR = 16000
-
-
-def _dialogue(
-    cid: str,
-    emotion: str,
-    n_turns: int,
-    spk=(1, "young", "female", "high"),
-    lst=(2, "elderly", "male", "low"),
-):
-    def prof(p):
-        return {"ID": p[0], "age": p[1], "gender": p[2], "timbre": p[3]}
-
-    lines = [
-        f"{cid} line {k}: {'I feel ' + emotion if k % 2 == 0 else 'Oh no, tell me more.'}"
-        for k in range(2 * n_turns)
-    ]
-    turns = []
-    for j in range(n_turns):
-        hist = [
-            {"index": k, "role": "speaker" if k % 2 == 0 else "listener", "utterance": lines[k]}
-            for k in range(2 * j + 1)
-        ]
-        coe = {
-            "speaker_emotion": emotion,
-            "event_scenario": f"scenario {cid}",
-            "emotion_cause": "",
-            "goal_to_response": "comfort",
-        }
-        turns.append(
-            {
-                "context": "ctx",
-                "dialogue_history": hist,
-                "response": lines[2 * j + 1],
-                "chain_of_empathy": coe,
-            }
-        )
-    return {
-        "conversation_id": cid,
-        "speaker_profile": prof(spk),
-        "listener_profile": prof(lst),
-        "topic": f"topic {cid}",
-        "turns": turns,
-    }
-
-
-def _write_media(media, utt_id: str, f0: float, shade: int) -> None:
-    import av
-
-    t = np.arange(int(0.4 * SR)) / SR
-    sf.write(
-        media / f"{utt_id}.wav",
-        (0.3 * np.sin(2 * np.pi * f0 * t) * (0.7 + 0.3 * np.sin(9 * t))).astype(np.float32),
-        SR,
-    )
-    with av.open(str(media / f"{utt_id}.mp4"), "w") as c:
-        s = c.add_stream("libx264", rate=25)
-        s.width = s.height = 32
-        s.pix_fmt = "yuv420p"
-        for i in range(8):
-            img = np.full((32, 32, 3), 40, np.uint8)
-            img[6:26, 8:24] = (shade, 150, 120)
-            img[20 : 21 + (i % 4), 12:20] = 10  # mouth moves
-            for p in s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-                c.mux(p)
-        for p in s.encode():
-            c.mux(p)
-
-
-def make_raw(root, splits: dict[str, list[dict]], skip_media: set[str] = frozenset()):
-    """RAW/{split}.json + RAW/media for every utterance (history and responses) except `skip_media`."""
-    media = root / "media"
-    media.mkdir(parents=True, exist_ok=True)
-    for split, objs in splits.items():
-        (root / f"{split}.json").write_text(json.dumps(objs, indent=1))
-        for obj in objs:
-            d = schema.Dialogue.from_json(obj)
-            for k, (uid, role, _) in enumerate(schema.dialogue_utterances(d)):
-                if uid not in skip_media:
-                    _write_media(media, uid, 120.0 + 40 * k + (60 if role == "speaker" else 0), 100 + 20 * k)
-    (root / "sample_meta.json").write_text("{}")  # not a split: must be ignored
-    return root
-
-
 SPLITS = {
-    "train": [_dialogue("c1", "sad", 2), _dialogue("c2", "joyful", 3, spk=(3, "child", "male", "mid"))],
-    "valid": [_dialogue("c3", "terrified", 1)],
+    "train": [
+        synthetic_dialogue("c1", "sad", 2),
+        synthetic_dialogue("c2", "joyful", 3, spk=(3, "child", "male", "mid")),
+    ],
+    "valid": [synthetic_dialogue("c3", "terrified", 1)],
 }
 
 
@@ -223,11 +141,11 @@ def test_manifest_hashes_verify_and_corruption_is_named(prepared, tmp_path):
 
 
 def test_invalid_input_fails_listing_problems_or_skips(tmp_path):
-    bad_emotion = _dialogue("bad1", "zzzunknown", 1)
-    no_media = _dialogue("bad2", "sad", 2)
+    bad_emotion = synthetic_dialogue("bad1", "zzzunknown", 1)
+    no_media = synthetic_dialogue("bad2", "sad", 2)
     raw = make_raw(
         tmp_path / "raw",
-        {"train": [_dialogue("ok1", "sad", 2), bad_emotion, no_media]},
+        {"train": [synthetic_dialogue("ok1", "sad", 2), bad_emotion, no_media]},
         skip_media={"diabad2utt2_1"},
     )
     out = tmp_path / "out"
@@ -255,7 +173,7 @@ def test_invalid_input_fails_listing_problems_or_skips(tmp_path):
 
 
 def test_conversation_in_two_splits_is_an_error(tmp_path):
-    d = _dialogue("dup", "sad", 1)
+    d = synthetic_dialogue("dup", "sad", 1)
     raw = make_raw(tmp_path / "raw", {"train": [d], "test": [d]})
     with pytest.raises(prep.InvalidInputError, match="must not span splits"):
         prep.prepare(raw, tmp_path / "out", skip_invalid=True, progress=False)
