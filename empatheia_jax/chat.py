@@ -1,0 +1,597 @@
+"""One Empatheia reply to a (multimodal) utterance: the CoE, the text reply, and the generator features.
+
+`respond` is the library behind `empatheia chat`. Why it works the way it does:
+
+- The user's `text` (with its optional speech .wav and face .mp4) is the speaker's latest utterance; earlier
+  utterances come from `history`. The prompt is the model's evaluation template (overall stage, or the
+  Pipeline baseline), tokenised by the same `input_pipeline.ExampleBuilder` attributes training used, so
+  chat and training read identical token ids (tested against `build_example`). An utterance with both media
+  gets the template's `<Aud> <Vid>.`; without media its line is plain text (no placeholder without a
+  feature); with only one of them only that placeholder is written (`<Aud>.` / `<Vid>.`), which training
+  never showed, and the result's notes say so. Features come from the same encoder that prepared the
+  training shards (`encoder_from_manifest`), run on the files.
+- Generation uses the KV cache (`generation.generate_tokens`, media spliced through `inputs_embeds`); then ONE
+  deterministic forward (z = mu) over the generated sequence, with the decode's own attention mask and
+  positions, gathers r^t / r^s / r^v at the positions whose INPUT token is the response / `<AUDi>` /
+  `<VIDi>` (docs/design.md "Gather position"), and runs CS and SD on them.
+- A model that has an SD but did not write every signal token (an untrained model, or a reply cut by
+  `max_new_tokens`) gets the missing ones appended after its text, in order (after a newline when it wrote
+  none, as in the training target), followed by the end token; `signal_tokens_forced` says so. Without that
+  the SD would read zero rows and return the same style for every input.
+- r^t is the span of the parsed reply ("Finally, the response is: ...", or the whole text without CoE) in
+  the generated tokens; if it cannot be located, the CS reads no row and a note says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from empatheia_jax import encoders as enc_lib
+from empatheia_jax import evaluate as ev
+from empatheia_jax import input_pipeline as ip
+from empatheia_jax import schema, shard_format
+from empatheia_jax import templates as tpl
+from empatheia_jax.generation import bucket, eos_token_ids, generate_tokens, left_pad
+from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
+from empatheia_jax.targets import standin_units
+
+OUTPUT_FORMAT = "empatheia-chat/1"
+_HISTORY_KEYS = ("role", "utterance", "audio", "video")
+
+
+@dataclasses.dataclass
+class ChatResult:
+    """What `respond` produced. Arrays are float32 numpy.
+
+    text: the generated text (special tokens kept, up to the end token); coe: the five CoE fields
+    (`templates.parse_coe`); reply: the response step; emotion / emotion_probs: the SD emotion classifier
+    (argmax name, softmax over `emotion_classes`; "" / empty without SD); emotion_text: CoE step 2 mapped
+    to the classes (None when it does not map); profile: {"age", "gender", "timbre": names,
+    "age_probs", "gender_probs", "timbre_probs": softmax}; features: speech_content [max_speech_len, 1024],
+    video_content [max_video_len, 256], speech_style [256], video_style [256] (present heads only; a
+    generator reads the first T content rows, T from the phonemised reply / the speech length, see
+    `speech_content_units` for stand-in targets); signal_tokens_forced: missing signal tokens were appended;
+    input_ids / response_mask: the unpadded sequence the heads read and its r^t mask; prompt_length: its
+    prompt tokens; notes: anything the caller should know.
+    """
+
+    text: str
+    coe: dict[str, str]
+    reply: str
+    emotion: str
+    emotion_probs: np.ndarray
+    profile: dict[str, Any]
+    features: dict[str, np.ndarray]
+    signal_tokens_forced: bool
+    emotion_text: str | None = None
+    emotion_classes: tuple[str, ...] = ()
+    input_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    response_mask: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    prompt_length: int = 0
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def speech_content_units(self) -> int:
+        """T_ph of a stand-in speech_content target for the reply (`targets.standin_units`)."""
+        return len(standin_units(self.reply))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Inputs: history file, media, encoder
+# ----------------------------------------------------------------------------------------------------------
+
+
+def load_history(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Earlier utterances from a JSON file: a list of {"role": "speaker"|"listener", "utterance": str,
+    "audio": path|null, "video": path|null} (audio/video optional; relative paths are relative to the file).
+
+    Errors name the file and the entry (0-based) and say what is wrong, including a media file that does
+    not exist.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"history file {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"history file {path}: invalid JSON ({e})") from e
+    if not isinstance(data, list):
+        got = type(data).__name__
+        raise ValueError(f"history file {path}: expected a JSON list of utterances, got {got}")
+    return validate_history(data, source=str(path), base_dir=path.parent)
+
+
+def validate_history(
+    history: Sequence[Mapping[str, Any]],
+    *,
+    source: str = "history",
+    base_dir: str | os.PathLike | None = None,
+) -> list[dict[str, Any]]:
+    """Normalised copies of history entries ({role, utterance, audio, video}); errors name `source` and the
+    entry; relative media paths are taken relative to `base_dir` when given."""
+    out = []
+    for i, entry in enumerate(history):
+        where = f"{source}: entry {i}"
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{where}: expected an object, got {type(entry).__name__}")
+        unknown = sorted(set(entry) - set(_HISTORY_KEYS))
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {list(_HISTORY_KEYS)}")
+        role = entry.get("role")
+        if role not in schema.ROLES:
+            raise ValueError(f"{where}: role must be one of {list(schema.ROLES)}, got {role!r}")
+        utt = entry.get("utterance")
+        if not isinstance(utt, str):
+            raise ValueError(f"{where}: utterance must be a string, got {type(utt).__name__}")
+        media = {}
+        for kind in ("audio", "video"):
+            p = entry.get(kind)
+            if p is None or p == "":
+                media[kind] = None
+                continue
+            if not isinstance(p, str | os.PathLike):
+                raise ValueError(f"{where}: {kind} must be a file path or null, got {type(p).__name__}")
+            p = Path(p)
+            if base_dir is not None and not p.is_absolute():
+                p = Path(base_dir) / p
+            if not p.is_file():
+                raise FileNotFoundError(f"{where}: {kind} file {p} does not exist")
+            media[kind] = str(p)
+        out.append({"role": role, "utterance": utt, **media})
+    return out
+
+
+_CONFIG_RENAMES = {"hubert": {"path": "hubert_path", "layer": "hubert_layer"},
+                   "clip": {"path": "clip_path", "frames": "clip_frames"}}
+
+
+def _part_kwargs(part: Mapping[str, Any]) -> dict[str, Any]:
+    name = part.get("name")
+    cls = enc_lib._REGISTRY.get(name)  # noqa: SLF001 - the registry is this package's own
+    if cls is None:
+        return {}
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    renames = _CONFIG_RENAMES.get(name, {})
+    return {renames.get(k, k): v for k, v in part.items() if renames.get(k, k) in accepted}
+
+
+def encoder_from_manifest(source: str | os.PathLike | Mapping[str, Any], **overrides: Any) -> enc_lib.Encoder:
+    """The encoder that prepared a shard folder, rebuilt from its manifest's {"name", "config"} entry.
+
+    `source`: a shards folder, a manifest dict, or the manifest's "encoder" entry. Constructor arguments are
+    recovered from the stored config (e.g. lite's n_mels/grid/mouth_box, hubert's path and layer);
+    `overrides` replace some (e.g. `hubert_path=` when the weights moved). The rebuilt encoder's config must
+    equal the stored one (paths excepted), so chat features are computed exactly as the training features.
+    """
+    if isinstance(source, str | os.PathLike):
+        source = shard_format.load_manifest(source)
+    entry = source.get("encoder", source) if isinstance(source, Mapping) else source
+    if not isinstance(entry, Mapping) or "name" not in entry:
+        raise ValueError(f"not a manifest encoder entry: {entry!r}")
+    name, stored = entry["name"], dict(entry.get("config") or {})
+    parts = [stored[k] for k in ("audio", "video") if isinstance(stored.get(k), Mapping)] or [stored]
+    kwargs: dict[str, Any] = {}
+    for part in parts:
+        kwargs.update(_part_kwargs({"name": part.get("name", name), **part}))
+    kwargs.update(overrides)
+    encoder = enc_lib.get_encoder(name, **kwargs)
+    diff = _config_diff(stored, encoder.config()) if stored else []
+    if diff:
+        raise ValueError(f"encoder {name!r} rebuilt from the manifest differs from the one that prepared the "
+                         f"shards in {diff}; features would not match training")
+    return encoder
+
+
+def _config_diff(a: Any, b: Any, where: str = "") -> list[str]:
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            if k == "path":
+                continue
+            out += _config_diff(a.get(k), b.get(k), f"{where}.{k}" if where else str(k))
+        return out
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return [] if list(a) == list(b) else [where]
+    return [] if a == b else [where]
+
+
+def _encode(encoder: enc_lib.Encoder, kind: str, path: str | os.PathLike, expected_dim: int) -> np.ndarray:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{kind} file {p} does not exist")
+    try:
+        x = encoder.encode_audio(p) if kind == "audio" else encoder.encode_video(p)
+    except Exception as e:
+        raise ValueError(f"cannot read {kind} file {p} with encoder {encoder.name!r}: {e}") from e
+    x = np.asarray(x, np.float32)
+    if x.ndim != 2 or x.shape[1] != expected_dim:
+        raise ValueError(f"{kind} file {p}: encoder {encoder.name!r} gave features of shape {x.shape}; the "
+                         f"model expects [k, {expected_dim}] (use the encoder of the training shards)")
+    return x
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Prompt
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ChatPrompt:
+    """Token ids of a chat prompt and the feature rows of its placeholders (row i = i-th <Aud> / <Vid>)."""
+
+    ids: list[int]
+    aud_feats: np.ndarray  # [n_aud, d_a]
+    vid_feats: np.ndarray  # [n_vid, d_v]
+    dropped_utterances: int = 0
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def build_prompt(
+    model_cfg: EmpatheiaConfig,
+    tokenizer: Any,
+    utterances: Sequence[Mapping[str, Any]],
+    *,
+    encoder: enc_lib.Encoder | None = None,
+    features: Sequence[tuple[np.ndarray | None, np.ndarray | None]] | None = None,
+    max_len: int = 1024,
+    reserve: int = 0,
+    chat_format: str = "auto",
+) -> ChatPrompt:
+    """The prompt for `utterances` (oldest first; dicts with role, utterance, audio, video).
+
+    Features come from `features` ((audio [k, d_a] | None, video [k, d_v] | None) per utterance) or from
+    `encoder` run on the media paths. The oldest utterances are dropped while prompt + `reserve` tokens
+    exceed `max_len`; the latest one is never cut.
+    """
+    stage = ev.eval_stage(model_cfg)
+    pcfg = ip.PipelineConfig(stage=stage.template_stage, max_len=max(max_len, 16), include_target=False,
+                             chat_format=chat_format,
+                             **ev.pipeline_config_fields(model_cfg, stage))
+    builder = ip.ExampleBuilder(tokenizer, pcfg, audio_dim=model_cfg.audio_dim, video_dim=model_cfg.video_dim)
+    spec = builder.spec
+    notes: list[str] = []
+    if features is None:
+        features = []
+        for u in utterances:
+            use = spec.has_media and encoder is not None
+            a = _encode(encoder, "audio", u["audio"], model_cfg.audio_dim) if use and u.get("audio") else None
+            v = _encode(encoder, "video", u["video"], model_cfg.video_dim) if use and u.get("video") else None
+            features.append((a, v))
+    if not spec.has_media and any(u.get("audio") or u.get("video") for u in utterances):
+        notes.append("this model takes no speech/video input (w/o-media ablation or Pipeline baseline): "
+                     "media ignored")
+    text_only = dataclasses.replace(spec, media_input=False)  # the same line without placeholders
+    lines = []
+    partial = False
+    for u, (a, v) in zip(utterances, features, strict=True):
+        text = tpl.clean_text(u.get("utterance"), builder.forbidden)
+        if spec.has_media and a is not None and v is not None:
+            lines.append(tpl.history_line(u["role"], text, spec, k_aud=len(a), k_vid=len(v)))
+            continue
+        line = tpl.history_line(u["role"], text, text_only)
+        if spec.has_media and (a is not None or v is not None):
+            one = tpl.AUD_PLACEHOLDER * len(a) if a is not None else tpl.VID_PLACEHOLDER * len(v)
+            line = line[:-1] + one + ".\n"
+            partial = True
+        lines.append(line)
+    if partial:
+        notes.append("an utterance has only one of speech/video: only its placeholder was written (training "
+                     "always had both)")
+    head = builder.chat.prefix + tpl.prompt_head(spec)
+    tail = tpl.PROMPT_TAIL + builder.chat.suffix
+    start = 0
+    while True:
+        prompt = head + "".join(lines[start:]) + tail
+        ids = builder.bos_ids + list(builder.backend.encode(prompt, add_special_tokens=False).ids)
+        if len(ids) + reserve <= max_len or start >= len(lines) - 1:
+            break
+        start += 1
+    if len(ids) + reserve > max_len:
+        raise ValueError(f"the latest utterance alone makes a {len(ids)}-token prompt; with {reserve} tokens "
+                         f"reserved for the reply that exceeds max_len={max_len}")
+    if start:
+        notes.append(f"history too long for max_len={max_len}: dropped the {start} oldest utterance(s)")
+    kept = features[start:]
+    aud = [a for a, v in kept if a is not None and spec.has_media]
+    vid = [v for a, v in kept if v is not None and spec.has_media]
+    aud_feats = np.concatenate(aud) if aud else np.zeros((0, model_cfg.audio_dim), np.float32)
+    vid_feats = np.concatenate(vid) if vid else np.zeros((0, model_cfg.video_dim), np.float32)
+    return ChatPrompt(ids=ids, aud_feats=aud_feats, vid_feats=vid_feats, dropped_utterances=start,
+                      notes=notes)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# respond
+# ----------------------------------------------------------------------------------------------------------
+
+
+def class_names(n: int) -> tuple[str, ...]:
+    """Names of an emotion classifier's n outputs: 7 (avamerg7), 8 (e3rg8), 32 (ED), else "0".."n-1"."""
+    if n == len(schema.EMOTIONS_7):
+        return schema.EMOTIONS_7
+    if n == len(schema.EMOTIONS_7) + 1:
+        return (*schema.EMOTIONS_7, "neutral")
+    if n == len(schema.ED_EMOTIONS_32):
+        return schema.ED_EMOTIONS_32
+    return tuple(str(i) for i in range(n))
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    e = np.exp(x - x.max())
+    return (e / e.sum()).astype(np.float32)
+
+
+_SIGNAL_TEXT = r"<(?:Aud|Vid|AUD\d+|VID\d+)>"
+
+
+def _span(text: str, value: str) -> tuple[int, int] | None:
+    """[start, end) of `value` (whitespace-collapsed, signal tokens removed) inside raw `text`, or None."""
+    parts = value.split()
+    if not parts:
+        return None
+    sep = r"(?:\s|" + _SIGNAL_TEXT + r")+"
+    m = re.search(sep.join(re.escape(p) for p in parts), text)
+    return None if m is None else (m.start(), m.end())
+
+
+def _token_ends(tokenizer: Any, ids: Sequence[int]) -> list[int]:
+    """Character end offset of each token in `decode(ids)` (prefix decoding; no space clean-up)."""
+    kw = {"skip_special_tokens": False, "clean_up_tokenization_spaces": False}
+    return [len(tokenizer.decode(list(ids[: i + 1]), **kw)) for i in range(len(ids))]
+
+
+def respond(
+    model: Empatheia,
+    tokenizer: Any,
+    *,
+    text: str,
+    audio: str | os.PathLike | None = None,
+    video: str | os.PathLike | None = None,
+    history: Sequence[Mapping[str, Any]] | None = None,
+    encoder: str | enc_lib.Encoder = "lite",
+    encoder_kwargs: Mapping[str, Any] | None = None,
+    max_new_tokens: int = 160,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    max_len: int = 1024,
+    chat_format: str = "auto",
+    compiler_options: Mapping[str, Any] | None = None,
+) -> ChatResult:
+    """The model's reply to `text` (the speaker's latest utterance; `audio`/`video` its media files) after
+    `history` (`load_history` entries, oldest first). See the module docstring for the steps.
+
+    encoder: the name (with `encoder_kwargs`) or an instance; it must be the encoder of the training shards
+    (`encoder_from_manifest(shards_dir)`). Greedy at temperature 0, else sampled with `seed`/`top_p`.
+    Missing or unreadable media raise errors naming the file.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a string, got {type(text).__name__}")
+    cfg = model.config
+    utterances = validate_history(history or [])
+    utterances.append(validate_history([{"role": "speaker", "utterance": text, "audio": _opt(audio),
+                                         "video": _opt(video)}], source="--text/--audio/--video")[0])
+    if isinstance(encoder, str):
+        encoder = enc_lib.get_encoder(encoder, **dict(encoder_kwargs or {}))
+    forced_room = 2 * cfg.n_signal + 2 if cfg.has_sd else 0
+    prompt = build_prompt(cfg, tokenizer, utterances, encoder=encoder, max_len=max_len,
+                          reserve=max_new_tokens + forced_room, chat_format=chat_format)
+    notes = list(prompt.notes)
+    eos = eos_token_ids(model.llm, tokenizer)
+    pad = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else eos[0]
+    ids, mask = left_pad([prompt.ids], pad)
+    feats = _feature_batch(cfg, prompt)
+    embeds = None
+    if cfg.has_media:
+        embeds = ev.embed_prompts(model, ids, *feats, compiler_options=compiler_options)
+    gen = generate_tokens(model.llm, [prompt.ids], max_new_tokens, temperature, top_p, seed=seed, eos_ids=eos,
+                          pad_token_id=pad, inputs_embeds=embeds)
+    new = [int(t) for t in gen.new_tokens[0, : gen.num_new[0]]]
+    raw = tokenizer.decode(new, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    # The tokens the heads read: the generation, plus any missing signal tokens before the end token.
+    final = list(new)
+    forced = False
+    if cfg.has_sd:
+        ended = bool(new) and new[-1] in eos
+        body = new[:-1] if ended else new
+        missing = [s for s in cfg.signal_ids if s not in body]
+        if missing:
+            forced = True
+            nl = [] if any(s in body for s in cfg.signal_ids) else list(
+                tokenizer("\n", add_special_tokens=False)["input_ids"])
+            final = body + nl + missing + [new[-1] if ended else eos[0]]
+            notes.append(f"the generation lacked {len(missing)} of the {2 * cfg.n_signal} signal tokens; "
+                         "they were appended after the reply (untrained model, or max_new_tokens too small)")
+
+    emap = schema.EmotionMap.load("e3rg8" if cfg.num_emotions == 8 else "avamerg7")
+    parsed = ev.parse_generation(raw, emap, pipeline_baseline=cfg.pipeline_baseline)
+    response = np.zeros(len(final), np.int32)
+    if final:
+        ends = _token_ends(tokenizer, final)
+        span = _span(tokenizer.decode(final, skip_special_tokens=False, clean_up_tokenization_spaces=False),
+                     parsed["reply"])
+        if span is None:
+            if cfg.has_cs:
+                notes.append("could not locate the reply in the generated tokens: the CS read no token")
+        else:
+            starts = [0, *ends[:-1]]
+            response = np.array([int(s < span[1] and e > span[0]) for s, e in zip(starts, ends, strict=True)],
+                                np.int32)
+
+    # One forward over [left padding | prompt | generated (+ forced)], right-padded to a bucket.
+    n_prompt = ids.shape[1]
+    length = bucket(n_prompt + len(final))
+    seq = np.full((1, length), pad, np.int32)
+    seq[0, :n_prompt] = ids[0]
+    seq[0, n_prompt : n_prompt + len(final)] = final
+    attn = np.zeros((1, length), np.int32)
+    attn[0, :n_prompt] = mask[0]
+    attn[0, n_prompt : n_prompt + len(final)] = 1
+    resp = np.zeros((1, length), np.int32)
+    resp[0, n_prompt : n_prompt + len(final)] = response
+    positions = np.maximum(np.cumsum(attn, axis=1) - 1, 0).astype(np.int32)
+    batch = {"input_ids": seq, "attention_mask": attn, "positions": positions, "response_mask": resp}
+    if cfg.has_media:
+        batch.update(zip(("aud_feats", "aud_mask", "vid_feats", "vid_mask"), feats, strict=True))
+    out = ev.model_outputs(model, batch, compiler_options=compiler_options) if cfg.heads else {}
+
+    features = {k: np.asarray(out[k][0], np.float32) for k in
+                ("speech_content", "video_content", "speech_style", "video_style") if k in out}
+    classes = class_names(cfg.num_emotions)
+    if "emotion_logits" in out:
+        probs = _softmax(out["emotion_logits"][0])
+        emotion = classes[int(np.argmax(probs))]
+        profile: dict[str, Any] = {}
+        for name, vocab in (("age", schema.AGES), ("gender", schema.GENDERS), ("timbre", schema.TIMBRES)):
+            p = _softmax(out[f"{name}_logits"][0])
+            names = vocab if len(vocab) == len(p) else tuple(str(i) for i in range(len(p)))
+            profile[name] = names[int(np.argmax(p))]
+            profile[f"{name}_probs"] = p
+    else:
+        probs, emotion, profile = np.zeros(0, np.float32), "", {}
+        if cfg.pipeline_baseline:
+            for name, vocab in (("age", schema.AGES), ("gender", schema.GENDERS), ("timbre", schema.TIMBRES)):
+                profile[name] = vocab[parsed[name]] if parsed.get(name, -1) >= 0 else ""
+    emotion_text = classes[parsed["emotion"]] if 0 <= parsed["emotion"] < len(classes) else None
+    keep = mask[0].astype(bool)
+    return ChatResult(
+        text=raw,
+        coe=parsed["coe"],
+        reply=parsed["reply"],
+        emotion=emotion,
+        emotion_probs=probs,
+        profile=profile,
+        features=features,
+        signal_tokens_forced=forced,
+        emotion_text=emotion_text,
+        emotion_classes=tuple(classes),
+        input_ids=np.concatenate([ids[0][keep], np.asarray(final, np.int32)]).astype(np.int32),
+        response_mask=np.concatenate([np.zeros(int(keep.sum()), np.int32), response]),
+        prompt_length=len(prompt.ids),
+        notes=notes,
+    )
+
+
+def _opt(p: str | os.PathLike | None) -> str | None:
+    return None if p is None or p == "" else os.fspath(p)
+
+
+def _feature_batch(cfg: EmpatheiaConfig, prompt: ChatPrompt) -> tuple[np.ndarray, ...]:
+    """[1, rows, d] feature arrays + masks, rows padded to a power of two (few compiled shapes)."""
+    out = []
+    for x, d in ((prompt.aud_feats, cfg.audio_dim), (prompt.vid_feats, cfg.video_dim)):
+        rows = bucket(len(x), 8)
+        f = np.zeros((1, rows, d), np.float32)
+        f[0, : len(x)] = x
+        m = np.zeros((1, rows), np.int32)
+        m[0, : len(x)] = 1
+        out += [f, m]
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Output files
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _stem(out: str | os.PathLike) -> Path:
+    p = Path(out)
+    return p.with_suffix("") if p.suffix in (".npz", ".json") else p
+
+
+def write_outputs(result: ChatResult, out: str | os.PathLike) -> tuple[Path, Path]:
+    """Writes OUT.npz and OUT.json (OUT may end in .npz/.json; parent folders are created).
+
+    OUT.npz: the features (speech_content, video_content, speech_style, video_style, float32), emotion_id +
+    emotion_probs, age/gender/timbre _id + _probs (ids -1 without SD), input_ids, response_mask.
+    OUT.json: format, text, coe, reply, emotion, emotion_text, emotion_classes, profile names, the class
+    vocabularies, signal_tokens_forced, speech_content_units, notes and the npz file name.
+    """
+    stem = _stem(out)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    npz, js = stem.with_name(stem.name + ".npz"), stem.with_name(stem.name + ".json")
+    arrays: dict[str, np.ndarray] = {k: np.asarray(v, np.float32) for k, v in result.features.items()}
+    classes = list(result.emotion_classes)
+    arrays["emotion_id"] = np.int32(classes.index(result.emotion) if result.emotion in classes else -1)
+    arrays["emotion_probs"] = np.asarray(result.emotion_probs, np.float32)
+    vocabs = {"age": schema.AGES, "gender": schema.GENDERS, "timbre": schema.TIMBRES}
+    for name, vocab in vocabs.items():
+        label = result.profile.get(name, "")
+        arrays[f"{name}_id"] = np.int32(vocab.index(label) if label in vocab else -1)
+        arrays[f"{name}_probs"] = np.asarray(result.profile.get(f"{name}_probs", np.zeros(0)), np.float32)
+    arrays["input_ids"] = np.asarray(result.input_ids, np.int32)
+    arrays["response_mask"] = np.asarray(result.response_mask, np.int32)
+    np.savez(npz, **arrays)
+    meta = {
+        "format": OUTPUT_FORMAT,
+        "text": result.text,
+        "coe": result.coe,
+        "reply": result.reply,
+        "emotion": result.emotion,
+        "emotion_text": result.emotion_text,
+        "emotion_classes": classes,
+        "profile": {k: result.profile.get(k, "") for k in vocabs},
+        "profile_classes": {k: list(v) for k, v in vocabs.items()},
+        "signal_tokens_forced": result.signal_tokens_forced,
+        "speech_content_units": result.speech_content_units,
+        "prompt_length": result.prompt_length,
+        "notes": list(result.notes),
+        "features": {k: list(np.shape(v)) for k, v in result.features.items()},
+        "npz": npz.name,
+    }
+    js.write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
+    return npz, js
+
+
+def read_outputs(out: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """(arrays of OUT.npz, contents of OUT.json) as `write_outputs` wrote them."""
+    stem = _stem(out)
+    js = json.loads(stem.with_name(stem.name + ".json").read_text())
+    if js.get("format") != OUTPUT_FORMAT:
+        raise ValueError(f"{stem}.json: not a {OUTPUT_FORMAT} file (format={js.get('format')!r})")
+    with np.load(stem.with_name(js["npz"])) as z:
+        arrays = {k: z[k] for k in z.files}
+    return arrays, js
+
+
+def format_result(result: ChatResult) -> str:
+    """Human-readable lines: the CoE steps, the reply, the SD emotion/profile and any notes."""
+    lines = []
+    for fld, ordinal, phrase in tpl.COE_STEPS[:-1]:
+        if result.coe.get(fld):
+            lines.append(f"{ordinal}, {phrase}: {result.coe[fld]}")
+    lines.append(f"Reply: {result.reply}")
+    if result.emotion:
+        p = float(np.max(result.emotion_probs)) if result.emotion_probs.size else 0.0
+        prof = ", ".join(result.profile.get(k, "") for k in ("age", "gender", "timbre"))
+        lines.append(f"SD emotion: {result.emotion} ({p:.2f}) | profile: {prof}")
+    if result.emotion_text is not None:
+        lines.append(f"CoE emotion class: {result.emotion_text}")
+    lines += [f"note: {n}" for n in result.notes]
+    return "\n".join(lines)
+
+
+__all__ = [
+    "ChatPrompt",
+    "ChatResult",
+    "build_prompt",
+    "class_names",
+    "encoder_from_manifest",
+    "format_result",
+    "load_history",
+    "read_outputs",
+    "respond",
+    "validate_history",
+    "write_outputs",
+]

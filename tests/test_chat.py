@@ -1,0 +1,292 @@
+"""`empatheia_jax.chat`: the prompt equals training's, the heads read the generated sequence exactly where
+teacher forcing reads it, output files round-trip, and bad inputs are named.
+
+A tiny random Empatheia (2 layers, d=32) around the real SmolLM2 tokenizer, with the lite encoder on the
+media of the tiny shards (`helpers.make_tiny_shards`). The reference for the features is an independent
+right-padded, teacher-forced forward of the final sequence with features encoded straight from the files.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import make_tiny_shards, saved_smollm2_tokenizer
+
+from empatheia_jax import chat
+from empatheia_jax import input_pipeline as ip
+from empatheia_jax.encoders import get_encoder
+from empatheia_jax.models.empatheia import Empatheia
+from empatheia_jax.models.llama import Llama, LlamaConfig
+from empatheia_jax.models.lora import LoraConfig
+
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+ROWS = 16
+TINY = dict(n_signal=4, lora=LoraConfig(rank=4, alpha=8.0), max_speech_len=ROWS, max_video_len=ROWS,
+            vae_d_model=16, vae_heads=2, vae_layers=1, cs_latent=8, sd_queries=2, sd_code_dim=8, sd_latent=4,
+            fuse_dim=16)
+HEADS = ("speech_content", "video_content", "speech_style", "video_style")
+
+
+@pytest.fixture(autouse=True)
+def _exact_matmuls():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return make_tiny_shards(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def media(shards):
+    return shards.parent / "raw" / "media"
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(saved_smollm2_tokenizer(tmp_path_factory))
+
+
+@pytest.fixture(scope="module")
+def model(tok, shards) -> Empatheia:
+    feats = json.loads((shards / "manifest.json").read_text())["features"]
+    llm = Llama(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id), rngs=nnx.Rngs(0))
+    dims = {"audio_dim": feats["audio_dim"], "video_dim": feats["video_dim"]}
+    return Empatheia.from_llm(llm, tok, {**dims, **TINY}, rngs=nnx.Rngs(1))
+
+
+def _history(media):
+    return [
+        {"role": "speaker", "utterance": "test1 line 0: I feel disgusted",
+         "audio": str(media / "diatest1utt0_7.wav"), "video": str(media / "diatest1utt0_7.mp4")},
+        {"role": "listener", "utterance": "test1 line 1: Oh no, tell me more.", "audio": None, "video": None},
+    ]
+
+
+def _ask(model, tok, media, max_new_tokens=5):
+    return chat.respond(model, tok, text="test1 line 2: I feel disgusted", audio=media / "diatest1utt2_7.wav",
+                        video=media / "diatest1utt2_7.mp4", history=_history(media), encoder="lite",
+                        max_new_tokens=max_new_tokens, compiler_options=FAST)
+
+
+@pytest.fixture(scope="module")
+def forced(model, tok, media):
+    """The untrained model's reply (it writes no signal tokens, so they are forced)."""
+    return _ask(model, tok, media)
+
+
+@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST)
+def _teacher_forced(graphdef, state, batch):
+    out = nnx.merge(graphdef, state)(batch, train=False)
+    return {k: out[k] for k in (*HEADS, "emotion_logits", "age_logits", "gender_logits", "timbre_logits",
+                                "r_s_positions")}
+
+
+def _reference(model, result, media) -> dict[str, np.ndarray]:
+    """Right-padded, teacher-forced forward of the final sequence; features encoded from the files."""
+    enc = get_encoder("lite")
+    files = ["diatest1utt0_7", "diatest1utt2_7"]  # the utterances with media, in order
+    aud = np.concatenate([enc.encode_audio(media / f"{f}.wav") for f in files])
+    vid = np.concatenate([enc.encode_video(media / f"{f}.mp4") for f in files])
+    n, length = len(result.input_ids), 256
+    ids = np.full((1, length), 0, np.int32)
+    ids[0, :n] = result.input_ids
+    attn = np.zeros((1, length), np.int32)
+    attn[0, :n] = 1
+    resp = np.zeros((1, length), np.int32)
+    resp[0, :n] = result.response_mask
+    batch = {"input_ids": ids, "attention_mask": attn, "response_mask": resp,
+             "positions": np.arange(length, dtype=np.int32)[None], "aud_feats": aud[None],
+             "aud_mask": np.ones((1, len(aud)), np.int32), "vid_feats": vid[None],
+             "vid_mask": np.ones((1, len(vid)), np.int32)}
+    graphdef, state = nnx.split(model)
+    out = _teacher_forced(graphdef, state, {k: jnp.asarray(v) for k, v in batch.items()})
+    return {k: np.asarray(v[0]) for k, v in out.items()}
+
+
+def _softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def _check_against_teacher_forcing(model, result, media):
+    ref = _reference(model, result, media)
+    cfg = model.config
+    p = result.prompt_length
+    sig = [int(np.flatnonzero(result.input_ids == s)[0]) for s in cfg.signal_ids]
+    np.testing.assert_array_equal(ref["r_s_positions"], sig[: cfg.n_signal])  # all present, after the prompt
+    assert min(sig) >= p
+    for k in HEADS:
+        assert result.features[k].shape == ref[k].shape
+        np.testing.assert_allclose(result.features[k], ref[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    np.testing.assert_allclose(result.emotion_probs, _softmax(ref["emotion_logits"]), rtol=1e-4, atol=1e-6)
+    assert result.emotion == result.emotion_classes[int(np.argmax(ref["emotion_logits"]))]
+    for name in ("age", "gender", "timbre"):
+        np.testing.assert_allclose(result.profile[f"{name}_probs"], _softmax(ref[f"{name}_logits"]),
+                                   rtol=1e-4, atol=1e-6)
+
+
+def test_prompt_is_the_training_template_with_the_shards_features(model, tok, shards, media):
+    rec = ip.ShardReader.for_split(shards, "test")[2]  # three history utterances, all with media
+    utts = [{"role": u["role"], "utterance": u["utterance"], "audio": media / f"{u['utt_id']}.wav",
+             "video": media / f"{u['utt_id']}.mp4"} for u in rec["history"]]
+    prompt = chat.build_prompt(model.config, tok, utts, encoder=get_encoder("lite"))
+    cfg = ip.PipelineConfig(stage="overall", include_target=False, n_signal=4, max_speech_len=ROWS,
+                            max_video_len=ROWS)
+    ex = ip.build_example(rec, "overall", tok, cfg)
+    assert prompt.ids == ex["input_ids"].tolist()
+    np.testing.assert_allclose(prompt.aud_feats, ex["aud_feats"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(prompt.vid_feats, ex["vid_feats"], rtol=1e-6, atol=1e-6)
+
+    # Mixed media: no placeholder without a feature; one modality gets only its own placeholder.
+    feats = [(np.ones((1, 96), np.float32), np.ones((1, 526), np.float32)), (None, None),
+             (np.ones((1, 96), np.float32), None)]
+    mixed = chat.build_prompt(model.config, tok, utts, features=feats)
+    text = tok.decode(mixed.ids)
+    assert "  Speaker:test1 line 0: I feel disgusted<Aud> <Vid>.\n" in text
+    assert "  Listener:test1 line 1: Oh no, tell me more.\n" in text
+    assert "  Speaker:test1 line 2: I feel disgusted<Aud>.\n}" in text
+    assert mixed.aud_feats.shape == (2, 96) and mixed.vid_feats.shape == (1, 526)
+    assert any("only one of speech/video" in n for n in mixed.notes)
+    # Too long: the oldest utterances go first, the latest stays.
+    short = chat.build_prompt(model.config, tok, utts, features=feats, max_len=len(mixed.ids) - 5)
+    assert short.dropped_utterances == 1
+    assert short.aud_feats.shape == (1, 96) and short.vid_feats.shape == (0, 526)
+    with pytest.raises(ValueError, match="latest utterance alone"):
+        chat.build_prompt(model.config, tok, utts, features=feats, max_len=40)
+
+
+def test_forced_signal_tokens_and_features_equal_a_teacher_forced_forward(model, tok, media, forced):
+    r = forced
+    cfg = model.config
+    assert r.signal_tokens_forced and any("signal tokens" in n for n in r.notes)
+    gen = r.input_ids[r.prompt_length :]
+    nl = tok("\n", add_special_tokens=False)["input_ids"]
+    # 5 generated tokens, then a newline, <AUD1..4><VID1..4> and the end token.
+    assert gen[5:].tolist() == [*nl, *cfg.signal_ids, tok.eos_token_id]
+    assert r.text == tok.decode(gen[:5].tolist(), skip_special_tokens=False)
+    latest = {"role": "speaker", "utterance": "test1 line 2: I feel disgusted",
+              "audio": str(media / "diatest1utt2_7.wav"), "video": str(media / "diatest1utt2_7.mp4")}
+    prompt = chat.build_prompt(cfg, tok, [*_history(media), latest], encoder=get_encoder("lite"))
+    assert r.input_ids[: r.prompt_length].tolist() == prompt.ids
+    # r^t = the reply's tokens: the generated text (no CoE headers in a random model's output).
+    assert r.response_mask[: r.prompt_length].sum() == 0 and r.response_mask[r.prompt_length :][:5].all()
+    assert " ".join(tok.decode(r.input_ids[r.response_mask == 1].tolist()).split()) == r.reply
+    assert r.features["speech_content"].shape == (ROWS, 1024) and r.features["speech_style"].shape == (256,)
+    _check_against_teacher_forcing(model, r, media)
+
+
+def _rig_to_emit(model: Empatheia, chain: dict[int, int]) -> None:
+    """Greedy decoding follows `chain` (input token -> next token): O(1) random embeddings, and an lm_head
+    whose column for `next` points along the embedding of `input` (tiny layers barely move the residual)."""
+    cfg = model.config.llm
+    key = jax.random.key(7)
+    emb = jax.random.normal(key, (cfg.vocab_size, cfg.hidden_size))
+    extra = jax.random.normal(jax.random.fold_in(key, 1), (cfg.extra_vocab, cfg.hidden_size))
+    model.llm.embed_tokens.embedding[...] = emb
+    model.llm.embed_extra[...] = extra
+    table = np.concatenate([np.asarray(emb), np.asarray(extra)])
+    head = np.zeros((cfg.hidden_size, cfg.total_vocab), np.float32)
+    for src, dst in chain.items():
+        head[:, dst] += 8.0 * table[src] / np.linalg.norm(table[src])
+    model.llm.lm_head.kernel[...] = jnp.asarray(head[:, : cfg.vocab_size])
+    model.llm.lm_head_extra[...] = jnp.asarray(head[:, cfg.vocab_size :])
+
+
+def test_generated_signal_tokens_are_not_forced_and_features_equal_teacher_forcing(model, tok, media):
+    model = nnx.clone(model)  # rigged below; the module's model stays as it is
+    cfg = model.config
+    last = tok("\n", add_special_tokens=False)["input_ids"][-1]  # the chat template's last prompt token
+    words = tok(" Oh dear", add_special_tokens=False)["input_ids"]
+    seq = [last, *words, *cfg.signal_ids, tok.eos_token_id]
+    _rig_to_emit(model, dict(zip(seq[:-1], seq[1:], strict=True)))
+    r = _ask(model, tok, media, max_new_tokens=16)
+    assert r.input_ids[r.prompt_length :].tolist() == seq[1:]  # generated as rigged: nothing appended
+    assert not r.signal_tokens_forced
+    assert r.reply == "Oh dear"
+    assert r.response_mask[r.prompt_length :].tolist() == [1] * len(words) + [0] * (len(seq) - 1 - len(words))
+    _check_against_teacher_forcing(model, r, media)
+
+
+def test_outputs_round_trip(forced, tmp_path):
+    npz, js = chat.write_outputs(forced, tmp_path / "out" / "reply.npz")
+    assert (npz.name, js.name) == ("reply.npz", "reply.json")
+    arrays, meta = chat.read_outputs(tmp_path / "out" / "reply")
+    for k in HEADS:
+        np.testing.assert_array_equal(arrays[k], forced.features[k])
+    np.testing.assert_array_equal(arrays["emotion_probs"], forced.emotion_probs)
+    assert int(arrays["emotion_id"]) == forced.emotion_classes.index(forced.emotion)
+    for name, vocab in (("age", ("child", "young", "middle-aged", "elderly")), ("gender", ("male", "female")),
+                        ("timbre", ("low", "mid", "high"))):
+        assert int(arrays[f"{name}_id"]) == vocab.index(forced.profile[name])
+        np.testing.assert_array_equal(arrays[f"{name}_probs"], forced.profile[f"{name}_probs"])
+        assert meta["profile"][name] == forced.profile[name]
+    np.testing.assert_array_equal(arrays["input_ids"], forced.input_ids)
+    np.testing.assert_array_equal(arrays["response_mask"], forced.response_mask)
+    assert (meta["text"], meta["coe"], meta["reply"], meta["emotion"]) == (
+        forced.text, forced.coe, forced.reply, forced.emotion)
+    assert meta["signal_tokens_forced"] is True and meta["notes"] == forced.notes
+    assert meta["speech_content_units"] == forced.speech_content_units
+    assert "Reply: " + forced.reply in chat.format_result(forced)
+
+
+def _write(path, obj) -> str:
+    path.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return str(path)
+
+
+def test_history_errors_name_the_file_and_the_entry(tmp_path, media):
+    ok = {"role": "speaker", "utterance": "hi"}
+    (tmp_path / "a.wav").write_bytes(b"RIFF")
+    second = {"role": "listener", "utterance": "yes", "audio": "a.wav"}
+    h = chat.load_history(_write(tmp_path / "h.json", [ok, second]))
+    assert h[1]["audio"] == str(tmp_path / "a.wav") and h[0]["video"] is None  # relative to the file
+    cases = [
+        ("{not json", "h1.json: invalid JSON"),
+        ({"role": "speaker"}, "h2.json: expected a JSON list"),
+        ([ok, {"role": "assistant", "utterance": "x"}], r"h3.json: entry 1: role must be one of"),
+        ([{"role": "speaker", "utterance": 3}], "h4.json: entry 0: utterance must be a string"),
+        ([ok, ok, {"role": "speaker", "utterance": "x", "wav": "a.wav"}],
+         r"h5.json: entry 2: unknown key\(s\) \['wav'\]"),
+    ]
+    for i, (content, message) in enumerate(cases, 1):
+        with pytest.raises(ValueError, match=message):
+            chat.load_history(_write(tmp_path / f"h{i}.json", content))
+    with pytest.raises(FileNotFoundError, match=r"h6.json: entry 1: video file .*missing.mp4 does not exist"):
+        chat.load_history(_write(tmp_path / "h6.json", [ok, {"role": "speaker", "utterance": "x",
+                                                             "video": "missing.mp4"}]))
+    with pytest.raises(FileNotFoundError, match="history file .*nothere.json does not exist"):
+        chat.load_history(tmp_path / "nothere.json")
+
+
+def test_missing_or_unreadable_media_is_named(model, tok, tmp_path, media):
+    with pytest.raises(FileNotFoundError, match=r"audio file .*nope\.wav does not exist"):
+        chat.respond(model, tok, text="hello", audio=tmp_path / "nope.wav")
+    bad = tmp_path / "bad.wav"
+    bad.write_text("not a wav")
+    with pytest.raises(ValueError, match=r"cannot read audio file .*bad\.wav"):
+        chat.respond(model, tok, text="hello", audio=bad, video=media / "diatest1utt2_7.mp4")
+
+
+def test_encoder_from_manifest_rebuilds_the_shards_encoder(shards):
+    enc = chat.encoder_from_manifest(shards)
+    manifest = json.loads((shards / "manifest.json").read_text())
+    assert enc.name == "lite" and enc.config() == manifest["encoder"]["config"]
+    feats = manifest["features"]
+    assert (enc.audio_dim, enc.video_dim) == (feats["audio_dim"], feats["video_dim"])
+    entry = {"name": "lite", "config": dict(manifest["encoder"]["config"], n_mels=20, audio_dim=56)}
+    assert chat.encoder_from_manifest(entry).audio_dim == 56  # constructor arguments come from the config
+    tampered = {"name": "lite", "config": dict(manifest["encoder"]["config"], version=99)}
+    with pytest.raises(ValueError, match="differs .* in \\['version'\\]"):
+        chat.encoder_from_manifest(tampered)

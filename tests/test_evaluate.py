@@ -1,0 +1,256 @@
+"""`empatheia_jax.evaluate`: every metric against an independent computation on the same model outputs.
+
+A tiny random Empatheia (2 layers, d=32) around the real SmolLM2 tokenizer, on the lite-encoder tiny shards
+with stand-in targets (`helpers.make_tiny_shards`: test split = 3 records). Teacher-forced metrics are
+recomputed in numpy from one batch holding the whole split (evaluate runs batches of 2, so its second batch
+has a filler row that must not count); generations are re-run one prompt at a time (evaluate batches and
+left-pads them); baselines are recomputed from the shard records by hand.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import make_tiny_shards, saved_smollm2_tokenizer
+
+from empatheia_jax import evaluate as ev
+from empatheia_jax import input_pipeline as ip
+from empatheia_jax import schema, stages
+from empatheia_jax import templates as tpl
+from empatheia_jax.generation import eos_token_ids, generate_tokens, left_pad
+from empatheia_jax.models.empatheia import Empatheia
+from empatheia_jax.models.llama import Llama, LlamaConfig
+from empatheia_jax.models.lora import LoraConfig
+
+# XLA compile time dominates on CPU; these programs are tiny, so skip the expensive LLVM passes.
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+MAX_LEN, ROWS = 256, 16
+TINY = dict(n_signal=4, lora=LoraConfig(rank=4, alpha=8.0), max_speech_len=ROWS, max_video_len=ROWS,
+            vae_d_model=16, vae_heads=2, vae_layers=1, cs_latent=8, sd_queries=2, sd_code_dim=8, sd_latent=4,
+            fuse_dim=16)
+PIPE = dict(n_signal=4, max_speech_len=ROWS, max_video_len=ROWS)
+
+
+@pytest.fixture(autouse=True)
+def _exact_matmuls():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return make_tiny_shards(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(saved_smollm2_tokenizer(tmp_path_factory))
+
+
+@pytest.fixture(scope="module")
+def model(tok, shards):
+    feats = json.loads((shards / "manifest.json").read_text())["features"]
+    llm = Llama(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id), rngs=nnx.Rngs(0))
+    dims = {"audio_dim": feats["audio_dim"], "video_dim": feats["video_dim"]}
+    return Empatheia.from_llm(llm, tok, {**dims, **TINY}, rngs=nnx.Rngs(1))
+
+
+@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST)
+def _forward_and_loss(graphdef, state, batch):
+    m = nnx.merge(graphdef, state)
+    out = m(batch, train=False)
+    total, metrics = m.loss(batch, out, stages.STAGES["overall"])
+    keep = ("speech_content", "video_content", "speech_style", "video_style", "emotion_logits", "age_logits",
+            "gender_logits", "timbre_logits")
+    return {k: out[k] for k in keep}, total, metrics
+
+
+def _whole_split_batch(tok, shards) -> dict[str, np.ndarray]:
+    pipe = ip.make_dataset(shards, "test", "overall", tok, batch_size=4, max_len=MAX_LEN, shuffle=False,
+                           num_epochs=1, window_batches=1, process_index=0, process_count=1, **PIPE)
+    (batch,) = list(pipe)
+    np.testing.assert_array_equal(batch["record_index"], [0, 1, 2, -1])  # 3 records + 1 filler row
+    return batch
+
+
+def test_teacher_forced_metrics_equal_numpy_on_the_same_outputs(model, tok, shards):
+    got = ev.evaluate(model, tok, shards, "test", batch_size=2, max_len=MAX_LEN, generate_text=False,
+                      progress=False, compiler_options=FAST)
+    batch = _whole_split_batch(tok, shards)
+    graphdef, state = nnx.split(model)
+    out, total, metrics = jax.device_get(
+        _forward_and_loss(graphdef, state, {k: jnp.asarray(v) for k, v in batch.items()}))
+    real = batch["record_index"] >= 0
+    assert got["num_examples"] == 3 and got["skipped_examples"] == 0
+
+    def dists(pred, target, mask):
+        p, t = np.asarray(pred, np.float64)[mask], np.asarray(target, np.float64)[mask]
+        l2 = np.sqrt(((p - t) ** 2).sum(-1))
+        cos = (p * t).sum(-1) / (np.linalg.norm(p, axis=-1) * np.linalg.norm(t, axis=-1))
+        return l2.mean(), cos.mean()
+
+    for key in ("speech_content", "video_content"):
+        mask = batch[f"{key}_mask"].astype(bool) & real[:, None]
+        assert mask.sum() > 3  # several rows per example
+        l2, cos = dists(out[key], batch[key], mask)
+        assert got[f"{key}_l2"] == pytest.approx(l2, rel=1e-5)
+        assert got[f"{key}_cos"] == pytest.approx(cos, rel=1e-4, abs=1e-6)
+    for j, key in enumerate(("speech_style", "video_style")):
+        l2, cos = dists(out[key], batch[key], batch["style_mask"][:, j].astype(bool) & real)
+        assert got[f"{key}_l2"] == pytest.approx(l2, rel=1e-5)
+        assert got[f"{key}_cos"] == pytest.approx(cos, rel=1e-4, abs=1e-6)
+    names = {"emotion": "emotion_acc_cls", "age": "age_acc", "gender": "gender_acc", "timbre": "timbre_acc"}
+    for label, name in names.items():
+        pred = np.argmax(out[f"{label}_logits"], -1)[real]
+        assert got[name] == pytest.approx(np.mean(pred == batch[label][real]))  # denominator 3, not 4
+    # Loss terms over two batches (one with a filler row) = the terms of one batch holding the whole split.
+    for term in ("emp", "signal_ce", "ccl_speech", "ccl_video", "sal_speech", "sal_video", "cls_emotion",
+                 "cls_age", "cls_gender", "cls_timbre", "kl"):
+        assert got[term] == pytest.approx(float(metrics[term]), rel=1e-4), term
+    assert got["eval_loss"] == pytest.approx(float(total), rel=1e-4)
+    assert got["ppl"] == pytest.approx(np.exp(float(metrics["emp"])), rel=1e-4)
+
+    with pytest.raises(ValueError, match="contradicts the model"):
+        ev.evaluate(model, tok, shards, "test", generate_text=False, pipeline_overrides={"n_signal": 16})
+
+
+def test_generations_are_scored_from_their_parse_and_equal_unbatched_decoding(model, tok, shards, tmp_path):
+    path = tmp_path / "preds.jsonl"
+    got = ev.evaluate(model, tok, shards, "test", batch_size=2, max_len=MAX_LEN, max_new_tokens=6,
+                      predictions_path=path, progress=False, compiler_options=FAST)
+    preds = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [p["record_index"] for p in preds] == [0, 1, 2]
+    assert all(p["num_new"] == 6 for p in preds)  # a random model never ends on its own
+    replies = [p["reply"] for p in preds]
+    assert got["dist1"] == pytest.approx(ev.distinct_n(replies, 1))
+    assert got["dist2"] == pytest.approx(ev.distinct_n(replies, 2))
+    gold = [p["labels"]["emotion"] for p in preds]
+    assert gold == [1, 5, 5]  # surprised, disgusted (shards' labels, in record order)
+    hits = [p["emotion"] == g for p, g in zip(preds, gold, strict=True)]
+    assert got["emotion_acc_text"] == pytest.approx(np.mean(hits))
+    assert got["num_generated"] == 3 and got["signal_rate"] == 0.0
+
+    # Evaluate sorts prompts by length, batches and left-pads them; one prompt alone must decode the same.
+    reader = ip.ShardReader.for_split(shards, "test")
+    cfg = ip.PipelineConfig(stage="overall", max_len=MAX_LEN, include_target=False, **PIPE)
+    eos = eos_token_ids(model.llm, tok)
+    embed = jax.jit(lambda m, *a: m.embed_inputs(*a), compiler_options=FAST)
+    for i in (0, 2):
+        ex = ip.build_example(reader[i], "overall", tok, cfg)
+        ids, _ = left_pad([ex["input_ids"].tolist()], tok.pad_token_id)
+        n_aud, n_vid = len(ex["aud_feats"]), len(ex["vid_feats"])
+        x = embed(model, jnp.asarray(ids), jnp.asarray(ex["aud_feats"][None]), jnp.ones((1, n_aud), bool),
+                  jnp.asarray(ex["vid_feats"][None]), jnp.ones((1, n_vid), bool))
+        gen = generate_tokens(model.llm, [ex["input_ids"].tolist()], 6, eos_ids=eos,
+                              pad_token_id=tok.pad_token_id, inputs_embeds=x)
+        text = tok.decode(gen.new_tokens[0, : gen.num_new[0]].tolist(), skip_special_tokens=False)
+        assert text == preds[i]["text"]
+        assert preds[i]["prompt_tokens"] == len(ex["input_ids"])
+
+
+def test_parse_and_score_of_rigged_generations():
+    emap = schema.EmotionMap.load("avamerg7")
+    coe = {"event_scenario": "my dog ran away", "speaker_emotion": "Terrified", "emotion_cause": "the dog",
+           "goal_to_response": "comfort"}
+    texts = [
+        tpl.format_coe(coe, "I am so sorry. Is he back?") + "\n<AUD1><AUD2><VID1><VID2><|im_end|>",
+        "Secondly, the emotion of the speaker is: feeling very sad\n\nFinally, the response is: oh no, oh no",
+        "Secondly, the emotion of the speaker is: tired\n\nFinally, the response is: rest",  # no class
+        "just some words",  # no CoE at all: the bare reply
+    ]
+    parsed = [ev.parse_generation(t, emap) for t in texts]
+    assert [p["emotion"] for p in parsed] == [3, 4, -1, -1]  # fear, sad (first word that maps), none, none
+    replies = ["I am so sorry. Is he back?", "oh no, oh no", "rest", "just some words"]
+    assert [p["reply"] for p in parsed] == replies
+    assert parsed[0]["coe"]["event_scenario"] == "my dog ran away"
+    gold = [3, 0, 2, 4]
+    preds = [dict(p, labels={"emotion": g, "age": -1, "gender": -1, "timbre": -1})
+             for p, g in zip(parsed, gold, strict=True)]
+    m = ev.text_metrics(preds)
+    assert m["emotion_acc_text"] == 0.25  # only the first; unparseable counts as wrong
+    assert m["coe_parse_rate"] == 0.75 and m["emotion_parse_rate"] == 0.5
+    # words: [i am so sorry . is he back ?] [oh no , oh no] [rest] [just some words] = 18 tokens, 16 distinct;
+    # bigrams: 8 + 4 (oh-no twice) + 0 + 2 = 14, 13 distinct.
+    assert m["dist1"] == pytest.approx(16 / 18) and m["dist2"] == pytest.approx(13 / 14)
+    assert ev.distinct_n(["a b a", "b c"], 1) == pytest.approx(3 / 5)
+    assert ev.distinct_n(["a b a", "b c"], 2) == pytest.approx(3 / 3)
+    assert ev.distinct_n([""], 2) == 0.0
+
+    pipe = ev.parse_generation("Emotion: joyful\nProfile: young, female, HIGH\nResponse: great news!",
+                               emap, pipeline_baseline=True)
+    assert (pipe["emotion"], pipe["age"], pipe["gender"], pipe["timbre"]) == (0, 1, 1, 2)
+    assert pipe["reply"] == "great news!"
+    m = ev.text_metrics([dict(pipe, labels={"emotion": 0, "age": 1, "gender": 0, "timbre": 2})])
+    got = [m[f"{k}_acc_text"] for k in ("emotion", "age", "gender", "timbre")]
+    assert got == [1, 1, 0, 1]
+
+
+def test_baselines_equal_a_hand_computation(shards):
+    got = ev.baselines(shards, "test", max_speech_len=ROWS, max_video_len=ROWS)
+    train = ip.ShardReader.for_split(shards, "train")
+    test = ip.ShardReader.for_split(shards, "test")
+    tr = [train[i] for i in range(len(train))]
+    te = [test[i] for i in range(len(test))]
+    for label, name in (("emotion", "emotion_acc_cls"), ("age", "age_acc"), ("gender", "gender_acc"),
+                        ("timbre", "timbre_acc")):
+        majority = np.argmax(np.bincount([r["labels"][label] for r in tr]))  # argmax: first of ties
+        assert got[name] == pytest.approx(np.mean([r["labels"][label] == majority for r in te]))
+    assert got["emotion_acc_text"] == got["emotion_acc_cls"]
+    for kind, rows in (("speech_content", ROWS), ("video_content", ROWS)):
+        longest = min(rows, max(len(r["targets"][kind]) for r in tr))
+        stack = np.full((len(tr), longest, tr[0]["targets"][kind].shape[1]), np.nan)
+        for j, r in enumerate(tr):
+            x = r["targets"][kind][:rows]
+            stack[j, : len(x)] = x
+        mean = np.nanmean(stack, axis=0)  # row i: the mean over the train targets that have a row i
+        l2, cos = [], []
+        for r in te:
+            t = r["targets"][kind][:rows].astype(np.float64)
+            p = mean[: len(t)]
+            l2 += list(np.linalg.norm(p - t, axis=1))
+            cos += list((p * t).sum(1) / np.linalg.norm(p, axis=1) / np.linalg.norm(t, axis=1))
+        assert got[f"{kind}_l2"] == pytest.approx(np.mean(l2), rel=1e-9)
+        assert got[f"{kind}_cos"] == pytest.approx(np.mean(cos), rel=1e-9)
+    for kind in ("speech_style", "video_style"):
+        mean = np.mean([r["targets"][kind] for r in tr], axis=0, dtype=np.float64)
+        l2 = [np.linalg.norm(mean - r["targets"][kind]) for r in te]
+        assert got[f"{kind}_l2"] == pytest.approx(np.mean(l2), rel=1e-9)
+    assert got["dist1"] == pytest.approx(ev.distinct_n([r["response"] for r in te], 1))
+    assert got["num_examples"] == 3
+    chance = ev.chance_levels()
+    assert chance["emotion_acc_cls"] == pytest.approx(1 / 7) and chance["gender_acc"] == 0.5
+
+
+def test_format_table_shows_every_column_and_dashes_for_missing_values():
+    table = ev.format_table({
+        "trained": {"eval_loss": 1.23456, "emotion_acc_text": 0.5, "num_examples": 3.0},
+        "baseline": {"emotion_acc_text": 0.25, "custom": 2.0},
+    })
+    lines = table.splitlines()
+    assert lines[0].split("|")[1:-1] == [" metric           ", " better ", " trained ", " baseline "]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in lines[2:]}
+    assert rows["emotion_acc_text"] == ["higher", "0.5000", "0.2500"]
+    assert rows["eval_loss"] == ["lower", "1.2346", "-"]
+    assert rows["num_examples"] == ["", "3", "-"]
+    assert rows["custom"] == ["", "-", "2.0000"]
+    order = [line.split("|")[1].strip() for line in lines[2:]]
+    assert order == ["emotion_acc_text", "eval_loss", "num_examples", "custom"]
+
+
+def test_missing_split_or_folder_is_named(model, tok, shards, tmp_path):
+    with pytest.raises(ValueError, match=r"has no split 'nosuch'.*\['test', 'train', 'valid'\]"):
+        ev.evaluate(model, tok, shards, "nosuch", progress=False)
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        ev.evaluate(model, tok, tmp_path / "nowhere", "test", progress=False)
+    with pytest.raises(ValueError, match="no split 'training'"):
+        ev.baselines(shards, "test", train_split="training")
