@@ -13,6 +13,13 @@ terms a stage trains on:
 
 Everything is float32, and a mean over an empty set is 0, never NaN (a batch without a valid target row
 or label must not poison the step).
+
+Gradient accumulation. Every mean function takes an optional `count=`: the denominator to use instead of
+this call's own number of valid items. With `count` = the item count of the WHOLE batch (the `*_count`
+helpers below, which are additive over any split of the batch), each micro-batch's value is its sum over
+the whole batch's count, so summing the values (and their gradients) over micro-batches gives exactly the
+full-batch mean (and gradient). An empty micro-batch then contributes 0 (its sum), and a whole batch
+without items still gives 0.
 """
 
 from __future__ import annotations
@@ -65,70 +72,113 @@ def _safe_mean(total: jax.Array, count: jax.Array) -> jax.Array:
     return total / jnp.maximum(count, 1).astype(jnp.float32)
 
 
+def _mean(total: jax.Array, local: jax.Array, count: jax.Array | int | None) -> jax.Array:
+    """total / count, or total / the local item count when count is None; 0 when the count is 0."""
+    return _safe_mean(total, local if count is None else jnp.asarray(count))
+
+
+# Item counts: the default denominators of the mean functions, as int32 totals over every axis of the mask
+# (so they are additive over any split of the batch, and accept [B, ...] or [A, m, ...] leading axes).
+
+
+def masked_count(mask: jax.Array) -> jax.Array:
+    """Number of set entries: target tokens (token_cross_entropy), valid rows (masked_squared_l2), examples
+    with a target (squared_l2)."""
+    return jnp.sum(mask.astype(bool), dtype=jnp.int32)
+
+
+def label_count(labels: jax.Array) -> jax.Array:
+    """Number of labelled examples (label >= 0): classification_ce's denominator."""
+    return jnp.sum(labels >= 0, dtype=jnp.int32)
+
+
+def kl_count(mask: jax.Array) -> jax.Array:
+    """Number of examples with at least one valid query (mask [..., Q]): kl_term's denominator."""
+    return jnp.sum(jnp.any(mask.astype(bool), axis=-1), dtype=jnp.int32)
+
+
 def token_cross_entropy(
-    logits: jax.Array, target_ids: jax.Array, loss_mask: jax.Array
+    logits: jax.Array, target_ids: jax.Array, loss_mask: jax.Array, *, count: jax.Array | int | None = None
 ) -> tuple[jax.Array, jax.Array]:
-    """L_emp (eq 8): mean CE over the tokens where loss_mask is set, and their count.
+    """L_emp (eq 8): mean CE over the tokens where loss_mask is set, and their (local) count.
 
     logits [B, T, V] are already aligned with target_ids [B, T] (the input pipeline shifts: position t
     predicts target_ids[t]); prompt/history/padding positions have loss_mask 0. Computed in float32 with
-    log-sum-exp, so bf16 logits are fine. The count is returned so gradient accumulation can weight
-    micro-batches by tokens instead of averaging means.
+    log-sum-exp, so bf16 logits are fine. `count` (default: the local count) is the denominator; the
+    returned count is always this call's own `masked_count(loss_mask)`.
     """
     m = loss_mask.astype(bool)
     ids = jnp.where(m, target_ids, 0)  # padding ids may be out of range; they are masked anyway
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), ids)
-    n = jnp.sum(m, dtype=jnp.int32)
-    return _safe_mean(jnp.sum(jnp.where(m, ce, 0.0)), n), n
+    n = masked_count(m)
+    return _mean(jnp.sum(jnp.where(m, ce, 0.0)), n, count), n
 
 
-def masked_squared_l2(pred: jax.Array, target: jax.Array, mask: jax.Array) -> jax.Array:
+def masked_squared_l2(
+    pred: jax.Array, target: jax.Array, mask: jax.Array, *, count: jax.Array | int | None = None
+) -> jax.Array:
     """L_ccl for one modality (eq 9): ||pred_row - target_row||² summed over D, mean over valid rows.
 
     pred/target [B, L, D], mask [B, L]. The mean is over all valid rows of the batch (a long utterance
     weighs more than a short one, as every phoneme / frame counts once); 0 when no row is valid. Masked
     rows do not enter the value or the gradient, whatever they hold (inf/NaN padding included).
+    `count` replaces the denominator `masked_count(mask)` (gradient accumulation).
     """
     m = mask.astype(bool)
     diff = pred.astype(jnp.float32) - target.astype(jnp.float32)
     diff = jnp.where(m[..., None], diff, 0.0)
     per_row = jnp.sum(jnp.square(diff), axis=-1)
-    return _safe_mean(jnp.sum(per_row), jnp.sum(m))
+    return _mean(jnp.sum(per_row), masked_count(m), count)
 
 
-def squared_l2(pred: jax.Array, target: jax.Array, mask: jax.Array) -> jax.Array:
+def squared_l2(
+    pred: jax.Array, target: jax.Array, mask: jax.Array, *, count: jax.Array | int | None = None
+) -> jax.Array:
     """L_sal for one modality (eq 10): ||pred - target||² over D, mean over examples whose mask is set.
 
     pred/target [B, D], mask [B] (e.g. the pipeline's style_mask column: the example has that target).
+    `count` replaces the denominator `masked_count(mask)`.
     """
-    return masked_squared_l2(pred[:, None, :], target[:, None, :], mask[:, None])
+    return masked_squared_l2(pred[:, None, :], target[:, None, :], mask[:, None], count=count)
 
 
-def classification_ce(logits: jax.Array, labels: jax.Array) -> jax.Array:
+def classification_ce(
+    logits: jax.Array, labels: jax.Array, *, count: jax.Array | int | None = None
+) -> jax.Array:
     """L_cls for one attribute (eq 11): mean of -log p(label) over the examples with a label.
 
     logits [B, C], labels [B] int, -1 (any negative) = unknown and ignored; 0 when nothing is labelled.
     This is the real cross-entropy -Σ y log p (eq 11 as printed lacks the minus sign and would be
-    minimised by making the right class *less* likely).
+    minimised by making the right class *less* likely). `count` replaces the denominator
+    `label_count(labels)`.
     """
     valid = labels >= 0
     ce = optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), jnp.where(valid, labels, 0)
     )
-    return _safe_mean(jnp.sum(jnp.where(valid, ce, 0.0)), jnp.sum(valid))
+    return _mean(jnp.sum(jnp.where(valid, ce, 0.0)), label_count(labels), count)
 
 
-def kl_term(mu: jax.Array, logvar: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+def kl_term(
+    mu: jax.Array,
+    logvar: jax.Array,
+    mask: jax.Array | None = None,
+    *,
+    count: jax.Array | int | None = None,
+) -> jax.Array:
     """KL of one VAE block as a scalar: `vae.kl_divergence` per example, mean over the batch.
 
     mask [B, Q] marks valid queries (None = all). Examples without any valid query are left out of the
-    batch mean (they carry no information), and the result is 0 if none has one.
+    batch mean (they carry no information), and the result is 0 if none has one. `count` replaces the
+    denominator: `kl_count(mask)`, or the number of examples B when mask is None.
     """
     per_example = kl_divergence(mu, logvar, mask)
     if mask is None:
-        return jnp.mean(per_example)
+        if count is None:
+            return jnp.mean(per_example)
+        return _mean(jnp.sum(per_example), per_example.shape[0], count)
     has = jnp.any(mask.astype(bool), axis=-1)
-    return _safe_mean(jnp.sum(jnp.where(has, per_example, 0.0)), jnp.sum(has))
+    return _mean(jnp.sum(jnp.where(has, per_example, 0.0)), kl_count(mask), count)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -226,17 +226,21 @@ TrainStep = Callable[..., tuple[nnx.State, nnx.State, dict[str, jax.Array]]]
 
 
 def make_loss_fn(stage: Stage, weights: losses.LossWeights | None = None) -> Callable[..., Any]:
-    """`loss_fn(params, model_graphdef, frozen, batch, rng) -> (total, metrics)`, differentiable in params.
+    """`loss_fn(params, model_graphdef, frozen, batch, rng, *, counts=None) -> (total, metrics)`,
+    differentiable in params.
 
     The forward pass runs with train=True (sampled VAE latents from `rng`) and only the heads the stage's
-    losses read. Exposed so a trainer can accumulate gradients over micro-batches before `apply_update`.
+    losses read. Exposed so a trainer can accumulate gradients over micro-batches before `apply_update`:
+    with `rng` one key per example ([m], e.g. `fold_in(step_key, global example index)`) and `counts` =
+    `Empatheia.loss_counts` of the WHOLE batch, the sums over the micro-batches of total, metrics and
+    gradients equal one call on the whole batch (see `Empatheia.loss`).
     """
     heads = stage.heads
 
-    def loss_fn(params, graphdef, frozen, batch, rng):
+    def loss_fn(params, graphdef, frozen, batch, rng, *, counts=None):
         model = nnx.merge(graphdef, params, frozen)
         outputs = model(batch, train=True, rng=rng, heads=heads)
-        return model.loss(batch, outputs, stage, weights)
+        return model.loss(batch, outputs, stage, weights, counts=counts)
 
     return loss_fn
 

@@ -463,6 +463,49 @@ def test_style_and_class_losses_skip_rows_without_signal_tokens():
     assert float(m["cls_emotion"]) == pytest.approx(ref, rel=1e-5)
 
 
+def test_loss_counts_come_from_the_batch_and_are_the_loss_denominators():
+    model = build()
+    batch = make_batch()
+    row1 = batch["input_ids"][1]
+    batch["input_ids"][1] = np.where(np.isin(row1, CFG.vid_signal_ids), 5, row1)  # row 1: no <VIDi>
+    batch["attention_mask"][3, 9:] = 0  # row 3's signal tokens are under padding: no r^s/r^v
+    jb = {k: jnp.asarray(v) for k, v in batch.items()}
+    c = {k: int(v) for k, v in model.loss_counts(jb).items()}
+    assert set(c) == set(emp_mod.COUNT_KEYS)
+    attended = batch["attention_mask"].astype(bool)
+    has_s = (np.isin(batch["input_ids"], CFG.aud_signal_ids) & attended).any(1)
+    has_v = (np.isin(batch["input_ids"], CFG.vid_signal_ids) & attended).any(1)
+    assert has_s.tolist() == [True, True, True, False] and has_v.tolist() == [True, False, True, False]
+    lm = batch["loss_mask"].astype(bool)
+    want = {
+        "emp_tokens": lm.sum(), "signal_tokens": (lm & np.isin(batch["target_ids"], CFG.signal_ids)).sum(),
+        "speech_signal_examples": 3, "video_signal_examples": 2,
+        "speech_style_examples": (batch["style_mask"][:, 0].astype(bool) & has_s).sum(),
+        "video_style_examples": (batch["style_mask"][:, 1].astype(bool) & has_v).sum(),
+    }
+    for key in ("speech_content", "video_content"):
+        want[f"{key}_rows"] = batch[f"{key}_mask"].sum()
+        want[f"{key}_examples"] = batch[f"{key}_mask"].any(1).sum()
+    for name in ("emotion", "age", "gender", "timbre"):
+        want[f"{name}_labels"] = ((batch[name] >= 0) & (has_s | has_v)).sum()
+    assert c == {k: int(v) for k, v in want.items()}
+    # [A, m] leading axes give the same totals.
+    stacked = model.loss_counts({k: v.reshape(2, 2, *v.shape[1:]) for k, v in jb.items()})
+    assert {k: int(v) for k, v in stacked.items()} == c
+
+    # The whole batch's own counts reproduce counts=None exactly (same program as the test above).
+    out = forward(model, batch, heads={"cs", "sd"}, train=True, rng=jax.random.key(4))
+    total, m = model.loss(jb, out, stages.STAGES["overall"])
+    total_c, m_c = model.loss(jb, out, stages.STAGES["overall"], counts=model.loss_counts(jb))
+    assert float(total_c) == float(total)
+    assert {k: float(v) for k, v in m_c.items()} == {k: float(v) for k, v in m.items()}
+    with pytest.raises(KeyError, match="timbre_labels"):
+        model.loss(jb, out, stages.STAGES["overall"],
+                   counts={k: v for k, v in model.loss_counts(jb).items() if k != "timbre_labels"})
+    with pytest.raises(ValueError, match="per-example keys"):
+        model(jb, train=True, rng=jax.random.split(jax.random.key(0), 3), heads={"sd"})
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Sharding
 # ----------------------------------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -174,3 +176,79 @@ def test_combine_under_jit_and_grad():
     g = jax.jit(jax.grad(f))(jnp.float32(1.0))
     ccl, sal, cls = 8.0, 0.75, 2.1
     np.testing.assert_allclose(float(g), 2.0 + 0.2 * ccl + 0.3 * (sal + cls) + 1e-3 * 4.0, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Global counts (gradient accumulation)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _accumulate(fn, count_fn, count_idx, args):
+    """The whole batch of 4 vs 4 micro-batches of 1 (vmapped, so one compile per function)."""
+    micro = [a.reshape(4, 1, *a.shape[1:]) for a in args]
+    count = count_fn(args[count_idx])
+
+    def part(x, *rest, count=count):
+        return fn(x, *rest, count=count)
+
+    full, g_full = jax.value_and_grad(lambda x: fn(x, *args[1:]))(args[0])
+    return {
+        "full": full, "g_full": g_full, "count": count,
+        "micro_counts": jax.vmap(count_fn)(micro[count_idx]),
+        "parts": jax.vmap(part)(*micro),
+        "g_parts": jax.vmap(jax.grad(part))(*micro).reshape(args[0].shape),
+        "naive": jnp.mean(jax.vmap(fn)(*micro)),  # the mean of local means: what accumulation must not do
+        # Example 1 has no valid item: alone with a count of 0 (a whole batch without items).
+        "empty": part(*(m[1] for m in micro), count=jnp.int32(0)),
+        "g_empty": jax.grad(part)(*(m[1] for m in micro), count=jnp.int32(0)),
+    }
+
+
+def _check_additive(fn, args, count_fn, count_idx):
+    r = _accumulate(fn, count_fn, count_idx, tuple(jnp.asarray(a) for a in args))
+    assert int(r["count"]) == int(np.sum(r["micro_counts"]))  # counts are additive
+    parts = np.asarray(r["parts"])
+    assert parts[1] == 0.0 and np.isfinite(parts).all()  # the empty micro-batch adds exactly 0
+    np.testing.assert_allclose(parts.sum(), float(r["full"]), rtol=1e-5)
+    assert abs(float(r["naive"]) - float(r["full"])) > 1e-3 * abs(float(r["full"]))  # the check can fail
+    np.testing.assert_allclose(np.asarray(r["g_parts"]), np.asarray(r["g_full"]), rtol=1e-5, atol=1e-7)
+    assert float(r["empty"]) == 0.0
+    assert np.isfinite(np.asarray(r["g_empty"])).all() and not np.asarray(r["g_empty"]).any()
+
+
+def _ce_mean(logits, ids, mask, count=None):
+    return losses.token_cross_entropy(logits, ids, mask, count=count)[0]
+
+
+def test_mean_functions_with_a_global_count_add_up_over_micro_batches():
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(4, 5, 11)).astype(np.float32) * 2
+    ids = rng.integers(0, 11, size=(4, 5)).astype(np.int32)
+    tok_mask = np.array([[1, 1, 0, 0, 0], [0] * 5, [1, 1, 1, 1, 1], [0, 0, 0, 1, 1]], np.int32)
+    _check_additive(_ce_mean, (logits, ids, tok_mask), losses.masked_count, 2)
+
+    pred = rng.normal(size=(4, 6, 3)).astype(np.float32)
+    target = rng.normal(size=(4, 6, 3)).astype(np.float32)
+    row_mask = np.array([[1] * 6, [0] * 6, [1, 1, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]], bool)
+    _check_additive(losses.masked_squared_l2, (pred, target, row_mask), losses.masked_count, 2)
+
+    ex_mask = np.array([1, 0, 1, 1], np.int32)
+    _check_additive(losses.squared_l2, (pred[:, 0], target[:, 0], ex_mask), losses.masked_count, 2)
+
+    labels = np.array([2, -1, 6, -1], np.int32)
+    cls_logits = rng.normal(size=(4, 7)).astype(np.float32)
+    _check_additive(losses.classification_ce, (cls_logits, labels), losses.label_count, 1)
+
+    mu = rng.normal(size=(4, 6, 2)).astype(np.float32)
+    logvar = rng.normal(size=(4, 6, 2)).astype(np.float32) * 0.5
+    _check_additive(losses.kl_term, (mu, logvar, row_mask), losses.kl_count, 2)
+    # Without a mask the denominator is the number of examples; a Python int count works.
+    whole = losses.kl_term(jnp.asarray(mu), jnp.asarray(logvar))
+    split = losses.kl_term(jnp.asarray(mu[:1]), jnp.asarray(logvar[:1]), count=4) + losses.kl_term(
+        jnp.asarray(mu[1:]), jnp.asarray(logvar[1:]), count=4)
+    np.testing.assert_allclose(float(split), float(whole), rtol=1e-6)
+    # The counts accept extra leading axes ([A, m, ...]) with the same totals.
+    assert int(losses.kl_count(row_mask.reshape(2, 2, 6))) == int(losses.kl_count(row_mask)) == 3
+    assert int(losses.label_count(labels.reshape(2, 2))) == 2
+    assert int(losses.masked_count(tok_mask.reshape(2, 2, 5))) == 9

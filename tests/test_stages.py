@@ -20,10 +20,12 @@ import pytest
 from flax import nnx
 
 from empatheia_jax import losses, stages
+from empatheia_jax.models import empatheia as emp_mod
 from empatheia_jax.models.empatheia import Empatheia
 from empatheia_jax.models.llama import init_added_rows
 from empatheia_jax.models.lora import set_lora_b
-from empatheia_jax.stages import PIPELINE_BASELINE, STAGES, Stage, StageSkipped, apply_ablations
+from empatheia_jax.models.trainable import trainable_filter
+from empatheia_jax.stages import PIPELINE_BASELINE, STAGE_ORDER, STAGES, Stage, StageSkipped, apply_ablations
 from tests.test_empatheia import BOS, CFG, EOS, FAST, PAD, SEP, V
 
 AUD, VID = CFG.aud_token_id, CFG.vid_token_id
@@ -273,3 +275,108 @@ def test_each_stage_halves_its_loss(name, steps):
         margins[attr] = acc - np.bincount(labels).max() / len(labels)
     assert np.mean(list(margins.values())) > 0.08, margins
     assert sum(m > 0.03 for m in margins.values()) >= 3, margins
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Gradient accumulation: 4 micro-batches of 1 == 1 batch of 4
+# ----------------------------------------------------------------------------------------------------------
+
+
+def accumulation_batch(stage: str) -> dict[str, np.ndarray]:
+    """4 examples of `stage`'s template: 0 complete; 1 a filler row (nothing valid at all); 2 without content
+    rows, emotion/age labels, speech style and <VIDi> tokens; 3 without a timbre label."""
+    b = stage_batch(stage, 7, n=4)
+    for k in ("input_ids", "target_ids", "loss_mask", "response_mask", "attention_mask", "aud_mask",
+              "vid_mask", "speech_content_mask", "video_content_mask", "style_mask"):
+        b[k][1] = PAD if k in ("input_ids", "target_ids") else 0
+    for k in ("emotion", "age", "gender", "timbre", "record_index"):
+        b[k][1] = -1
+    b["speech_content_mask"][2] = b["video_content_mask"][2] = 0
+    b["emotion"][2] = b["age"][2] = -1
+    b["style_mask"][2, 0] = 0
+    for k in ("input_ids", "target_ids"):
+        b[k][2] = np.where(np.isin(b[k][2], CFG.vid_signal_ids), 5, b[k][2])
+    b["timbre"][3] = -1
+    return b
+
+
+def _stage_totals(params, graphdef, frozen, batch, keys, counts):
+    """The totals of every stage (STAGE_ORDER) on one forward pass with all heads, and their metrics."""
+    model = nnx.merge(graphdef, params, frozen)
+    out = model(batch, train=True, rng=keys)
+    res = [model.loss(batch, out, STAGES[n], counts=counts) for n in STAGE_ORDER]
+    return jnp.stack([t for t, _ in res]), {n: m for n, (_, m) in zip(STAGE_ORDER, res, strict=True)}
+
+
+def _totals_and_grads(params, graphdef, frozen, batch, keys, counts):
+    """Each stage's total, metrics and gradient (leading axis: the stage) from one batched backward pass."""
+    totals, vjp, metrics = jax.vjp(lambda p: _stage_totals(p, graphdef, frozen, batch, keys, counts), params,
+                                   has_aux=True)
+    (grads,) = jax.vmap(vjp)(jnp.eye(len(STAGE_ORDER), dtype=jnp.float32))
+    return totals, metrics, grads
+
+
+@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST)
+def accumulate(graphdef, params, frozen, batch, keys):
+    """One program for all four stages: values/metrics/grads of the whole batch (counts=None) and of a
+    lax.scan over its micro-batches of 1 with the whole batch's counts, as a trainer runs it. The scan also
+    runs `stages.make_loss_fn` (overall) with counts=, to check its plumbing."""
+    model = nnx.merge(graphdef, params, frozen)
+    full, m_full, g_full = _totals_and_grads(params, graphdef, frozen, batch, keys, None)
+    micro = jax.tree.map(lambda x: x.reshape(x.shape[0], 1, *x.shape[1:]), batch)
+    counts = model.loss_counts(batch)
+    loss_fn = stages.make_loss_fn(STAGES["overall"])
+
+    def body(_, xs):
+        mb, k = xs
+        totals, metrics, grads = _totals_and_grads(params, graphdef, frozen, mb, k, counts)
+        via_loss_fn, _ = loss_fn(params, graphdef, frozen, mb, k, counts=counts)
+        return None, (totals, metrics, grads, via_loss_fn)
+
+    _, (totals, m_micro, g_micro, via_loss_fn) = jax.lax.scan(body, None, (micro, keys.reshape(-1, 1)))
+    return {"full": full, "m_full": m_full, "g_full": g_full, "totals": totals, "m_micro": m_micro,
+            "g_micro": g_micro, "via_loss_fn": via_loss_fn, "counts": counts,
+            "micro_counts": jax.vmap(model.loss_counts)(micro), "stacked_counts": model.loss_counts(micro)}
+
+
+@pytest.mark.parametrize("template", ["coe", "ccl", "sac", "overall"])
+def test_micro_batches_with_global_counts_and_per_example_keys_give_the_full_batch_update(template):
+    """On each stage's batch, for every stage formula: Σ over 4 micro-batches of 1 of loss(counts=whole
+    batch's counts) and of its gradient == the whole batch's loss and gradient (VAE sampling on)."""
+    model = build(STAGES["overall"])
+    graphdef, params, frozen = nnx.split(model, trainable_filter(STAGES["overall"].trainable_groups), ...)
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(3), i))(jnp.arange(4))
+    r = accumulate(graphdef, params, frozen, to_jax(accumulation_batch(template)), keys)
+    r = jax.tree.map(np.asarray, r)
+
+    # Counts from the batch alone: additive over micro-batches and over [A, m] leading axes.
+    assert set(r["counts"]) == set(emp_mod.COUNT_KEYS)
+    for k, v in r["counts"].items():
+        assert int(v) == int(r["micro_counts"][k].sum()) == int(r["stacked_counts"][k]), k
+    assert r["counts"]["emp_tokens"] > 0
+    np.testing.assert_allclose(r["via_loss_fn"], r["totals"][:, STAGE_ORDER.index("overall")], rtol=1e-6)
+    assert np.isfinite(r["totals"]).all()
+    assert not r["totals"][1].any()  # the filler row adds nothing to any stage
+    for s, name in enumerate(STAGE_ORDER):
+        np.testing.assert_allclose(r["totals"][:, s].sum(), r["full"][s], rtol=1e-5, err_msg=name)
+        for k, v in r["m_full"][name].items():  # every metric adds up: terms, kl_*, acc_*, counts, total
+            np.testing.assert_allclose(r["m_micro"][name][k].sum(0), v, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{name}: {k}")
+    if template in ("sac", "overall"):
+        assert r["m_full"]["sac"]["sal_video"] > 0 and r["m_micro"]["sac"]["sal_video"][2] == 0.0
+    flat_full = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(r["g_full"])}
+    flat_micro = {p: np.asarray(v[...]).sum(0) for p, v in nnx.to_flat_state(r["g_micro"])}
+    assert flat_full.keys() == flat_micro.keys()
+    for s, name in enumerate(STAGE_ORDER):
+        top = max(np.abs(g[s]).max() for g in flat_full.values())
+        if top == 0:  # a stage with nothing to learn on this template (sac on text, ccl on media only)
+            assert name != template and not any(g[s].any() for g in flat_micro.values()), name
+            continue
+        worst = {}
+        for path, g in flat_full.items():
+            # Relative to the leaf's own scale; leaves whose exact gradient is 0 (attention key biases, which
+            # softmax ignores) hold only rounding noise, hence the floor relative to the largest leaf.
+            scale = max(np.abs(g[s]).max(), 1e-3 * top)
+            worst[path] = np.abs(flat_micro[path][s] - g[s]).max() / scale
+        path = max(worst, key=worst.get)
+        assert worst[path] <= 1e-5, (name, path, worst[path])

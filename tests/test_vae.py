@@ -263,6 +263,45 @@ def test_dropout_only_when_sampling(model):
     np.testing.assert_allclose(np.asarray(plain.mu), np.asarray(a.mu), rtol=1e-6, atol=1e-6)
 
 
+def test_per_example_keys_give_an_example_the_same_noise_in_any_batch(model):
+    """With keys [B] example b's eps and dropout come from keys[b] alone: the same in a batch of 1 or B."""
+    h, mask = _inputs()
+    dropped = _with_config(model, CFG.replace(dropout=0.3))  # dropout acts too, per example
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(7), i))(jnp.arange(B))
+    big = run(dropped, h, mask, sample=True, rng=keys)
+    eps = (np.asarray(big.z) - np.asarray(big.mu)) / np.exp(0.5 * np.asarray(big.logvar))
+    for b in (0, 1, 2, 5):
+        alone = run(dropped, h[b : b + 1], mask[b : b + 1], sample=True, rng=keys[b : b + 1])
+        for name in ("out", "mu", "logvar", "z"):
+            np.testing.assert_allclose(np.asarray(getattr(alone, name))[0], np.asarray(getattr(big, name))[b],
+                                       rtol=1e-5, atol=1e-6, err_msg=f"{name} of example {b}")
+        # The documented draw: eps[b] = normal(split(keys[b])[0], (Q, d_latent)).
+        want = jax.random.normal(jax.random.split(keys[b])[0], (CFG.num_queries, CFG.d_latent))
+        np.testing.assert_allclose(eps[b], np.asarray(want), rtol=1e-4, atol=1e-4)
+    assert not np.allclose(eps[0], eps[3])  # examples get different noise
+    assert not np.allclose(np.asarray(big.mu), np.asarray(run(model, h, mask).mu))  # dropout acted
+    with pytest.raises(ValueError, match="per-example keys"):
+        dropped(jnp.asarray(h[:4]), jnp.asarray(mask[:4]), sample=True, rng=keys[:3])
+
+
+def test_key_helpers_accept_raw_and_per_example_keys():
+    from empatheia_jax.models import vae
+
+    raw, typed = jax.random.PRNGKey(3), jax.random.key(3)
+    np.testing.assert_array_equal(vae.normal_draw(raw, (2, 3)), jax.random.normal(typed, (2, 3)))
+    keys = jax.random.split(typed, 4)
+    sub = vae.split_keys(keys, 3)
+    assert sub.shape == (3, 4)
+    for b in range(4):
+        np.testing.assert_array_equal(jax.random.key_data(sub[:, b]),
+                                      jax.random.key_data(jax.random.split(keys[b], 3)))
+        np.testing.assert_array_equal(jax.random.key_data(vae.fold_in_keys(keys, 5)[b]),
+                                      jax.random.key_data(jax.random.fold_in(keys[b], 5)))
+    np.testing.assert_array_equal(vae.split_keys(jax.random.key_data(keys)).shape, (2, 4))  # raw [B, 2]
+    with pytest.raises(ValueError, match="batch of keys"):
+        vae.as_key(jax.random.split(typed, (2, 2)))
+
+
 def test_sharded_forward_matches_single_device(model):
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
     h, mask = _inputs()

@@ -35,7 +35,7 @@ from empatheia_jax import losses
 from empatheia_jax.models import trainable
 from empatheia_jax.models.llama import Llama, LlamaConfig, init_added_rows
 from empatheia_jax.models.lora import LoraConfig, apply_lora, lora_config_of, lora_layers
-from empatheia_jax.models.vae import TransformerVAE, VAEConfig, VAEOutput
+from empatheia_jax.models.vae import TransformerVAE, VAEConfig, VAEOutput, as_key, split_keys
 from empatheia_jax.templates import AUD_PLACEHOLDER, VID_PLACEHOLDER, extend_tokenizer, signal_tokens
 
 if TYPE_CHECKING:
@@ -294,9 +294,10 @@ def run_vaes(
     Such a group is `jax.vmap` over the blocks' stacked `nnx.split` states (no NNX transform): the SD's four
     equal blocks become one batched VAE, which cuts the traced program (and its XLA compile time) about 4x
     and batches the small matmuls. Numerically it is the same as calling the blocks one by one with
-    `rng` split into one key per block.
+    `rng` split into one key per block: `jax.random.split(rng, len(blocks))[i]` for one key, and with
+    per-example keys [B] block i gets `split(rng[b], len(blocks))[i]` for example b (`vae.split_keys`).
     """
-    keys = None if rng is None else jax.random.split(rng, len(blocks))
+    keys = None if rng is None else split_keys(rng, len(blocks))
     groups: dict[Any, list[int]] = {}
     for i, (block, (h, m)) in enumerate(zip(blocks, inputs, strict=True)):
         groups.setdefault((block.config, h.shape, h.dtype, m.shape), []).append(i)
@@ -511,6 +512,12 @@ class Empatheia(nnx.Module):
         run (default: all the model has); a stage passes only what its losses read. train=True samples
         the VAE latents (needs `rng`); train=False uses z = mu.
 
+        `rng` is one key (shape []) or one key per example (shape [B]). With per-example keys every draw
+        of example b (VAE noise and dropout) comes from rng[b] alone: `cs_key, sd_key = split(rng[b])`, then
+        `run_vaes` splits each into one key per block and `TransformerVAE` draws per example. So example b
+        gets the same noise in a batch of 1 or of 4, which gradient accumulation needs (a trainer passes
+        `rng[b] = fold_in(step_key, global index of example b)`). One key keeps the whole-batch draws.
+
         Returns: logits f32 [B,T,V]; hidden [B,T,d]; r_s/r_v [B,n,d] + *_mask/*_positions; r_t (= hidden)
         + r_t_mask; with CS: speech_content [B,L_s,1024], video_content [B,L_v,256]; with SD: speech_style,
         video_style [B,256], speech/video_emotion/profile (E^m, P^m), emotion_features (E),
@@ -524,6 +531,10 @@ class Empatheia(nnx.Module):
         if train and heads and rng is None:
             raise ValueError("train=True samples the VAE latents and needs an rng")
         ids = batch["input_ids"]
+        if rng is not None:
+            rng = as_key(rng)
+            if rng.ndim == 1 and rng.shape[0] != ids.shape[0]:
+                raise ValueError(f"{rng.shape[0]} per-example keys for a batch of {ids.shape[0]} examples")
         mask = batch.get("attention_mask")
         mask = jnp.ones(ids.shape, bool) if mask is None else mask.astype(bool)
         positions = batch.get("positions")
@@ -538,7 +549,7 @@ class Empatheia(nnx.Module):
         out["r_t"] = hidden
         out["r_t_mask"] = (jnp.zeros(ids.shape, bool) if response is None else response.astype(bool)) & mask
         vae: dict[str, VAEOutput] = {}
-        keys = (None, None) if rng is None else tuple(jax.random.split(rng))
+        keys = (None, None) if rng is None else tuple(split_keys(rng))
         sample = bool(train)
         if "cs" in heads:
             cs = self.content_sync(out["r_t"], out["r_t_mask"], sample=sample, rng=keys[0])
@@ -559,21 +570,34 @@ class Empatheia(nnx.Module):
 
     # -- losses ---------------------------------------------------------------------------------------------
 
-    def loss_terms(self, batch: Mapping[str, jax.Array], outputs: Mapping[str, Any]) -> dict[str, jax.Array]:
+    def loss_counts(self, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """Every denominator of `loss` for this batch, from the batch alone (module-level `loss_counts`)."""
+        return loss_counts(self.config, batch)
+
+    def loss_terms(
+        self,
+        batch: Mapping[str, jax.Array],
+        outputs: Mapping[str, Any],
+        *,
+        counts: Mapping[str, jax.Array] | None = None,
+    ) -> dict[str, jax.Array]:
         """Every loss term (names from `losses`) that the outputs allow, plus extra metrics under other keys.
 
         emp: CE on loss_mask; signal_ce: the same CE restricted to targets that are <AUDi>/<VIDi>;
         ccl_*: masked row L2 against speech/video_content (+ *_mask); sal_*: L2 against speech/video_style,
         for examples with that style target (style_mask) and the modality's signal tokens present;
-        cls_*: CE with -1 ignored (also ignored where no signal token is present).
+        cls_*: CE with -1 ignored (also ignored where no signal token is present). `counts` (from
+        `loss_counts`) replaces every denominator, see `loss`.
         """
         cfg = self.config
+        count = _count_getter(counts)
         logits, target_ids = outputs["logits"], batch["target_ids"]
         loss_mask = batch["loss_mask"].astype(bool)
         terms: dict[str, jax.Array] = {}
-        emp, n_tok = losses.token_cross_entropy(logits, target_ids, loss_mask)
-        is_signal = jnp.any(target_ids[..., None] == jnp.asarray(cfg.signal_ids, target_ids.dtype), axis=-1)
-        sig, n_sig = losses.token_cross_entropy(logits, target_ids, loss_mask & is_signal)
+        emp, n_tok = losses.token_cross_entropy(logits, target_ids, loss_mask, count=count("emp_tokens"))
+        is_signal = _is_signal_target(cfg, target_ids)
+        sig, n_sig = losses.token_cross_entropy(logits, target_ids, loss_mask & is_signal,
+                                                count=count("signal_tokens"))
         terms[losses.EMP], terms[losses.SIGNAL_CE] = emp, sig
         extra = {"emp_tokens": n_tok, "signal_tokens": n_sig}
         if "speech_content" in outputs:
@@ -584,46 +608,62 @@ class Empatheia(nnx.Module):
                         f"{key}: the CS predicts {pred.shape} but the batch holds {target.shape}; "
                         "max_speech_len/max_video_len/content dims must match the pipeline"
                     )
-                terms[term] = losses.masked_squared_l2(pred, target, batch[f"{key}_mask"])
+                terms[term] = losses.masked_squared_l2(pred, target, batch[f"{key}_mask"],
+                                                       count=count(f"{key}_rows"))
         if "speech_style" in outputs:
             style_mask = batch["style_mask"].astype(bool)
             has_s, has_v = jnp.any(outputs["r_s_mask"], -1), jnp.any(outputs["r_v_mask"], -1)
             terms[losses.SAL_SPEECH] = losses.squared_l2(outputs["speech_style"], batch["speech_style"],
-                                                         style_mask[:, 0] & has_s)
+                                                         style_mask[:, 0] & has_s,
+                                                         count=count("speech_style_examples"))
             terms[losses.SAL_VIDEO] = losses.squared_l2(outputs["video_style"], batch["video_style"],
-                                                        style_mask[:, 1] & has_v)
+                                                        style_mask[:, 1] & has_v,
+                                                        count=count("video_style_examples"))
             has_any = has_s | has_v
             for term, name in ((losses.CLS_EMOTION, "emotion"), (losses.CLS_AGE, "age"),
                                (losses.CLS_GENDER, "gender"), (losses.CLS_TIMBRE, "timbre")):
                 labels = jnp.where(has_any, batch[name], -1)
                 lg = outputs[f"{name}_logits"]
-                terms[term] = losses.classification_ce(lg, labels)
+                n_labels = count(f"{name}_labels")
+                terms[term] = losses.classification_ce(lg, labels, count=n_labels)
                 valid = labels >= 0
                 correct = jnp.sum(valid & (jnp.argmax(lg, -1) == labels))
-                extra[f"acc_{name}"] = correct / jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
+                n_labels = losses.label_count(labels) if n_labels is None else n_labels
+                extra[f"acc_{name}"] = correct / jnp.maximum(n_labels, 1).astype(jnp.float32)
         terms.update({f"_{k}": v for k, v in extra.items()})
         return terms
 
-    def kl_terms(self, batch: Mapping[str, jax.Array], outputs: Mapping[str, Any]) -> dict[str, jax.Array]:
+    def kl_terms(
+        self,
+        batch: Mapping[str, jax.Array],
+        outputs: Mapping[str, Any],
+        *,
+        counts: Mapping[str, jax.Array] | None = None,
+    ) -> dict[str, jax.Array]:
         """KL of the VAE blocks that ran, summed per trainable group: {"cs": ..., "sd": ...}.
 
-        CS blocks count the queries that have a target row (*_content_mask); SD blocks count the examples
-        whose modality has its signal tokens.
+        CS blocks count the queries that have a target row (*_content_mask) and average over the examples
+        having one (count `*_content_examples`); SD blocks average over the examples whose modality has its
+        signal tokens (count `speech_signal_examples` / `video_signal_examples`).
         """
+        count = _count_getter(counts)
         vae = outputs["vae"]
         out = {}
         if "cs_speech" in vae:
             out["cs"] = sum(
-                losses.kl_term(vae[name].mu, vae[name].logvar, batch[f"{key}_mask"])
+                losses.kl_term(vae[name].mu, vae[name].logvar, batch[f"{key}_mask"],
+                               count=count(f"{key}_examples"))
                 for name, key in (("cs_speech", "speech_content"), ("cs_video", "video_content"))
             )
         if "sd_speech_emotion" in vae:
             total = jnp.zeros((), jnp.float32)
             for name in SD_VAES:
-                present = jnp.any(outputs["r_s_mask" if "speech" in name else "r_v_mask"], -1)
+                modality = "speech" if "speech" in name else "video"
+                present = jnp.any(outputs["r_s_mask" if modality == "speech" else "r_v_mask"], -1)
                 mu = vae[name].mu
-                total = total + losses.kl_term(mu, vae[name].logvar, jnp.broadcast_to(present[:, None],
-                                                                                      mu.shape[:2]))
+                total = total + losses.kl_term(mu, vae[name].logvar,
+                                               jnp.broadcast_to(present[:, None], mu.shape[:2]),
+                                               count=count(f"{modality}_signal_examples"))
             out["sd"] = total
         return out
 
@@ -633,17 +673,28 @@ class Empatheia(nnx.Module):
         outputs: Mapping[str, Any],
         stage: Stage,
         weights: losses.LossWeights | None = None,
+        *,
+        counts: Mapping[str, jax.Array] | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """(total, metrics) of `stage` (a `stages.Stage`) via `losses.combine`.
 
         Terms the stage's formula (`stage.loss_stage`) needs but the stage dropped (ablations) enter as 0;
         a term the stage keeps but the outputs cannot give raises (a head that did not run). KL = the KL of
-        the VAE groups the stage trains. Metrics also hold kl_cs/kl_sd, token counts and classifier accuracy.
+        the VAE groups the stage trains. Metrics also hold kl_cs/kl_sd, token counts (emp_tokens,
+        signal_tokens: this batch's own counts) and classifier accuracy (acc_*).
+
+        counts=None: every term and acc_* is a mean over this batch's own valid items.
+        counts=`loss_counts(whole batch)` (gradient accumulation): every term, kl_*, acc_* and the total use
+        those counts as denominators, i.e. each is this micro-batch's SUM over the whole batch's count.
+        Every metric is then additive: summed over the micro-batches of the whole batch (with the same
+        counts), total, each term, ccl/sal/cls/sac, kl_*, acc_* and the token counts equal the values of
+        one call on the whole batch with counts=None, and so do the summed gradients. A missing count
+        raises KeyError.
         """
-        all_terms = self.loss_terms(batch, outputs)
+        all_terms = self.loss_terms(batch, outputs, counts=counts)
         extra = {k[1:]: v for k, v in all_terms.items() if k.startswith("_")}
         terms = {k: v for k, v in all_terms.items() if not k.startswith("_")}
-        kls = self.kl_terms(batch, outputs)
+        kls = self.kl_terms(batch, outputs, counts=counts)
         terms[losses.KL] = sum((kls[g] for g in sorted(kls) if g in stage.trainable_groups),
                                jnp.zeros((), jnp.float32))
         missing = [t for t in stage.loss_terms if t not in terms]
@@ -707,6 +758,84 @@ class Empatheia(nnx.Module):
         return model
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Loss denominators (gradient accumulation)
+# ----------------------------------------------------------------------------------------------------------
+
+COUNT_KEYS = (
+    "emp_tokens", "signal_tokens",
+    "speech_content_rows", "video_content_rows", "speech_content_examples", "video_content_examples",
+    "speech_signal_examples", "video_signal_examples", "speech_style_examples", "video_style_examples",
+    "emotion_labels", "age_labels", "gender_labels", "timbre_labels",
+)
+
+
+def _is_signal_target(cfg: EmpatheiaConfig, target_ids: jax.Array) -> jax.Array:
+    return jnp.any(target_ids[..., None] == jnp.asarray(cfg.signal_ids, target_ids.dtype), axis=-1)
+
+
+def signal_present(
+    input_ids: jax.Array, attention_mask: jax.Array | None, ids: Sequence[int]
+) -> jax.Array:
+    """[...] bool: the example has at least one of `ids` among its attended input tokens (the rule of
+    `Empatheia.gather_signal_states`: `any(r_s_mask, -1)` for the <AUDi> ids). input_ids [..., T]."""
+    attended = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask.astype(bool)
+    hit = jnp.any(input_ids[..., None] == jnp.asarray(ids, input_ids.dtype), axis=-1) & attended
+    return jnp.any(hit, axis=-1)
+
+
+def loss_counts(cfg: EmpatheiaConfig, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """Every denominator of `Empatheia.loss`, as int32 scalars computed from the batch alone (no forward).
+
+    Each count is a total over all leading axes, so the leaves may be [B, ...] or [A, m, ...] (A
+    micro-batches of m) and the counts are additive: the counts of a batch are the sums of the counts of
+    any split of it. Keys (each only when the batch has the keys it needs):
+
+        emp_tokens               Σ loss_mask                                        emp
+        signal_tokens            Σ loss_mask ∧ target ∈ <AUDi>/<VIDi>               signal_ce
+        {speech,video}_content_rows      Σ *_content_mask                           ccl_speech / ccl_video
+        {speech,video}_content_examples  examples with a content row                KL of cs_speech / cs_video
+        {speech,video}_signal_examples   examples with an attended <AUDi> / <VIDi>  KL of the SD blocks
+        {speech,video}_style_examples    style_mask[:, j] ∧ that modality's signal  sal_speech / sal_video
+        {emotion,age,gender,timbre}_labels  label >= 0 ∧ any signal token           cls_* and acc_*
+    """
+    out: dict[str, jax.Array] = {}
+    if "loss_mask" in batch and "target_ids" in batch:
+        lm = batch["loss_mask"].astype(bool)
+        out["emp_tokens"] = losses.masked_count(lm)
+        out["signal_tokens"] = losses.masked_count(lm & _is_signal_target(cfg, batch["target_ids"]))
+    for key in ("speech_content", "video_content"):
+        if f"{key}_mask" in batch:
+            m = batch[f"{key}_mask"]
+            out[f"{key}_rows"] = losses.masked_count(m)
+            out[f"{key}_examples"] = losses.kl_count(m)
+    ids, attn = batch["input_ids"], batch.get("attention_mask")
+    has_s = signal_present(ids, attn, cfg.aud_signal_ids)
+    has_v = signal_present(ids, attn, cfg.vid_signal_ids)
+    out["speech_signal_examples"] = losses.masked_count(has_s)
+    out["video_signal_examples"] = losses.masked_count(has_v)
+    if "style_mask" in batch:
+        style = batch["style_mask"].astype(bool)
+        out["speech_style_examples"] = losses.masked_count(style[..., 0] & has_s)
+        out["video_style_examples"] = losses.masked_count(style[..., 1] & has_v)
+    for name in ("emotion", "age", "gender", "timbre"):
+        if name in batch:
+            out[f"{name}_labels"] = losses.label_count(jnp.where(has_s | has_v, batch[name], -1))
+    return out
+
+
+def _count_getter(counts: Mapping[str, jax.Array] | None):
+    def get(name: str) -> jax.Array | None:
+        if counts is None:
+            return None
+        if name not in counts:
+            raise KeyError(f"counts lack {name!r} (got {sorted(counts)}); build them with "
+                           "Empatheia.loss_counts(batch) of the whole batch")
+        return counts[name]
+
+    return get
+
+
 def copy_backbone(src: Llama, dst: Llama) -> None:
     """Copies every parameter of `src` into `dst` (same architecture, `dst` may have more added rows).
 
@@ -740,6 +869,7 @@ def copy_backbone(src: Llama, dst: Llama) -> None:
             new[...] = new[...].at[idx].set(old[idx].astype(new.dtype))
 
 __all__ = [
+    "COUNT_KEYS",
     "CS_VAES",
     "HEADS",
     "SD_VAES",
@@ -748,4 +878,7 @@ __all__ = [
     "EmpatheiaConfig",
     "StyleDisentangler",
     "copy_backbone",
+    "loss_counts",
+    "run_vaes",
+    "signal_present",
 ]

@@ -117,6 +117,67 @@ def kl_divergence(mu: jax.Array, logvar: jax.Array, mask: jax.Array | None = Non
     return total / jnp.maximum(jnp.sum(m, axis=-1), 1).astype(jnp.float32)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Keys: one key for the whole batch, or one key per example
+# ----------------------------------------------------------------------------------------------------------
+#
+# Every random draw of the block goes through these helpers, which accept either ONE key (shape [], the
+# draw covers the whole batch as one array) or a batch of keys (shape [B], one per example: example b's
+# draws depend only on keys[b], whatever else is in the batch, which makes micro-batching exact). Raw
+# uint32 keys (jax.random.PRNGKey) are wrapped first; the values drawn are the same.
+
+
+def as_key(key: jax.Array) -> jax.Array:
+    """A typed key array ([] or [B]); raw uint32 keys ([2] or [B, 2]) are wrapped."""
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    if key.ndim > 1:
+        raise ValueError(f"expected one key or a batch of keys [B], got a key array of shape {key.shape}")
+    return key
+
+
+def split_keys(key: jax.Array, num: int = 2) -> jax.Array:
+    """`jax.random.split` of one key -> [num]; of per-example keys [B] -> [num, B] (row i holds every
+    example's i-th sub-key, i.e. split(keys[b], num)[i])."""
+    key = as_key(key)
+    if key.ndim == 0:
+        return jax.random.split(key, num)
+    return jax.vmap(lambda k: jax.random.split(k, num), out_axes=1)(key)
+
+
+def fold_in_keys(key: jax.Array, data: int) -> jax.Array:
+    """`jax.random.fold_in` of one key or of each per-example key."""
+    key = as_key(key)
+    if key.ndim == 0:
+        return jax.random.fold_in(key, data)
+    return jax.vmap(lambda k: jax.random.fold_in(k, data))(key)
+
+
+def normal_draw(key: jax.Array, shape: tuple[int, ...], dtype=jnp.float32) -> jax.Array:
+    """Standard normal noise of `shape` ([B, ...]): one draw of the whole shape from one key, or, with
+    per-example keys [B], row b = normal(keys[b], shape[1:])."""
+    key = as_key(key)
+    if key.ndim == 0:
+        return jax.random.normal(key, shape, dtype)
+    _check_key_batch(key, shape[0])
+    return jax.vmap(lambda k: jax.random.normal(k, shape[1:], dtype))(key)
+
+
+def bernoulli_draw(key: jax.Array, p: float, shape: tuple[int, ...]) -> jax.Array:
+    """Bernoulli(p) mask of `shape` ([B, ...]), per example with per-example keys (as `normal_draw`)."""
+    key = as_key(key)
+    if key.ndim == 0:
+        return jax.random.bernoulli(key, p, shape)
+    _check_key_batch(key, shape[0])
+    return jax.vmap(lambda k: jax.random.bernoulli(k, p, shape[1:]))(key)
+
+
+def _check_key_batch(key: jax.Array, batch: int) -> None:
+    if key.ndim == 1 and key.shape[0] != batch:
+        raise ValueError(f"{key.shape[0]} per-example keys for a batch of {batch} examples")
+
+
 def sinusoidal_positions(positions: jax.Array, dim: int) -> jax.Array:
     """Transformer sine/cosine encoding of integer positions [...] -> float32 [..., dim]; no length limit."""
     half = dim // 2
@@ -191,7 +252,7 @@ def _attention(cfg: VAEConfig, rngs: nnx.Rngs) -> nnx.MultiHeadAttention:
 def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     if key is None or rate == 0.0:
         return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    keep = bernoulli_draw(key, 1.0 - rate, x.shape)
     return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
 
 
@@ -226,8 +287,10 @@ class QueryLayer(nnx.Module):
         has_memory: jax.Array,
         key: jax.Array | None,
     ) -> jax.Array:
-        """x [B,Q,d], memory [B,L,d], attn_mask [B,1,Q,L] (never all False), has_memory [B,1,1]."""
-        keys = (None,) * 3 if key is None else tuple(jax.random.split(key, 3))
+        """x [B,Q,d], memory [B,L,d], attn_mask [B,1,Q,L] (never all False), has_memory [B,1,1].
+
+        key: dropout key, one or per example [B] (None: no dropout)."""
+        keys = (None,) * 3 if key is None else tuple(split_keys(key, 3))
         h = self.self_norm(x)
         x = x + _dropout(self.self_attn(h), self.dropout, keys[0])
         h = self.cross_attn(self.cross_norm(x), memory, mask=attn_mask)
@@ -257,7 +320,7 @@ class QueryStack(nnx.Module):
         attn_mask = jnp.broadcast_to(attn_mask[:, None, None, :], (b, 1, q, mask.shape[1]))
         has_memory = has_memory[:, None, None]
         for i, layer in enumerate(self.layers):
-            x = layer(x, memory, attn_mask, has_memory, None if key is None else jax.random.fold_in(key, i))
+            x = layer(x, memory, attn_mask, has_memory, None if key is None else fold_in_keys(key, i))
         return self.final_norm(x)
 
 
@@ -327,20 +390,27 @@ class TransformerVAE(nnx.Module):
         and dropout (if configured), which needs `rng`; it is split once,
         `eps_key, dropout_key = jax.random.split(rng)`, and eps = jax.random.normal(eps_key, mu.shape,
         float32). sample=False is evaluation: z = mu, no dropout, deterministic.
+
+        `rng` is one key (shape [], the noise of the whole batch is one draw, so an example's noise depends
+        on the batch it is in) or one key per example (shape [B]): then every draw is made per example
+        (`eps[b] = normal(split(rng[b])[0], (Q, d_latent))`, dropout likewise from `split(rng[b])[1]`), so
+        example b gets the same noise in any batch. Raw uint32 keys are accepted too.
         """
         if sample and rng is None:
             raise ValueError("TransformerVAE(sample=True) needs an rng for the reparameterisation")
         eps_key = drop_key = None
         if sample:
-            eps_key, drop_key = jax.random.split(rng)
+            rng = as_key(rng)
+            _check_key_batch(rng, h.shape[0])
+            eps_key, drop_key = split_keys(rng)
             if self.config.dropout == 0.0:
                 drop_key = None
         enc_key = dec_key = None
         if drop_key is not None:
-            enc_key, dec_key = jax.random.split(drop_key)
+            enc_key, dec_key = split_keys(drop_key)
         mu, logvar = self.encode(h, h_mask, dropout_key=enc_key)
         if sample:
-            eps = jax.random.normal(eps_key, mu.shape, jnp.float32)
+            eps = normal_draw(eps_key, mu.shape, jnp.float32)
             z = mu + jnp.exp(0.5 * logvar) * eps
         else:
             z = mu
