@@ -1019,11 +1019,15 @@ def make_dataset(
     )
 
 
-def make_global_batch(batch: Mapping[str, np.ndarray], sharding: Any) -> dict[str, Any]:
+def make_global_batch(
+    batch: Mapping[str, np.ndarray], sharding: Any, *, batch_axis: int = 0
+) -> dict[str, Any]:
     """Assemble each process's local batch into global jax.Arrays sharded along the batch axis.
 
-    `sharding` is a jax.sharding.Sharding for the batch axis (e.g. NamedSharding(mesh, P(("data",
-    "fsdp")))); trailing axes are replicated. The global batch is process_count times the local one.
+    `sharding` is a jax.sharding.Sharding whose spec entry at `batch_axis` shards the examples (e.g.
+    NamedSharding(mesh, P(("data", "fsdp"))), or P(None, ("data", "fsdp")) with batch_axis=1 for the
+    trainer's [grad_accum, micro_batch, ...] layout); trailing axes are replicated. The global batch axis is
+    process_count times the local one, the processes' slices in process order.
     """
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
@@ -1032,8 +1036,11 @@ def make_global_batch(batch: Mapping[str, np.ndarray], sharding: Any) -> dict[st
     for k, v in batch.items():
         s = sharding
         if isinstance(sharding, NamedSharding):
-            s = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[:1], *([None] * (v.ndim - 1))))
-        out[k] = jax.make_array_from_process_local_data(s, v)
+            lead = tuple(sharding.spec[: batch_axis + 1])
+            s = NamedSharding(sharding.mesh, PartitionSpec(*lead, *([None] * (v.ndim - len(lead)))))
+        shape = list(v.shape)
+        shape[batch_axis] *= jax.process_count()
+        out[k] = jax.make_array_from_process_local_data(s, v, tuple(shape))
     return out
 
 

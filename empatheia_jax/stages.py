@@ -249,8 +249,8 @@ def apply_update(
     graphs: StepGraphs, params: nnx.State, frozen: nnx.State, opt_state: nnx.State, grads: nnx.State
 ) -> tuple[nnx.State, nnx.State]:
     """One optimizer update of `params` with `grads` (pure): (new params, new opt_state)."""
-    model = nnx.merge(graphs.model, params, frozen)
-    optimizer = nnx.merge(graphs.optimizer, opt_state)
+    model = nnx.merge(graphs.model, params, frozen, copy=True)  # copies: the inputs stay as they were
+    optimizer = nnx.merge(graphs.optimizer, opt_state, copy=True)
     optimizer.update(model, grads)
     return nnx.state(model, optimizer.wrt), nnx.state(optimizer)
 

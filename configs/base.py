@@ -1,0 +1,132 @@
+"""Every field a training run reads, at the paper's values (Table 9/10). Other configs start from this.
+
+Usage (big_vision pattern): `empatheia train --config configs/X.py[:ARG] --config.stage=coe --workdir DIR`,
+any field overridable as `--config.optim.lr=1e-4`. ARG is a comma-separated list of ablations (`no_coe`,
+`no_media`, `no_cs`, `no_sd`) and/or `pipeline` (the paper's Pipeline baseline); see `apply_arg`.
+The trainer validates the resolved config (`empatheia_jax.config.validate`) before anything compiles.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+ABLATIONS = ("no_coe", "no_media", "no_cs", "no_sd")
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.stage = "coe"  # coe | ccl | sac | overall | pipeline
+    c.ablations = ml_collections.ConfigDict({name: False for name in ABLATIONS})
+    # A previous stage's workdir (its latest checkpoint) or one step folder of it; "" = the backbone.
+    c.init_from = ""
+
+    c.model = ml_collections.ConfigDict()
+    c.model.backbone = ""  # converted folder (converters.hf_to_flax); "" = random init from model.llm
+    c.model.tokenizer = ""  # "" = the backbone folder's tokenizer
+    # LlamaConfig fields: a random backbone's whole config, or overrides (dtype, remat) of a converted one.
+    c.model.llm = ml_collections.ConfigDict({"dtype": "bfloat16", "param_dtype": "float32", "remat": "none"})
+    c.model.lora = ml_collections.ConfigDict(
+        {"rank": 16, "alpha": 32.0, "targets": ("q_proj", "k_proj", "v_proj", "o_proj")}
+    )
+    # EmpatheiaConfig scalars (audio/video dims come from the shards' manifest, target shapes from data).
+    c.model.empatheia = ml_collections.ConfigDict(
+        {
+            "n_signal": 16,
+            "vae_d_model": 256,
+            "vae_heads": 4,
+            "vae_layers": 4,
+            "cs_latent": 64,
+            "sd_queries": 4,
+            "sd_code_dim": 64,
+            "sd_latent": 32,
+            "vae_dropout": 0.0,
+            "vae_logvar_init": -4.0,
+            "fuse_dim": 256,
+        }
+    )
+
+    c.data = ml_collections.ConfigDict()
+    c.data.shards = ""  # data.prepare output folder
+    c.data.train_split = "train"
+    c.data.eval_split = "valid"
+    c.data.max_len = 1024
+    c.data.max_aud = 32
+    c.data.max_vid = 32
+    c.data.max_speech_len = 256
+    c.data.max_video_len = 256
+    c.data.window_batches = 8
+    c.data.worker_count = 0
+    c.data.read_threads = 1
+
+    c.train = ml_collections.ConfigDict()
+    c.train.batch_size = 32  # global examples per optimizer step
+    c.train.grad_accum = 8  # micro-batches per step, scanned inside the jitted step (micro-batch = 32/8 = 4)
+    c.train.log_every = 10
+    c.train.eval_every = 0  # 0 = only at the end
+    c.train.eval_batches = 0  # 0 = the whole eval split
+    c.train.nan_policy = (
+        "skip"  # skip (count, keep the params) | stop (checkpoint the last good state, exit 1)
+    )
+    c.train.max_consecutive_nonfinite = (
+        20  # skip policy: give up (checkpoint, exit 1) after this many in a row
+    )
+    c.train.profile_steps = ()  # e.g. (10, 15): jax.profiler trace of steps [10, 15) into WORKDIR/profile
+    c.train.trace_data = (
+        False  # append each step's record indices to WORKDIR/data_trace.jsonl (audits resume)
+    )
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.lr = 5e-5
+    c.optim.warmup_steps = 100
+    c.optim.end_lr_ratio = 0.0  # cosine decays to lr * end_lr_ratio at the last step
+    c.optim.weight_decay = 1e-3
+    c.optim.clip_norm = 1.0
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.999
+    c.optim.eps = 1e-8
+
+    c.loss = ml_collections.ConfigDict({"alpha": 0.2, "beta": 0.3, "kl": 1e-3})
+
+    # Per-stage schedule: steps and (optionally) lr / warmup, picked by `stage`.
+    c.schedule = ml_collections.ConfigDict(
+        {
+            name: {
+                "steps": 1000,
+                "lr": 0.0,
+                "warmup_steps": -1,
+            }  # lr 0 / warmup -1 = optim.lr / optim.warmup_steps
+            for name in ("coe", "ccl", "sac", "overall", "pipeline")
+        }
+    )
+
+    c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})  # -1: the remaining devices
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 200
+    c.checkpoint.keep = 3
+    c.checkpoint.keep_best = False
+    c.checkpoint.best_metric = "eval/loss"
+    c.checkpoint.best_mode = "min"
+    c.checkpoint.async_save = True
+
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.initialize = False  # True: jax.distributed.initialize (auto-detects TPU pods / SLURM)
+    c.distributed.coordinator_address = ""  # explicit values for a manual launch (e.g. localhost:1234)
+    c.distributed.num_processes = 0
+    c.distributed.process_id = -1
+    c.distributed.cpu_collectives = ""  # "gloo" for multi-process CPU runs
+
+    return apply_arg(c, arg)
+
+
+def apply_arg(c: ml_collections.ConfigDict, arg: str | None) -> ml_collections.ConfigDict:
+    """`file.py:no_cs,no_sd` turns ablations on; `pipeline` selects the Pipeline baseline stage."""
+    for token in filter(None, (t.strip() for t in (arg or "").split(","))):
+        if token in ABLATIONS:
+            c.ablations[token] = True
+        elif token == "pipeline":
+            c.stage = "pipeline"
+        else:
+            raise ValueError(f"config argument {token!r}: expected one of {ABLATIONS + ('pipeline',)}")
+    return c

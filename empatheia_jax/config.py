@@ -1,0 +1,233 @@
+"""Resolving and validating a run's ml-collections config before anything is built or compiled.
+
+A bad value must fail in the first second with a message naming the key (`config.optim.lr=-1: ...`), not
+twenty minutes later inside XLA or after the first checkpoint. `validate` collects every problem it can
+see and raises one `ConfigError` listing them all; `resolve_stage` / `stage_schedule` are the single place
+that turns `stage`, `ablations` and `schedule` into what the trainer runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import ml_collections
+
+from empatheia_jax.models.llama import _DTYPES
+from empatheia_jax.stages import Stage, StageSkipped, apply_ablations, get_stage
+
+NAN_POLICIES = ("skip", "stop")
+REMAT_POLICIES = ("none", "full", "dots")
+
+
+class ConfigError(ValueError):
+    """An invalid run config; the message lists every offending key with its value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    steps: int
+    lr: float
+    warmup_steps: int
+
+
+def resolve_stage(config: ml_collections.ConfigDict) -> Stage:
+    """The stage this run trains: `config.stage` under `config.ablations` (raises StageSkipped/ValueError)."""
+    return apply_ablations(get_stage(config.stage), **dict(config.ablations))
+
+
+def stage_schedule(config: ml_collections.ConfigDict) -> Schedule:
+    """Steps, peak lr and warmup of the current stage (`schedule.<stage>`, falling back to `optim`)."""
+    s = config.schedule[config.stage]
+    lr = float(s.lr) if s.lr > 0 else float(config.optim.lr)
+    warmup = int(s.warmup_steps) if s.warmup_steps >= 0 else int(config.optim.warmup_steps)
+    return Schedule(steps=int(s.steps), lr=lr, warmup_steps=warmup)
+
+
+def to_json(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The resolved config as plain JSON (tuples become lists), for checkpoints and logs."""
+    return json.loads(config.to_json())
+
+
+def validate(
+    config: ml_collections.ConfigDict,
+    *,
+    device_count: int | None = None,
+    process_count: int | None = None,
+    check_paths: bool = True,
+) -> None:
+    """Raises ConfigError listing every bad value. Device/process counts default to jax's (when known)."""
+    problems: list[str] = []
+
+    def bad(key: str, value: Any, why: str) -> None:
+        problems.append(f"config.{key}={value!r}: {why}")
+
+    # -- stage and ablations --------------------------------------------------------------------------------
+    try:
+        resolve_stage(config)
+    except StageSkipped as e:
+        bad("stage", config.stage, f"nothing to train under the ablations ({e})")
+    except ValueError as e:
+        bad("stage", config.stage, str(e))
+    for name, value in config.ablations.items():
+        if not isinstance(value, bool):
+            bad(f"ablations.{name}", value, "must be True or False")
+    if config.stage in config.schedule:
+        sched = stage_schedule(config)
+        if sched.steps < 1:
+            bad(f"schedule.{config.stage}.steps", sched.steps, "must be >= 1")
+        if not 0 <= sched.warmup_steps <= max(sched.steps, 0):
+            bad(
+                f"schedule.{config.stage}.warmup_steps (or optim.warmup_steps)",
+                sched.warmup_steps,
+                f"must be in [0, steps={sched.steps}]",
+            )
+    elif isinstance(config.stage, str):
+        bad("schedule", sorted(config.schedule), f"has no entry for stage {config.stage!r}")
+
+    # -- optimizer ------------------------------------------------------------------------------------------
+    o = config.optim
+    if not o.lr > 0:
+        bad("optim.lr", o.lr, "must be > 0")
+    for name in config.schedule:
+        if config.schedule[name].lr < 0:
+            bad(f"schedule.{name}.lr", config.schedule[name].lr, "must be >= 0 (0 = optim.lr)")
+    if o.weight_decay < 0:
+        bad("optim.weight_decay", o.weight_decay, "must be >= 0")
+    if o.clip_norm < 0:
+        bad("optim.clip_norm", o.clip_norm, "must be >= 0 (0 = no clipping)")
+    for name in ("b1", "b2"):
+        if not 0 <= o[name] < 1:
+            bad(f"optim.{name}", o[name], "must be in [0, 1)")
+    if not o.eps > 0:
+        bad("optim.eps", o.eps, "must be > 0")
+    if not 0 <= o.end_lr_ratio <= 1:
+        bad("optim.end_lr_ratio", o.end_lr_ratio, "must be in [0, 1]")
+    for name in ("alpha", "beta", "kl"):
+        if config.loss[name] < 0:
+            bad(f"loss.{name}", config.loss[name], "must be >= 0")
+
+    # -- batch, mesh, processes -----------------------------------------------------------------------------
+    t = config.train
+    if t.batch_size < 1:
+        bad("train.batch_size", t.batch_size, "must be >= 1")
+    if t.grad_accum < 1:
+        bad("train.grad_accum", t.grad_accum, "must be >= 1")
+    elif t.batch_size % t.grad_accum:
+        bad("train.batch_size", t.batch_size, f"must be a multiple of train.grad_accum={t.grad_accum}")
+    if t.nan_policy not in NAN_POLICIES:
+        bad("train.nan_policy", t.nan_policy, f"must be one of {NAN_POLICIES}")
+    if t.max_consecutive_nonfinite < 1:
+        bad("train.max_consecutive_nonfinite", t.max_consecutive_nonfinite, "must be >= 1")
+    for name in ("log_every",):
+        if t[name] < 1:
+            bad(f"train.{name}", t[name], "must be >= 1")
+    for name in ("eval_every", "eval_batches"):
+        if t[name] < 0:
+            bad(f"train.{name}", t[name], "must be >= 0")
+    if len(tuple(t.profile_steps)) not in (0, 2) or (
+        t.profile_steps and not 0 <= t.profile_steps[0] < t.profile_steps[1]
+    ):
+        bad("train.profile_steps", t.profile_steps, "must be () or (start, stop) with 0 <= start < stop")
+
+    sizes = {k: config.mesh[k] for k in ("data", "fsdp", "tensor")}
+    if any(v == 0 or v < -1 for v in sizes.values()) or sum(v == -1 for v in sizes.values()) > 1:
+        bad("mesh", sizes, "sizes must be positive, with at most one -1 (= the remaining devices)")
+    else:
+        if device_count is None:
+            import jax
+
+            device_count = jax.device_count()
+            process_count = jax.process_count() if process_count is None else process_count
+        known = 1
+        for v in sizes.values():
+            known *= v if v != -1 else 1
+        if device_count % known or (-1 not in sizes.values() and known != device_count):
+            bad("mesh", sizes, f"does not divide the {device_count} devices")
+        else:
+            resolved = {k: (v if v != -1 else device_count // known) for k, v in sizes.items()}
+            shards = resolved["data"] * resolved["fsdp"]
+            micro = t.batch_size // max(t.grad_accum, 1)
+            if t.batch_size >= 1 and t.grad_accum >= 1 and micro % shards:
+                bad(
+                    "train.batch_size",
+                    t.batch_size,
+                    f"the micro-batch batch_size/grad_accum={micro} must be a multiple of the data x fsdp "
+                    f"mesh size {shards} (mesh {resolved})",
+                )
+    if (
+        process_count
+        and t.batch_size >= 1
+        and t.grad_accum >= 1
+        and (t.batch_size // t.grad_accum) % process_count
+    ):
+        bad(
+            "train.batch_size",
+            t.batch_size,
+            f"the micro-batch must split evenly over {process_count} processes",
+        )
+
+    # -- model ----------------------------------------------------------------------------------------------
+    for name in ("dtype", "param_dtype"):
+        if name in config.model.llm and config.model.llm[name] not in _DTYPES:
+            bad(f"model.llm.{name}", config.model.llm[name], f"must be one of {sorted(_DTYPES)}")
+    if "remat" in config.model.llm and config.model.llm.remat not in REMAT_POLICIES:
+        bad("model.llm.remat", config.model.llm.remat, f"must be one of {REMAT_POLICIES}")
+    if config.model.lora.rank < 1:
+        bad("model.lora.rank", config.model.lora.rank, "must be >= 1")
+    if config.model.empatheia.n_signal < 1:
+        bad("model.empatheia.n_signal", config.model.empatheia.n_signal, "must be >= 1")
+    if config.data.max_len < 16:
+        bad("data.max_len", config.data.max_len, "must be >= 16")
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+    c = config.checkpoint
+    if c.every < 1:
+        bad("checkpoint.every", c.every, "must be >= 1")
+    if c.keep < 1:
+        bad("checkpoint.keep", c.keep, "must be >= 1")
+    if c.best_mode not in ("min", "max"):
+        bad("checkpoint.best_mode", c.best_mode, "must be 'min' or 'max'")
+
+    # -- paths ----------------------------------------------------------------------------------------------
+    if check_paths:
+        shards = Path(config.data.shards) if config.data.shards else None
+        if shards is None:
+            bad("data.shards", config.data.shards, "must name a data.prepare output folder")
+        elif not (shards / "manifest.json").is_file():
+            bad(
+                "data.shards", config.data.shards, "has no manifest.json (not a finished data.prepare folder)"
+            )
+        if config.model.backbone:
+            if not (Path(config.model.backbone) / "COMPLETE").is_file():
+                bad(
+                    "model.backbone",
+                    config.model.backbone,
+                    "is not a complete converted checkpoint (run converters.hf_to_flax)",
+                )
+        elif not config.model.tokenizer:
+            bad(
+                "model.tokenizer",
+                config.model.tokenizer,
+                "a random backbone (model.backbone='') needs a tokenizer",
+            )
+        if config.model.tokenizer and not Path(config.model.tokenizer).exists():
+            bad("model.tokenizer", config.model.tokenizer, "does not exist")
+        if config.init_from and not Path(config.init_from).exists():
+            bad("init_from", config.init_from, "does not exist")
+
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+__all__ = [
+    "NAN_POLICIES",
+    "ConfigError",
+    "Schedule",
+    "resolve_stage",
+    "stage_schedule",
+    "to_json",
+    "validate",
+]

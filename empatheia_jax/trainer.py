@@ -1,0 +1,698 @@
+"""Training one stage: config -> sharded model and data -> jitted steps -> checkpoints and metrics.
+
+The story of a run (`train(config, workdir)`):
+
+1. `config.validate` rejects bad values before anything is built; `jax.distributed.initialize` runs first
+   when configured, so every later call sees all processes.
+2. The model is built from the converted backbone (or a random one for tests) by `Empatheia.from_llm`,
+   placed on a `data`/`fsdp`/`tensor` mesh by the logical-axis rules (`sharding.shard_model`); the
+   optimizer (AdamW, warmup + cosine, global-norm clipping) holds state only for the stage's groups.
+3. Each step takes `batch_size / process_count` examples from this process's grain pipeline, assembles
+   them into global arrays shaped `[grad_accum, micro_batch, ...]`, and runs ONE jitted program: a
+   `lax.scan` over the micro-batches accumulates gradients, each micro-batch's loss normalised by the
+   whole step's counts (`Empatheia.loss_counts`) and its VAE noise drawn from per-example keys, so the
+   update equals the one of a single big batch. A non-finite loss or gradient norm leaves parameters and
+   optimizer state untouched inside the program; the host then applies `train.nan_policy`.
+4. Checkpoints (`checkpoint.TrainCheckpointer`, async orbax) hold the parameters the run can change
+   (everything but the frozen pretrained backbone, which is re-read from `model.backbone`), the optimizer
+   state, the pipeline iterator state and the resolved config. A workdir with checkpoints resumes from
+   the latest one; the step key is `fold_in(seed, step)`, so a resumed run is bit-identical to an
+   uninterrupted one. SIGTERM (or a preemption notice) saves and returns cleanly.
+5. Metrics go to TensorBoard (`WORKDIR/tensorboard`), `WORKDIR/metrics.jsonl` and a tqdm bar.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from empatheia_jax import config as config_lib
+from empatheia_jax import losses, sharding, stages
+from empatheia_jax.checkpoint import PreemptionWatcher, TrainCheckpointer, read_meta, resolve_checkpoint
+from empatheia_jax.checkpoint_io import load_checkpoint
+from empatheia_jax.input_pipeline import InputPipeline, make_dataset, make_global_batch
+from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig, copy_backbone
+from empatheia_jax.models.llama import Llama, LlamaConfig
+from empatheia_jax.models.lora import LoraConfig
+from empatheia_jax.models.trainable import groups as all_groups
+from empatheia_jax.models.trainable import trainable_filter
+from empatheia_jax.shard_format import load_manifest
+from empatheia_jax.templates import extend_tokenizer
+
+log = logging.getLogger("empatheia_jax.trainer")
+
+CHECKPOINT_DIR = "checkpoints"
+# Compiled with flushed denormals on CPU: SiLU of very negative gates feeds denormals into the matmuls
+# (see docs/design.md, "CPU speed"); accelerators flush them anyway.
+_CPU_COMPILER_OPTIONS = {"xla_cpu_ftz": True}
+
+
+class NonFiniteLossError(RuntimeError):
+    """NaN/inf loss or gradient and the policy says stop (the last good state is checkpointed)."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    status: str  # "completed" | "preempted"
+    step: int
+    workdir: Path
+    metrics: dict[str, float]
+    eval_metrics: dict[str, float]
+    nonfinite_skipped: int
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Building the model, the optimizer and the data
+# ----------------------------------------------------------------------------------------------------------
+
+
+def initialize_distributed(config: ml_collections.ConfigDict) -> None:
+    """`jax.distributed.initialize` when `distributed.initialize` (auto-detection, or the explicit values)."""
+    d = config.distributed
+    if not d.initialize:
+        return
+    if d.cpu_collectives:
+        jax.config.update("jax_cpu_collectives_implementation", d.cpu_collectives)
+    kwargs: dict[str, Any] = {}
+    if d.coordinator_address:
+        kwargs = {
+            "coordinator_address": d.coordinator_address,
+            "num_processes": int(d.num_processes),
+            "process_id": int(d.process_id),
+        }
+    jax.distributed.initialize(**kwargs)
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def model_config_overrides(config: ml_collections.ConfigDict, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """EmpatheiaConfig fields of this run: config.model.empatheia + feature/target shapes + ablations."""
+    feats, kinds = manifest["features"], manifest.get("targets", {}).get("kinds", {})
+    ab = config.ablations
+    over = dict(config.model.empatheia)
+    over.update(
+        audio_dim=int(feats["audio_dim"]),
+        video_dim=int(feats["video_dim"]),
+        k=int(feats.get("k", 1)),
+        max_speech_len=int(config.data.max_speech_len),
+        max_video_len=int(config.data.max_video_len),
+        lora=LoraConfig(
+            rank=int(config.model.lora.rank),
+            alpha=float(config.model.lora.alpha),
+            targets=tuple(config.model.lora.targets),
+        ),
+        use_coe=not ab.no_coe,
+        media_input=not ab.no_media,
+        use_cs=not ab.no_cs,
+        use_sd=not ab.no_sd,
+        pipeline_baseline=config.stage == stages.PIPELINE_BASELINE.name,
+    )
+    for key, kind in (
+        ("speech_content_dim", "speech_content"),
+        ("video_content_dim", "video_content"),
+        ("style_dim", "speech_style"),
+    ):
+        if kind in kinds:
+            over[key] = int(kinds[kind]["dim"])
+    return over
+
+
+def build_model(config: ml_collections.ConfigDict, manifest: Mapping[str, Any]) -> tuple[Empatheia, Any]:
+    """(model, tokenizer): the backbone (converted or random) wrapped by `Empatheia.from_llm`."""
+    tokenizer = load_tokenizer(config.model.tokenizer or config.model.backbone)
+    llm_fields = dict(config.model.llm)
+    if config.model.backbone:
+        llm, _ = load_checkpoint(config.model.backbone)
+        llm_over = llm_fields
+    else:
+        if not llm_fields.get("vocab_size"):
+            llm_fields["vocab_size"] = len(tokenizer)
+        llm = Llama(LlamaConfig(**llm_fields), rngs=nnx.Rngs(config.seed))
+        llm_over = {}
+    over = model_config_overrides(config, manifest)
+    model = Empatheia.from_llm(llm, tokenizer, {**over, "llm": llm_over}, rngs=nnx.Rngs(config.seed + 1))
+    return model, tokenizer
+
+
+def saved_state(model: Empatheia, include_backbone: bool) -> nnx.State:
+    """What a checkpoint holds: every parameter some stage may train, plus the backbone when it is random."""
+    return nnx.state(model, nnx.Param if include_backbone else trainable_filter(all_groups()))
+
+
+def make_tx(
+    config: ml_collections.ConfigDict, schedule: config_lib.Schedule
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW, linear warmup then cosine decay, global-norm clipping; no decay on vectors (norms, biases)."""
+    o = config.optim
+    decay_steps = max(schedule.steps, schedule.warmup_steps + 1)
+    lr = optax.warmup_cosine_decay_schedule(
+        0.0, schedule.lr, schedule.warmup_steps, decay_steps, end_value=schedule.lr * o.end_lr_ratio
+    )
+    adamw = optax.adamw(
+        lr,
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        mask=lambda params: jax.tree.map(lambda p: jnp.ndim(p) >= 2, params),
+    )
+    tx = optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw) if o.clip_norm > 0 else adamw
+    return tx, lr
+
+
+def pipeline_fields(
+    config: ml_collections.ConfigDict, stage: stages.Stage, model: Empatheia
+) -> dict[str, Any]:
+    """`make_dataset` keywords shared by the train and eval pipelines (shapes agree with the model)."""
+    fields = {k: v for k, v in stage.pipeline_fields().items() if k != "stage"}
+    mc = model.config
+    fields.update(
+        max_len=int(config.data.max_len),
+        n_signal=mc.n_signal,
+        max_aud=int(config.data.max_aud),
+        max_vid=int(config.data.max_vid),
+        max_speech_len=mc.max_speech_len,
+        max_video_len=mc.max_video_len,
+        speech_content_dim=mc.speech_content_dim,
+        video_content_dim=mc.video_content_dim,
+        style_dim=mc.style_dim,
+        worker_count=int(config.data.worker_count),
+        read_threads=int(config.data.read_threads),
+    )
+    return fields
+
+
+def make_train_pipeline(
+    config: ml_collections.ConfigDict, stage: stages.Stage, model: Empatheia, tokenizer: Any
+) -> InputPipeline:
+    return make_dataset(
+        config.data.shards,
+        config.data.train_split,
+        stage.template_stage,
+        tokenizer,
+        batch_size=config.train.batch_size // jax.process_count(),
+        seed=config.seed,
+        shuffle=True,
+        window_batches=int(config.data.window_batches),
+        **pipeline_fields(config, stage, model),
+    )
+
+
+def make_eval_pipeline(
+    config: ml_collections.ConfigDict,
+    stage: stages.Stage,
+    model: Empatheia,
+    tokenizer: Any,
+    split: str | None = None,
+) -> InputPipeline:
+    micro = config.train.batch_size // config.train.grad_accum
+    return make_dataset(
+        config.data.shards,
+        split or config.data.eval_split,
+        stage.template_stage,
+        tokenizer,
+        batch_size=max(micro // jax.process_count(), 1),
+        seed=config.seed,
+        shuffle=False,
+        num_epochs=1,
+        window_batches=1,
+        **pipeline_fields(config, stage, model),
+    )
+
+
+def step_batch(batch: Mapping[str, np.ndarray], mesh: Mesh, grad_accum: int) -> dict[str, jax.Array]:
+    """This process's examples -> global arrays `[grad_accum, micro_batch, ...]`, micro-batch axis sharded."""
+    local = {k: v.reshape((grad_accum, v.shape[0] // grad_accum) + v.shape[1:]) for k, v in batch.items()}
+    return make_global_batch(local, NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"))), batch_axis=1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The jitted step and eval
+# ----------------------------------------------------------------------------------------------------------
+
+
+def example_keys(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """One key per example: `fold_in(key, row)` with row the example's index in the flattened step batch."""
+    n = math.prod(shape)
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n)).reshape(shape)
+
+
+def make_step(stage: stages.Stage, weights: losses.LossWeights) -> stages.TrainStep:
+    """`step(graphs, params, frozen, opt_state, batch [A, m, ...], key) -> (params, opt_state, metrics)`.
+
+    Micro-batch losses are normalised by the counts of the whole step, so the summed gradients (and the
+    summed metrics) are those of one batch of A*m examples. The update is skipped in-program (params and
+    optimizer state returned unchanged) when the loss or gradient norm is not finite; `nonfinite` reports it.
+    """
+    loss_fn = stages.make_loss_fn(stage, weights)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def step(graphs: stages.StepGraphs, params, frozen, opt_state, batch, key):
+        accum, micro = batch["input_ids"].shape[:2]
+        flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batch)
+        counts = nnx.merge(graphs.model, params, frozen).loss_counts(flat)
+        keys = example_keys(key, (accum, micro))
+
+        def micro_step(acc, xs):
+            mb, k = xs
+            (_, metrics), grads = grad_fn(params, graphs.model, frozen, mb, k, counts=counts)
+            return jax.tree.map(jnp.add, acc, (grads, metrics)), None
+
+        first = jax.tree.map(lambda x: x[0], (batch, keys))
+        shapes = jax.eval_shape(lambda: grad_fn(params, graphs.model, frozen, *first, counts=counts))
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][1]))
+        (grads, metrics), _ = jax.lax.scan(micro_step, zeros, (batch, keys))
+
+        grad_norm = optax.global_norm(grads)
+        ok = jnp.isfinite(metrics["total"]) & jnp.isfinite(grad_norm)
+        new_params, new_opt_state = stages.apply_update(graphs, params, frozen, opt_state, grads)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+        metrics = dict(metrics, grad_norm=grad_norm, nonfinite=(~ok).astype(jnp.float32))
+        return keep(new_params, params), keep(new_opt_state, opt_state), metrics
+
+    return step
+
+
+def jit_step(
+    stage: stages.Stage,
+    weights: losses.LossWeights,
+    params: nnx.State,
+    opt_state: nnx.State,
+    *,
+    compiler_options: Mapping[str, Any] | None = None,
+) -> stages.TrainStep:
+    """`make_step` under jit: graphs static, params/opt_state donated and kept on their shardings."""
+    shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
+    options = dict(_CPU_COMPILER_OPTIONS) if jax.default_backend() == "cpu" else {}
+    options = {**options, **(compiler_options or {})} or None
+    return jax.jit(
+        make_step(stage, weights),
+        static_argnums=0,
+        donate_argnums=(1, 3),
+        out_shardings=(shardings(params), shardings(opt_state), None),
+        compiler_options=options,
+    )
+
+
+def make_eval_step(stage: stages.Stage, weights: losses.LossWeights):
+    """`eval_step(graphdef, params, frozen, batch, counts) -> metrics` (deterministic: z = mu)."""
+
+    @jax.jit
+    def counts_of(graphdef, params, frozen, batch):
+        return nnx.merge(graphdef, params, frozen).loss_counts(batch)
+
+    def eval_step(graphdef, params, frozen, batch, counts):
+        model = nnx.merge(graphdef, params, frozen)
+        outputs = model(batch, train=False, heads=stage.heads)
+        return model.loss(batch, outputs, stage, weights, counts=counts)[1]
+
+    return counts_of, jax.jit(eval_step, static_argnums=0)
+
+
+def evaluate_loss(
+    config: ml_collections.ConfigDict,
+    stage: stages.Stage,
+    model: Empatheia,
+    tokenizer: Any,
+    mesh: Mesh,
+    *,
+    split: str | None = None,
+    max_batches: int = 0,
+) -> dict[str, float]:
+    """Teacher-forced loss terms of `stage` over an eval split, normalised over the whole split.
+
+    Two passes over the (small) split: the counts first, so every batch's sums share one denominator and
+    the result is the split's exact mean, not a mean of batch means.
+    """
+    weights = losses.LossWeights(**dict(config.loss))
+    graphdef, params, frozen = nnx.split(model, trainable_filter(stage.trainable_groups), ...)
+    counts_of, eval_step = make_eval_step(stage, weights)
+
+    def batches() -> Iterator[dict[str, jax.Array]]:
+        pipe = make_eval_pipeline(config, stage, model, tokenizer, split)
+        for i, b in enumerate(pipe):
+            if max_batches and i >= max_batches:
+                break
+            yield make_global_batch(b, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
+
+    total = None
+    for b in batches():
+        c = counts_of(graphdef, params, frozen, b)
+        total = c if total is None else jax.tree.map(jnp.add, total, c)
+    if total is None:
+        return {}
+    sums = None
+    for b in batches():
+        m = eval_step(graphdef, params, frozen, b, total)
+        sums = m if sums is None else jax.tree.map(jnp.add, sums, m)
+    return {k: float(v) for k, v in jax.device_get(sums).items()}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Metrics
+# ----------------------------------------------------------------------------------------------------------
+
+# Dense bf16 peak FLOP/s per chip, for MFU on accelerators (CPU runs report no MFU).
+_PEAK_FLOPS = {
+    "h100": 989e12,
+    "h200": 989e12,
+    "a100": 312e12,
+    "v4": 275e12,
+    "v5e": 197e12,
+    "v5 lite": 197e12,
+    "v5p": 459e12,
+    "v6": 918e12,
+}
+
+
+def flops_per_token(model: Empatheia, seq_len: int, n_trainable: int) -> float:
+    """Training FLOPs per token: 4N (forward + input gradients through the frozen backbone: LoRA training
+    computes no frozen weight gradients) + 2 N_trainable (weight gradients) + 12 L T H d_head (attention
+    scores and mixing, forward and backward; causal masking not discounted). N excludes the embedding."""
+    cfg = model.config.llm
+    params = nnx.state(model.llm, nnx.Param)
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    n -= (cfg.vocab_size + cfg.extra_vocab) * cfg.hidden_size  # embedding lookup is not a matmul
+    if cfg.tie_word_embeddings:
+        n += (cfg.vocab_size + cfg.extra_vocab) * cfg.hidden_size  # ... but the tied lm_head is
+    attn = 12 * cfg.num_hidden_layers * seq_len * cfg.num_attention_heads * cfg.head_dim
+    return 4.0 * n + 2.0 * n_trainable + attn
+
+
+def peak_flops() -> float | None:
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return None
+    kind = dev.device_kind.lower()
+    return next((v for k, v in _PEAK_FLOPS.items() if k in kind), None)
+
+
+class MetricsWriter:
+    """TensorBoard + metrics.jsonl on process 0 (other processes write nothing)."""
+
+    def __init__(self, workdir: Path, enabled: bool):
+        self.enabled = enabled
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(workdir / "tensorboard"))
+            self.jsonl = (workdir / "metrics.jsonl").open("a")
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        if not self.enabled:
+            return
+        for k, v in metrics.items():
+            self.tb.add_scalar(k, v, step)
+        self.jsonl.write(json.dumps({"step": step, **{k: float(v) for k, v in metrics.items()}}) + "\n")
+        self.jsonl.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.tb.close()
+            self.jsonl.close()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_same(what: str, saved: Any, current: Any, where: Path) -> None:
+    if saved != current:
+        keys = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+        raise ValueError(
+            f"{where} holds a checkpoint of a different {what} (differs in {keys}); "
+            "use a new workdir per stage and the same model config for every stage"
+        )
+
+
+def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult:
+    """Trains `config.stage` in `workdir` (resuming from its latest checkpoint when there is one)."""
+    initialize_distributed(config)
+    config_lib.validate(config)
+    stage = config_lib.resolve_stage(config)
+    schedule = config_lib.stage_schedule(config)
+    workdir = Path(workdir)
+    lead = jax.process_index() == 0
+    if lead:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "config.json").write_text(json.dumps(config_lib.to_json(config), indent=1))
+
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    manifest = load_manifest(config.data.shards)
+    model, tokenizer = build_model(config, manifest)
+    sharding.shard_model(model, mesh)
+    tx, lr_schedule = make_tx(config, schedule)
+    with jax.set_mesh(mesh):
+        optimizer = stages.make_optimizer(model, stage, tx)
+    include_backbone = not config.model.backbone
+    meta = {
+        "stage": stage.to_dict(),
+        "config": config_lib.to_json(config),
+        "model_config": model.config.to_dict(),
+        "backbone": config.model.backbone,
+        "include_backbone": include_backbone,
+        "encoder": manifest.get("encoder"),
+    }
+
+    ckpt = TrainCheckpointer(
+        workdir / CHECKPOINT_DIR,
+        keep=config.checkpoint.keep,
+        keep_best=config.checkpoint.keep_best,
+        best_metric=config.checkpoint.best_metric,
+        best_mode=config.checkpoint.best_mode,
+        async_save=config.checkpoint.async_save,
+    )
+    pipeline = make_train_pipeline(config, stage, model, tokenizer)
+    data_iter = iter(pipeline)
+    start, nonfinite_skipped = 0, 0
+    if ckpt.latest_step() is not None:
+        restored = ckpt.restore(params=saved_state(model, include_backbone), opt_state=nnx.state(optimizer))
+        _check_same("stage", restored.meta["stage"], meta["stage"], workdir)
+        _check_same("model", restored.meta["model_config"], meta["model_config"], workdir)
+        nnx.update(model, restored.params)
+        nnx.update(optimizer, restored.opt_state)
+        data_iter.set_state(restored.data_state)
+        start, nonfinite_skipped = restored.step, int(restored.meta.get("nonfinite_skipped", 0))
+        log.info("resumed %s from step %d", workdir, start)
+    elif config.init_from:
+        src_dir, src_step = resolve_checkpoint(checkpoints_of(config.init_from))
+        with TrainCheckpointer(src_dir, create=False, async_save=False) as src:
+            restored = src.restore(src_step, params=saved_state(model, include_backbone))
+        _check_same("model", restored.meta["model_config"], meta["model_config"], Path(config.init_from))
+        nnx.update(model, restored.params)
+        log.info("initialised from %s step %d", src_dir, src_step)
+
+    weights = losses.LossWeights(**dict(config.loss))
+    graphs, params, frozen, opt_state = stages.split_for_step(model, optimizer, stage)
+    step_fn = jit_step(stage, weights, params, opt_state)
+    n_trainable = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    peak = peak_flops()
+    key = jax.random.key(config.seed)
+    writer = MetricsWriter(workdir, lead)
+    trace = (workdir / "data_trace.jsonl").open("a") if config.train.trace_data and lead else None
+
+    def save(step: int, metrics: Mapping[str, float] | None = None, force: bool = False) -> None:
+        stages.merge_after_step(model, optimizer, params, opt_state)
+        # save() returns once orbax holds host copies, so the next (donating) step cannot corrupt it.
+        ckpt.save(
+            step,
+            params=saved_state(model, include_backbone),
+            opt_state=nnx.state(optimizer),
+            data_state=data_iter.get_state(),
+            meta={**meta, "nonfinite_skipped": nonfinite_skipped},
+            metrics=metrics,
+            force=force,
+        )
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=schedule.steps, initial=start, disable=not lead, desc=f"train {stage.name}", unit="step")
+    window: dict[str, float] = {}
+    window_steps, window_tokens, window_start = 0, 0, time.perf_counter()
+    consecutive_bad, status, done = 0, "completed", start
+    last_metrics: dict[str, float] = {}
+    profile = tuple(config.train.profile_steps)
+    with PreemptionWatcher() as watcher:
+        try:
+            for step in range(start, schedule.steps):
+                if profile and step == profile[0]:
+                    jax.profiler.start_trace(str(workdir / "profile"))
+                host_batch = next(data_iter)
+                if trace is not None:
+                    trace.write(
+                        json.dumps({"step": step, "record_index": host_batch["record_index"].tolist()}) + "\n"
+                    )
+                    trace.flush()
+                batch = step_batch(host_batch, mesh, config.train.grad_accum)
+                t0 = time.perf_counter()
+                params, opt_state, metrics = step_fn(
+                    graphs, params, frozen, opt_state, batch, jax.random.fold_in(key, step)
+                )
+                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                if profile and step + 1 == profile[1]:
+                    jax.profiler.stop_trace()
+                if step == start:
+                    window_start = time.perf_counter()  # the first step compiles: not a throughput sample
+                    metrics["compile_s"] = window_start - t0
+                else:
+                    window_steps += 1
+                    window_tokens += int(host_batch["attention_mask"].sum()) * jax.process_count()
+                if metrics["nonfinite"]:
+                    consecutive_bad += 1
+                    nonfinite_skipped += 1
+                    where = f"step {step} (records {host_batch['record_index'].tolist()})"
+                    if (
+                        config.train.nan_policy == "stop"
+                        or consecutive_bad >= config.train.max_consecutive_nonfinite
+                    ):
+                        save(step + 1, force=True)
+                        ckpt.wait_until_finished()
+                        raise NonFiniteLossError(
+                            f"non-finite loss/gradient at {where}: loss={metrics['total']}, "
+                            f"grad_norm={metrics['grad_norm']}; the update was not applied and the last good "
+                            f"state is checkpointed at step {step + 1} in {ckpt.directory}"
+                        )
+                    log.warning("non-finite loss at %s: update skipped (%d so far)", where, nonfinite_skipped)
+                else:
+                    consecutive_bad = 0
+                for k, v in metrics.items():
+                    window[k] = window.get(k, 0.0) + v
+                last_metrics = metrics
+                done = step + 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['total']:.4f}")
+                if done % config.train.log_every == 0 or done == schedule.steps:
+                    n = max(done - max(start, done - config.train.log_every), 1)
+                    out = {
+                        f"train/{k}": v / n for k, v in window.items() if k not in ("compile_s", "nonfinite")
+                    }
+                    out["train/nonfinite_skipped"] = nonfinite_skipped
+                    out["train/lr"] = float(lr_schedule(done - 1))
+                    if "compile_s" in window:
+                        out["perf/compile_s"] = window["compile_s"]
+                    if window_steps:
+                        dt = time.perf_counter() - window_start
+                        out["perf/step_time_s"] = dt / window_steps
+                        out["perf/tokens_per_s"] = window_tokens / dt
+                        if peak:
+                            seq = host_batch["input_ids"].shape[1]
+                            achieved = out["perf/tokens_per_s"] * flops_per_token(model, seq, n_trainable)
+                            out["perf/mfu"] = achieved / (peak * jax.device_count())
+                    writer.write(done, out)
+                    window, window_steps, window_tokens, window_start = {}, 0, 0, time.perf_counter()
+                eval_now = (
+                    config.train.eval_every and done % config.train.eval_every == 0 and done < schedule.steps
+                )
+                eval_metrics = None
+                if eval_now:
+                    stages.merge_after_step(model, optimizer, params, opt_state)
+                    eval_metrics = {
+                        f"eval/{k}": v
+                        for k, v in evaluate_loss(
+                            config, stage, model, tokenizer, mesh, max_batches=config.train.eval_batches
+                        ).items()
+                    }
+                    writer.write(done, eval_metrics)
+                if done % config.checkpoint.every == 0 and done < schedule.steps:
+                    save(done, eval_metrics)
+                if watcher.requested(done):
+                    save(done, force=True)
+                    status = "preempted"
+                    log.warning(
+                        "preemption requested: checkpointed step %d in %s, exiting", done, ckpt.directory
+                    )
+                    break
+            eval_metrics = {}
+            if status == "completed":
+                stages.merge_after_step(model, optimizer, params, opt_state)
+                eval_metrics = {
+                    f"eval/{k}": v
+                    for k, v in evaluate_loss(
+                        config, stage, model, tokenizer, mesh, max_batches=config.train.eval_batches
+                    ).items()
+                }
+                writer.write(schedule.steps, eval_metrics)
+                if ckpt.latest_step() != schedule.steps:
+                    save(schedule.steps, eval_metrics or None, force=True)
+            ckpt.wait_until_finished()
+        finally:
+            bar.close()
+            writer.close()
+            if trace is not None:
+                trace.close()
+            ckpt.close()
+    stages.merge_after_step(model, optimizer, params, opt_state)
+    return TrainResult(status, done, workdir, last_metrics, eval_metrics, nonfinite_skipped)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loading a trained model (eval, chat)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def checkpoints_of(path: str | Path) -> Path:
+    """A training workdir means its checkpoints folder; anything else (that folder, a step) is kept."""
+    path = Path(path)
+    return path / CHECKPOINT_DIR if (path / CHECKPOINT_DIR).is_dir() else path
+
+
+def load_trained(
+    path: str | Path, *, step: int | None = None, restore: bool = True
+) -> tuple[Empatheia, Any, ml_collections.ConfigDict, dict[str, Any]]:
+    """(model, tokenizer, config, meta) from a training workdir, its checkpoints folder or one step folder.
+
+    restore=False gives the run's model untrained (same config and backbone, fresh heads, LoRA B = 0): the
+    "untrained" column of `empatheia eval`.
+    """
+    directory, found = resolve_checkpoint(checkpoints_of(path))
+    step = found if step is None else step
+    _, meta = read_meta(directory, step)
+    config = ml_collections.ConfigDict(meta["config"])
+    cfg = EmpatheiaConfig.from_dict(meta["model_config"])
+    tokenizer = load_tokenizer(config.model.tokenizer or meta["backbone"])
+    extend_tokenizer(tokenizer, cfg.n_signal)
+    model = Empatheia(cfg, rngs=nnx.Rngs(config.seed + 1))
+    if meta["backbone"]:
+        llm, _ = load_checkpoint(meta["backbone"])
+        copy_backbone(llm, model.llm)
+    elif not restore:
+        model = build_model(config, load_manifest(config.data.shards))[0]  # the run's own random backbone
+    if restore:
+        with TrainCheckpointer(directory, create=False, async_save=False) as ckpt:
+            restored = ckpt.restore(step, params=saved_state(model, meta["include_backbone"]))
+        nnx.update(model, restored.params)
+    return model, tokenizer, config, meta
+
+
+__all__ = [
+    "NonFiniteLossError",
+    "TrainResult",
+    "build_model",
+    "evaluate_loss",
+    "jit_step",
+    "load_trained",
+    "make_step",
+    "make_tx",
+    "saved_state",
+    "step_batch",
+    "train",
+]

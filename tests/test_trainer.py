@@ -1,0 +1,368 @@
+"""The trainer: config validation, exact gradient accumulation, the sharded step, the NaN guard, and whole
+runs through the CLI (resume after SIGKILL is bit-identical, SIGTERM checkpoints and exits 0, stages chain
+with --init_from).
+
+The model is the `tiny` config on the real SmolLM2 tokenizer and lite-encoder shards of synthetic dialogues
+(`helpers.make_tiny_shards`). Whole runs go through `python -m empatheia_jax.cli` in subprocesses with one
+CPU device each and a shared persistent compilation cache, so only the first run pays for compiling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+from helpers import make_tiny_shards, saved_smollm2_tokenizer
+
+from configs import tiny
+from empatheia_jax import config as config_lib
+from empatheia_jax import losses, sharding, stages, trainer
+
+REPO = Path(__file__).resolve().parents[1]
+# Small programs: XLA's backend optimisation costs more compile time than it saves (as in test_empatheia).
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return saved_smollm2_tokenizer(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return make_tiny_shards(tmp_path_factory.mktemp("trainer_data"))
+
+
+def tiny_config(tok, shards, **overrides):
+    c = tiny.get_config()
+    c.model.tokenizer = str(tok)
+    c.data.shards = str(shards)
+    for key, value in overrides.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Config validation
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"stage": "warmup"}, "config.stage='warmup': unknown stage"),
+        ({"optim.lr": -1.0}, "config.optim.lr=-1.0: must be > 0"),
+        ({"mesh.data": 3, "mesh.fsdp": 1}, "does not divide the 8 devices"),
+        ({"train.batch_size": 6, "train.grad_accum": 4}, "must be a multiple of train.grad_accum=4"),
+        ({"train.nan_policy": "ignore"}, "config.train.nan_policy='ignore'"),
+        ({"stage": "sac", "ablations.no_media": True}, "nothing to train"),
+        ({"data.shards": "/nonexistent"}, "config.data.shards='/nonexistent'"),
+    ],
+)
+def test_bad_config_fails_before_anything_is_built(tok, shards, tmp_path, overrides, message):
+    cfg = tiny_config(tok, shards, **overrides)
+    with pytest.raises(config_lib.ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        trainer.train(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # nothing written, nothing compiled
+
+
+def test_config_errors_list_every_problem(tok, shards):
+    cfg = tiny_config(tok, shards, **{"optim.lr": 0.0, "optim.b2": 1.5, "checkpoint.keep": 0})
+    with pytest.raises(config_lib.ConfigError) as e:
+        config_lib.validate(cfg, device_count=8)
+    assert all(k in str(e.value) for k in ("config.optim.lr", "config.optim.b2", "config.checkpoint.keep"))
+    config_lib.validate(tiny_config(tok, shards), device_count=8)  # the tiny config itself is valid
+
+
+def test_every_shipped_config_resolves():
+    from configs import base, smollm2_demo, vicuna7b
+
+    for mod in (base, tiny, smollm2_demo, vicuna7b):
+        for arg in (None, "no_cs", "no_coe,no_sd", "pipeline"):
+            c = mod.get_config(arg)
+            config_lib.validate(c, device_count=8 if mod is vicuna7b else 1, check_paths=False)
+            for stage in stages.STAGE_ORDER:
+                c.stage = stage
+                assert config_lib.stage_schedule(c).steps >= 1
+    assert vicuna7b.get_config().train.batch_size == 32 and vicuna7b.get_config().train.grad_accum == 8
+    assert vicuna7b.get_config().optim.lr == 5e-5 and vicuna7b.get_config().optim.weight_decay == 1e-3
+    with pytest.raises(ValueError, match="no_everything"):
+        base.get_config("no_everything")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The step: accumulation, mesh, NaN guard
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def built(tok, shards):
+    """The tiny model (stage overall: every head, VAE sampling on) and one host batch of 8 examples."""
+    cfg = tiny_config(tok, shards, stage="overall", **{"train.batch_size": 8})
+    model, tokenizer = trainer.build_model(cfg, json.loads((Path(shards) / "manifest.json").read_text()))
+    stage = config_lib.resolve_stage(cfg)
+    batch = next(iter(trainer.make_train_pipeline(cfg, stage, model, tokenizer)))
+    return cfg, stage, model, batch
+
+
+def _one_step(built, mesh, host_batch, grad_accum, tx):
+    cfg, stage, model, _ = built
+    model = nnx.clone(model)
+    nnx.update(model, jax.tree.map(lambda x: x.copy(), nnx.state(model)))  # the step donates its inputs
+    sharding.shard_model(model, mesh)
+    with jax.set_mesh(mesh):
+        opt = stages.make_optimizer(model, stage, tx)
+    graphs, params, frozen, opt_state = stages.split_for_step(model, opt, stage)
+    step = trainer.jit_step(stage, losses.LossWeights(), params, opt_state, compiler_options=FAST)
+    batch = trainer.step_batch(host_batch, mesh, grad_accum)
+    before = {tuple(map(str, p)): np.array(v.get_value(), copy=True) for p, v in nnx.to_flat_state(params)}
+    new, _, metrics = step(graphs, params, frozen, opt_state, batch, jax.random.key(7))
+    delta = {
+        tuple(map(str, p)): np.asarray(v.get_value()) - before[tuple(map(str, p))]
+        for p, v in nnx.to_flat_state(new)
+    }
+    return delta, jax.device_get(metrics)
+
+
+def _assert_same_update(a, b, rtol):
+    """Per parameter, the updates agree to `rtol` of that parameter's largest update, plus 1e-6 for the
+    float32 rounding of `new - old` on O(1) parameters (sums in another order differ in the last bits; a
+    wrong normalisation or noise draw differs by O(1) of the update)."""
+    assert a.keys() == b.keys()
+    for k in a:
+        scale = np.abs(a[k]).max()
+        assert np.abs(a[k] - b[k]).max() <= rtol * scale + 1e-6, (k, np.abs(a[k] - b[k]).max(), scale)
+
+
+def test_grad_accumulation_4x1_equals_1x4(built):
+    """SGD(lr=1) makes the parameter change equal the accumulated gradient (Adam's first step would turn
+    every gradient into +-lr and hide the comparison)."""
+    one_device = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    host = {k: v[:4] for k, v in built[3].items()}
+    a, ma = _one_step(built, one_device, host, 4, optax.sgd(1.0))
+    b, mb = _one_step(built, one_device, host, 1, optax.sgd(1.0))
+    _assert_same_update(a, b, rtol=1e-3)
+    assert sum(np.abs(v).max() > 0 for v in a.values()) > len(a) // 2  # (LoRA A: no gradient while B = 0)
+    for k in ("total", "emp", "ccl_speech", "sal_video", "cls_emotion", "kl"):
+        np.testing.assert_allclose(ma[k], mb[k], rtol=1e-5, err_msg=k)
+    assert ma["nonfinite"] == 0
+
+
+def test_step_on_8_device_mesh_equals_one_device(built):
+    one_device = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    a, ma = _one_step(built, one_device, built[3], 2, optax.sgd(1.0))
+    b, mb = _one_step(built, sharding.make_mesh(2, 2, 2), built[3], 2, optax.sgd(1.0))
+    _assert_same_update(a, b, rtol=1e-3)
+    np.testing.assert_allclose(ma["total"], mb["total"], rtol=1e-5)
+
+
+def test_nonfinite_loss_leaves_the_state_untouched(built):
+    cfg, stage, model, host = built
+    used = np.argwhere(host["aud_mask"] > 0)[0]
+    poisoned = {k: v.copy() for k, v in host.items()}
+    poisoned["aud_feats"][tuple(used)] = np.nan
+    one_device = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    delta, metrics = _one_step(built, one_device, poisoned, 1, optax.adamw(1e-2))
+    assert metrics["nonfinite"] == 1 and not np.isfinite(metrics["total"])
+    for k, d in delta.items():
+        assert not np.any(d), k  # bit-identical: no NaN, no partial update
+
+
+def test_example_keys_do_not_depend_on_the_micro_batch_split():
+    key = jax.random.key(3)
+    a = jax.random.key_data(trainer.example_keys(key, (4, 1))).reshape(4, -1)
+    b = jax.random.key_data(trainer.example_keys(key, (1, 4))).reshape(4, -1)
+    np.testing.assert_array_equal(a, b)
+    assert len({tuple(r) for r in np.asarray(a)}) == 4
+
+
+def test_schedule_warms_up_then_decays(tok, shards):
+    cfg = tiny_config(tok, shards, **{"optim.lr": 1e-3, "optim.warmup_steps": 2, "schedule.coe.steps": 10})
+    _, lr = trainer.make_tx(cfg, config_lib.stage_schedule(cfg))
+    values = [float(lr(i)) for i in range(11)]
+    assert values[0] == 0 and values[2] == pytest.approx(1e-3) and values[10] == pytest.approx(0, abs=1e-9)
+    assert values[1] < values[2] and all(x >= y for x, y in zip(values[2:], values[3:], strict=False))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Whole runs through the CLI
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cli_env(tmp_path_factory):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0 "
+        "--xla_llvm_disable_expensive_passes=true"
+    )
+    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+def cli_args(tok, shards, workdir, *extra):
+    return [
+        sys.executable,
+        "-m",
+        "empatheia_jax.cli",
+        "train",
+        "--config",
+        str(REPO / "configs" / "tiny.py"),
+        f"--config.model.tokenizer={tok}",
+        f"--config.data.shards={shards}",
+        f"--workdir={workdir}",
+        *extra,
+    ]
+
+
+def run_cli(args, env, timeout=600):
+    p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return p
+
+
+def wait_for_step(proc, workdir: Path, step: int, timeout=600) -> int:
+    """Blocks until metrics.jsonl has logged `step` (returns the last logged step)."""
+    deadline = time.time() + timeout
+    path = workdir / "metrics.jsonl"
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-5000:]
+        if path.exists():
+            steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if '"train/' in line]
+            if steps and steps[-1] >= step:
+                return steps[-1]
+        time.sleep(0.05)
+    raise TimeoutError(f"step {step} never logged in {path}")
+
+
+def final_state(workdir: Path, step: int):
+    out = {}
+    for item in ("params", "opt_state"):
+        tree = ocp.StandardCheckpointer().restore(workdir / "checkpoints" / str(step) / item)
+        out.update(
+            {(item, *map(str, k)): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+        )
+    return out
+
+
+def data_trace(workdir: Path) -> dict[int, list[int]]:
+    steps: dict[int, list[int]] = {}
+    for line in (workdir / "data_trace.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        steps[rec["step"]] = rec["record_index"]  # a resumed run rewrites the steps after its checkpoint
+    return steps
+
+
+def test_resume_after_sigkill_is_bit_identical(tok, shards, tmp_path, cli_env):
+    extra = [
+        "--config.stage=overall",
+        "--config.schedule.overall.steps=8",
+        "--config.checkpoint.every=2",
+        "--config.train.trace_data=True",
+        "--config.checkpoint.async_save=True",
+    ]
+    straight = tmp_path / "straight"
+    run_cli(cli_args(tok, shards, straight, *extra), cli_env)
+
+    killed = tmp_path / "killed"
+    kill_at = random.Random().randint(3, 6)
+    proc = subprocess.Popen(
+        cli_args(tok, shards, killed, *extra),
+        env=cli_env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for_step(proc, killed, kill_at)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    logged = [json.loads(x)["step"] for x in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert max(logged) < 8, "the run finished before it could be killed"
+    run_cli(cli_args(tok, shards, killed, *extra), cli_env)
+
+    a, b = final_state(straight, 8), final_state(killed, 8)
+    assert a.keys() == b.keys() and len(a) > 10
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=str(k))
+    ta, tb = data_trace(straight), data_trace(killed)
+    assert sorted(ta) == sorted(tb) == list(range(8))
+    assert ta == tb  # the same records at every step: none repeated, none skipped
+    lines = (killed / "data_trace.jsonl").read_text().splitlines()
+    assert len(lines) > 8  # the resumed run re-did the steps after its last checkpoint
+
+
+def test_sigterm_checkpoints_and_exits_zero(tok, shards, tmp_path, cli_env):
+    workdir = tmp_path / "term"
+    args = cli_args(
+        tok,
+        shards,
+        workdir,
+        "--config.stage=coe",
+        "--config.schedule.coe.steps=100000",
+        "--config.checkpoint.every=100000",
+    )
+    proc = subprocess.Popen(
+        args, env=cli_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    wait_for_step(proc, workdir, 2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-5000:]
+    assert "preempted" in out
+    steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(steps) == 1 and 2 <= steps[0] < 100000
+    from empatheia_jax.checkpoint import read_meta
+
+    step, meta = read_meta(workdir / "checkpoints")
+    assert step == steps[0] and meta["stage"]["name"] == "coe"
+
+
+def test_stages_chain_with_init_from(tok, shards, tmp_path, cli_env):
+    coe, ccl = tmp_path / "coe", tmp_path / "ccl"
+    run_cli(cli_args(tok, shards, coe, "--config.stage=coe", "--config.schedule.coe.steps=2"), cli_env)
+    run_cli(
+        cli_args(
+            tok,
+            shards,
+            ccl,
+            "--config.stage=ccl",
+            "--config.schedule.ccl.steps=2",
+            f"--config.init_from={coe}",
+        ),
+        cli_env,
+    )
+    a, b = final_state(coe, 2), final_state(ccl, 2)
+    lora = [k for k in a if k[0] == "params" and "lora_b" in "/".join(k)]
+    cs = [k for k in a if k[0] == "params" and "content_sync" in k]
+    assert lora and cs
+    for k in lora:  # ccl trains only the CS: the adapters are the coe stage's, bit for bit
+        np.testing.assert_array_equal(a[k], b[k], err_msg=str(k))
+    assert any(np.abs(a[k]).max() > 0 for k in lora)  # ... and coe did train them
+    assert any(not np.array_equal(a[k], b[k]) for k in cs)
+
+
+def test_cli_rejects_a_bad_config_with_the_key(tok, shards, tmp_path, cli_env):
+    args = cli_args(tok, shards, tmp_path / "bad", "--config.optim.lr=-0.5")
+    p = subprocess.run(args, env=cli_env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 2
+    assert "config.optim.lr=-0.5: must be > 0" in p.stderr
+    assert not (tmp_path / "bad").exists()
