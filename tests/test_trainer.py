@@ -257,9 +257,8 @@ def final_state(workdir: Path, step: int):
     out = {}
     for item in ("params", "opt_state"):
         tree = ocp.StandardCheckpointer().restore(workdir / "checkpoints" / str(step) / item)
-        out.update(
-            {(item, *map(str, k)): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
-        )
+        for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            out[(item, *(str(getattr(p, "key", getattr(p, "idx", p))) for p in path))] = np.asarray(v)
     return out
 
 
