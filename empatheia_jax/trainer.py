@@ -44,7 +44,7 @@ from empatheia_jax import config as config_lib
 from empatheia_jax import losses, sharding, stages
 from empatheia_jax.checkpoint import PreemptionWatcher, TrainCheckpointer, read_meta, resolve_checkpoint
 from empatheia_jax.checkpoint_io import load_checkpoint
-from empatheia_jax.input_pipeline import InputPipeline, make_dataset, make_global_batch
+from empatheia_jax.input_pipeline import TOKEN_KEYS, InputPipeline, make_dataset, make_global_batch
 from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig, copy_backbone
 from empatheia_jax.models.llama import Llama, LlamaConfig
 from empatheia_jax.models.lora import LoraConfig
@@ -95,6 +95,74 @@ def initialize_distributed(config: ml_collections.ConfigDict) -> None:
             "process_id": int(d.process_id),
         }
     jax.distributed.initialize(**kwargs)
+
+
+def place_model(model: Empatheia, mesh: Mesh) -> Empatheia:
+    """`sharding.shard_model`, also across processes. There `jax.device_put` of a committed one-device array
+    onto a mesh spanning processes takes jax's cross-host transfer path, whose arrays have no usable
+    `addressable_shards` (orbax cannot save them); every process built the same host model (same seed or
+    backbone files), so each cuts its own shards from its copy instead."""
+    if jax.process_count() == 1:
+        return sharding.shard_model(model, mesh)
+    state = nnx.state(model)
+
+    def place(x, s):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # nnx RNG streams: place the raw key data
+            return jax.random.wrap_key_data(place(jax.random.key_data(x), s), impl=jax.random.key_impl(x))
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
+
+    nnx.update(model, jax.tree.map(place, state, sharding.state_shardings(state, mesh)))
+    return model
+
+
+def agree_on_length(batch: Mapping[str, np.ndarray], pad_id: int) -> Mapping[str, np.ndarray]:
+    """Multi-process: pads this process's batch along the token axis to the longest bucket any process
+    picked for this step (each pipeline buckets its own examples, but a global array has one shape; as if
+    `collate` had chosen that bucket). A collective: every process calls it for every batch. One process:
+    the batch itself."""
+    if jax.process_count() == 1:
+        return batch
+    from jax.experimental import multihost_utils
+
+    length = batch["input_ids"].shape[1]
+    target = int(np.max(multihost_utils.process_allgather(np.asarray([length], np.int32))))
+    if target == length:
+        return batch
+    out, extra = dict(batch), target - length
+    for k in TOKEN_KEYS:
+        fill = pad_id if k in ("input_ids", "target_ids") else 0
+        out[k] = np.pad(batch[k], ((0, 0), (0, extra)), constant_values=fill)
+    out["positions"][:, length:] = batch["positions"][:, -1:] + np.arange(1, extra + 1, dtype=np.int32)
+    return out
+
+
+def gather_data_state(state: dict) -> dict:
+    """The iterator state a checkpoint stores. Multi-process: every process's state, in process order
+    (`{"processes": [...]}`), since orbax writes JSON items from process 0 only. A collective."""
+    if jax.process_count() == 1:
+        return state
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(json.dumps(state).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray([raw.size], np.int32))).reshape(-1)
+    buf = np.zeros(int(sizes.max()), np.uint8)
+    buf[: raw.size] = raw
+    every = np.asarray(multihost_utils.process_allgather(buf))
+    return {"processes": [json.loads(every[p, : sizes[p]].tobytes()) for p in range(len(sizes))]}
+
+
+def own_data_state(state: dict) -> dict:
+    """This process's iterator state from a checkpoint's (see `gather_data_state`)."""
+    if isinstance(state, dict) and "processes" in state:
+        states = state["processes"]
+        if len(states) != jax.process_count():
+            raise ValueError(
+                f"the checkpoint holds the data state of {len(states)} processes, this run has "
+                f"{jax.process_count()}: resume with the same process count"
+            )
+        return states[jax.process_index()]
+    return state
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -351,6 +419,7 @@ def evaluate_loss(
         for i, b in enumerate(pipe):
             if max_batches and i >= max_batches:
                 break
+            b = agree_on_length(b, pipe.pad_id)
             yield make_global_batch(b, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
 
     total = None
@@ -459,7 +528,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     manifest = load_manifest(config.data.shards)
     model, tokenizer = build_model(config, manifest)
-    sharding.shard_model(model, mesh)
+    place_model(model, mesh)
     tx, lr_schedule = make_tx(config, schedule)
     with jax.set_mesh(mesh):
         optimizer = stages.make_optimizer(model, stage, tx)
@@ -490,7 +559,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
         _check_same("model", restored.meta["model_config"], meta["model_config"], workdir)
         nnx.update(model, restored.params)
         nnx.update(optimizer, restored.opt_state)
-        data_iter.set_state(restored.data_state)
+        data_iter.set_state(own_data_state(restored.data_state))
         start, nonfinite_skipped = restored.step, int(restored.meta.get("nonfinite_skipped", 0))
         log.info("resumed %s from step %d", workdir, start)
     elif config.init_from:
@@ -517,7 +586,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
             step,
             params=saved_state(model, include_backbone),
             opt_state=nnx.state(optimizer),
-            data_state=data_iter.get_state(),
+            data_state=gather_data_state(data_iter.get_state()),
             meta={**meta, "nonfinite_skipped": nonfinite_skipped},
             metrics=metrics,
             force=force,
@@ -536,7 +605,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
             for step in range(start, schedule.steps):
                 if profile and step == profile[0]:
                     jax.profiler.start_trace(str(workdir / "profile"))
-                host_batch = next(data_iter)
+                host_batch = agree_on_length(next(data_iter), pipeline.pad_id)
                 if trace is not None:
                     trace.write(
                         json.dumps({"step": step, "record_index": host_batch["record_index"].tolist()}) + "\n"
