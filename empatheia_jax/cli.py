@@ -109,7 +109,8 @@ def _chat() -> int:
         history=history,
         encoder=chat.encoder_from_manifest(meta.get("encoder") or {"name": "lite", "config": {}}),
         max_new_tokens=FLAGS.max_new_tokens,
-        max_len=int(config.data.max_len),
+        # The prompt gets the training budget; the reply (and its signal tokens) come on top of it.
+        max_len=int(config.data.max_len) + FLAGS.max_new_tokens + 2 * model.config.n_signal + 2,
     )
     print(chat.format_result(result))
     npz, js = chat.write_outputs(result, FLAGS.out or "chat_reply")
