@@ -365,3 +365,19 @@ def test_cli_rejects_a_bad_config_with_the_key(tok, shards, tmp_path, cli_env):
     assert p.returncode == 2
     assert "config.optim.lr=-0.5: must be > 0" in p.stderr
     assert not (tmp_path / "bad").exists()
+
+
+def test_bf16_compute_keeps_fp32_masters_and_loss(tok, shards, built):
+    """model.llm.dtype=bfloat16: the step computes in bf16 but parameters, optimizer state and the loss stay
+    float32, and the loss agrees with the float32 step to bf16 precision."""
+    cfg = tiny_config(tok, shards, stage="overall", **{"model.llm.dtype": "bfloat16", "train.batch_size": 8})
+    model, _ = trainer.build_model(cfg, json.loads((Path(shards) / "manifest.json").read_text()))
+    assert model.config.llm.dtype == "bfloat16" and model.config.llm.param_dtype == "float32"
+    one_device = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    ref_delta, ref = _one_step(built, one_device, built[3], 1, optax.adamw(1e-3))
+    delta, got = _one_step((cfg, built[1], model, built[3]), one_device, built[3], 1, optax.adamw(1e-3))
+    assert got["nonfinite"] == 0
+    for k in ("total", "emp", "cls_emotion", "sal_speech"):
+        np.testing.assert_allclose(got[k], ref[k], rtol=1e-2, err_msg=k)
+    assert all(d.dtype == np.float32 and np.isfinite(d).all() for d in delta.values())
+    assert delta.keys() == ref_delta.keys()
