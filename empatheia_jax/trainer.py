@@ -44,6 +44,7 @@ from empatheia_jax import config as config_lib
 from empatheia_jax import losses, sharding, stages
 from empatheia_jax.checkpoint import PreemptionWatcher, TrainCheckpointer, read_meta, resolve_checkpoint
 from empatheia_jax.checkpoint_io import load_checkpoint
+from empatheia_jax.evaluate import pipeline_config_fields
 from empatheia_jax.input_pipeline import TOKEN_KEYS, InputPipeline, make_dataset, make_global_batch
 from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig, copy_backbone
 from empatheia_jax.models.llama import Llama, LlamaConfig
@@ -250,18 +251,11 @@ def pipeline_fields(
     config: ml_collections.ConfigDict, stage: stages.Stage, model: Empatheia
 ) -> dict[str, Any]:
     """`make_dataset` keywords shared by the train and eval pipelines (shapes agree with the model)."""
-    fields = {k: v for k, v in stage.pipeline_fields().items() if k != "stage"}
-    mc = model.config
+    fields = pipeline_config_fields(
+        model.config, stage, {"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)}
+    )
     fields.update(
         max_len=int(config.data.max_len),
-        n_signal=mc.n_signal,
-        max_aud=int(config.data.max_aud),
-        max_vid=int(config.data.max_vid),
-        max_speech_len=mc.max_speech_len,
-        max_video_len=mc.max_video_len,
-        speech_content_dim=mc.speech_content_dim,
-        video_content_dim=mc.video_content_dim,
-        style_dim=mc.style_dim,
         worker_count=int(config.data.worker_count),
         read_threads=int(config.data.read_threads),
     )
