@@ -256,3 +256,38 @@ def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)
     out = root / "shards"
     prep.prepare(raw, out, targets=raw / "targets", records_per_shard=4, progress=False, command="tests")
     return out
+
+
+# XLA compile time dominates on CPU; the test programs are tiny, so skip the expensive LLVM passes.
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+# Heads small enough to compile in seconds (test_chat, test_evaluate): 16 target rows, 1-layer VAEs.
+TINY_ROWS = 16
+
+
+def tiny_empatheia(tok, shards: Path):
+    """A 2-layer d=32 Empatheia over the tokenizer `tok` with the feature dims of the tiny shards."""
+    import json
+
+    from flax import nnx
+
+    from empatheia_jax.models.empatheia import Empatheia
+    from empatheia_jax.models.llama import Llama, LlamaConfig
+    from empatheia_jax.models.lora import LoraConfig
+
+    feats = json.loads((shards / "manifest.json").read_text())["features"]
+    llm = Llama(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id), rngs=nnx.Rngs(0))
+    heads = dict(n_signal=4, lora=LoraConfig(rank=4, alpha=8.0), max_speech_len=TINY_ROWS,
+                 max_video_len=TINY_ROWS, vae_d_model=16, vae_heads=2, vae_layers=1, cs_latent=8,
+                 sd_queries=2, sd_code_dim=8, sd_latent=4, fuse_dim=16)
+    dims = {"audio_dim": feats["audio_dim"], "video_dim": feats["video_dim"]}
+    return Empatheia.from_llm(llm, tok, {**dims, **heads}, rngs=nnx.Rngs(1))
+
+
+def load_smollm2_tokenizer(tmp_path_factory):
+    """The SmolLM2 tokenizer, loaded from the copy `saved_smollm2_tokenizer` writes."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(saved_smollm2_tokenizer(tmp_path_factory))

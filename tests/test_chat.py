@@ -16,27 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import make_tiny_shards, saved_smollm2_tokenizer
+from helpers import FAST, TINY_ROWS, load_smollm2_tokenizer, make_tiny_shards, tiny_empatheia
 
 from empatheia_jax import chat
 from empatheia_jax import input_pipeline as ip
 from empatheia_jax.encoders import get_encoder
 from empatheia_jax.models.empatheia import Empatheia
-from empatheia_jax.models.llama import Llama, LlamaConfig
-from empatheia_jax.models.lora import LoraConfig
 
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-ROWS = 16
-TINY = dict(n_signal=4, lora=LoraConfig(rank=4, alpha=8.0), max_speech_len=ROWS, max_video_len=ROWS,
-            vae_d_model=16, vae_heads=2, vae_layers=1, cs_latent=8, sd_queries=2, sd_code_dim=8, sd_latent=4,
-            fuse_dim=16)
+ROWS = TINY_ROWS
 HEADS = ("speech_content", "video_content", "speech_style", "video_style")
-
-
-@pytest.fixture(autouse=True)
-def _exact_matmuls():
-    with jax.default_matmul_precision("highest"):
-        yield
+pytestmark = pytest.mark.usefixtures("exact_matmuls")
 
 
 @pytest.fixture(scope="module")
@@ -51,19 +40,12 @@ def media(shards):
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(saved_smollm2_tokenizer(tmp_path_factory))
+    return load_smollm2_tokenizer(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def model(tok, shards) -> Empatheia:
-    feats = json.loads((shards / "manifest.json").read_text())["features"]
-    llm = Llama(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id), rngs=nnx.Rngs(0))
-    dims = {"audio_dim": feats["audio_dim"], "video_dim": feats["video_dim"]}
-    return Empatheia.from_llm(llm, tok, {**dims, **TINY}, rngs=nnx.Rngs(1))
+    return tiny_empatheia(tok, shards)
 
 
 def _history(media):

@@ -27,7 +27,7 @@ from empatheia_jax.models.llama import Llama, LlamaConfig
 from empatheia_jax.models.lora import LoraConfig, apply_lora, set_lora_b
 from empatheia_jax.models.vae import TransformerVAE
 from empatheia_jax.templates import added_tokens, extend_tokenizer
-from tests.helpers import tiny_tokenizer
+from tests.helpers import FAST, tiny_tokenizer
 
 V = 64
 PAD, BOS, EOS, SEP = 0, 1, 2, 4
@@ -45,8 +45,6 @@ AUD, VID = CFG.aud_token_id, CFG.vid_token_id
 A1, A2 = CFG.aud_signal_ids
 V1, V2 = CFG.vid_signal_ids
 B, T = 4, 24
-# XLA compile time dominates on CPU; these programs are tiny, so skip the expensive LLVM passes.
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 @pytest.fixture(autouse=True)
