@@ -105,10 +105,29 @@ def _fit(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSp
 
 
 def shard_model(model: M, mesh: Mesh, rules=LOGICAL_RULES) -> M:
-    """Places an existing model's state onto the mesh according to the rules (returns the same model)."""
+    """Places an existing model's state onto the mesh according to the rules (returns the same model).
+
+    Multi-process: `jax.device_put` of a committed one-device array onto a mesh spanning processes takes
+    jax's cross-host transfer path, whose arrays have no usable `addressable_shards` (orbax cannot save
+    them). Every process holds the same host model (same seed or backbone files), so each cuts its own
+    shards from its copy instead; arrays already spread over the processes are resharded by a jitted
+    identity.
+    """
     state = nnx.state(model)
     shardings = state_shardings(state, mesh, rules)
-    nnx.update(model, jax.device_put(state, shardings))
+    if jax.process_count() == 1:
+        nnx.update(model, jax.device_put(state, shardings))
+        return model
+
+    def place(x, s):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return jax.jit(lambda a: a, out_shardings=s)(x)
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # nnx RNG streams: place the raw key data
+            return jax.random.wrap_key_data(place(jax.random.key_data(x), s), impl=jax.random.key_impl(x))
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
+
+    nnx.update(model, jax.tree.map(place, state, shardings))
     return model
 
 

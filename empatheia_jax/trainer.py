@@ -98,25 +98,6 @@ def initialize_distributed(config: ml_collections.ConfigDict) -> None:
     jax.distributed.initialize(**kwargs)
 
 
-def place_model(model: Empatheia, mesh: Mesh) -> Empatheia:
-    """`sharding.shard_model`, also across processes. There `jax.device_put` of a committed one-device array
-    onto a mesh spanning processes takes jax's cross-host transfer path, whose arrays have no usable
-    `addressable_shards` (orbax cannot save them); every process built the same host model (same seed or
-    backbone files), so each cuts its own shards from its copy instead."""
-    if jax.process_count() == 1:
-        return sharding.shard_model(model, mesh)
-    state = nnx.state(model)
-
-    def place(x, s):
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # nnx RNG streams: place the raw key data
-            return jax.random.wrap_key_data(place(jax.random.key_data(x), s), impl=jax.random.key_impl(x))
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
-
-    nnx.update(model, jax.tree.map(place, state, sharding.state_shardings(state, mesh)))
-    return model
-
-
 def agree_on_length(batch: Mapping[str, np.ndarray], pad_id: int) -> Mapping[str, np.ndarray]:
     """Multi-process: pads this process's batch along the token axis to the longest bucket any process
     picked for this step (each pipeline buckets its own examples, but a global array has one shape; as if
@@ -204,12 +185,21 @@ def model_config_overrides(config: ml_collections.ConfigDict, manifest: Mapping[
     return over
 
 
-def build_model(config: ml_collections.ConfigDict, manifest: Mapping[str, Any]) -> tuple[Empatheia, Any]:
-    """(model, tokenizer): the backbone (converted or random) wrapped by `Empatheia.from_llm`."""
+def build_model(
+    config: ml_collections.ConfigDict, manifest: Mapping[str, Any], mesh: Mesh | None = None
+) -> tuple[Empatheia, Any]:
+    """(model, tokenizer): the backbone (converted or random) wrapped by `Empatheia.from_llm`, on `mesh`.
+
+    A converted backbone on a mesh of more than one device is restored straight into its shards and the
+    rest of the model is created there (`checkpoint_io.load_checkpoint(mesh=)`, `sharding.create_sharded`):
+    no host holds the whole model, as a 7B run needs. A random backbone (tests, tiny configs) is built on
+    the host and then placed: eager init of a small model beats compiling its init program.
+    """
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.backbone)
     llm_fields = dict(config.model.llm)
+    in_shards = mesh if mesh is not None and mesh.size > 1 and config.model.backbone else None
     if config.model.backbone:
-        llm, _ = load_checkpoint(config.model.backbone)
+        llm, _ = load_checkpoint(config.model.backbone, mesh=in_shards)
         llm_over = llm_fields
     else:
         if not llm_fields.get("vocab_size"):
@@ -217,7 +207,10 @@ def build_model(config: ml_collections.ConfigDict, manifest: Mapping[str, Any]) 
         llm = Llama(LlamaConfig(**llm_fields), rngs=nnx.Rngs(config.seed))
         llm_over = {}
     over = model_config_overrides(config, manifest)
-    model = Empatheia.from_llm(llm, tokenizer, {**over, "llm": llm_over}, rngs=nnx.Rngs(config.seed + 1))
+    model = Empatheia.from_llm(llm, tokenizer, {**over, "llm": llm_over}, rngs=nnx.Rngs(config.seed + 1),
+                               mesh=in_shards)
+    if mesh is not None and in_shards is None:
+        sharding.shard_model(model, mesh)
     return model, tokenizer
 
 
@@ -521,8 +514,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
 
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     manifest = load_manifest(config.data.shards)
-    model, tokenizer = build_model(config, manifest)
-    place_model(model, mesh)
+    model, tokenizer = build_model(config, manifest, mesh)
     tx, lr_schedule = make_tx(config, schedule)
     with jax.set_mesh(mesh):
         optimizer = stages.make_optimizer(model, stage, tx)

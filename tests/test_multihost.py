@@ -54,7 +54,7 @@ out, tag, mode, argv = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
 import jax
 from flax import nnx
 
-from empatheia_jax import cli, trainer
+from empatheia_jax import cli, sharding, trainer
 from empatheia_jax.input_pipeline import TOKEN_KEYS, make_dataset
 
 rec = {"model": None, "records": [], "metrics": [], "steps": {}, "lengths": [], "global_shapes": []}
@@ -76,11 +76,13 @@ def local_copy(state):
 _build = trainer.build_model
 
 
-def build_model(config, manifest):
-    model, tok = _build(config, manifest)
+def build_model(config, manifest, mesh=None):
+    model, tok = _build(config, manifest)  # the host build (a random backbone is built there anyway)
     rec["model"] = model
     rec["init"] = {k: np.asarray(v.get_value()) for k, v in
                    (("/".join(map(str, p)), v) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))}
+    if mesh is not None:
+        sharding.shard_model(model, mesh)
     return model, tok
 
 

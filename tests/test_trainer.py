@@ -19,20 +19,19 @@ import time
 from pathlib import Path
 
 import jax
+import ml_collections
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from helpers import make_tiny_shards, saved_smollm2_tokenizer
+from helpers import FAST, make_tiny_shards, saved_smollm2_tokenizer, smollm2_checkpoint
 
 from configs import tiny
 from empatheia_jax import config as config_lib
 from empatheia_jax import losses, sharding, stages, trainer
 
 REPO = Path(__file__).resolve().parents[1]
-# Small programs: XLA's backend optimisation costs more compile time than it saves (as in test_empatheia).
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +147,43 @@ def _assert_same_update(a, b, rtol):
     for k in a:
         scale = np.abs(a[k]).max()
         assert np.abs(a[k] - b[k]).max() <= rtol * scale + 1e-6, (k, np.abs(a[k] - b[k]).max(), scale)
+
+
+def _assert_built_in_shards(host, sharded, mesh):
+    """Same parameters, each already on the sharding its logical axes give it. Copied (backbone) values are
+    bit-identical; freshly initialised ones and the added rows (a mean over the sharded embedding) may differ
+    in the last bits (XLA fuses the jitted init and sums in another order)."""
+    want = sharding.state_shardings(nnx.state(sharded), mesh)
+    host_flat = dict(nnx.to_flat_state(nnx.state(host)))
+    for (path, var), (_, spec) in zip(nnx.to_flat_state(nnx.state(sharded)), nnx.to_flat_state(want),
+                                      strict=True):
+        name = "/".join(map(str, path))
+        value = var.get_value()
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            value, expected = jax.random.key_data(value), jax.random.key_data(host_flat[path].get_value())
+        else:
+            expected = host_flat[path].get_value()
+        assert value.sharding.is_equivalent_to(spec.get_value(), value.ndim), name
+        np.testing.assert_allclose(np.asarray(value), np.asarray(expected), rtol=1e-5, atol=1e-8,
+                                   err_msg=name)
+
+
+def test_model_built_in_its_shards_equals_the_host_build(tok, shards):
+    """`build_model(mesh=)` never builds the model on one host (the 7B path) and gives the same values;
+    the converted backbone's parameters are restored into their shards bit for bit."""
+    cfg = tiny_config(tok, shards, stage="overall", **{"model.backbone": str(smollm2_checkpoint())})
+    cfg.model.llm = ml_collections.ConfigDict({"dtype": "float32", "remat": "none"})  # the converted shapes
+    manifest = json.loads((Path(shards) / "manifest.json").read_text())
+    mesh = sharding.make_mesh(1, 4, 2)
+    host, _ = trainer.build_model(cfg, manifest)
+    sharded, _ = trainer.build_model(cfg, manifest, mesh)
+    _assert_built_in_shards(host, sharded, mesh)
+    host_llm = dict(nnx.to_flat_state(nnx.state(host.llm, nnx.Param)))
+    for path, var in nnx.to_flat_state(nnx.state(sharded.llm, nnx.Param)):
+        if not str(path[-1]).endswith("_extra") and not isinstance(var, nnx.LoRAParam):  # restored ones
+            np.testing.assert_array_equal(np.asarray(var.get_value()), np.asarray(host_llm[path].get_value()))
+    assert any(len(v.get_value().sharding.device_set) == 8 and not v.get_value().sharding.is_fully_replicated
+               for _, v in nnx.to_flat_state(nnx.state(sharded, nnx.Param)))
 
 
 def test_grad_accumulation_4x1_equals_1x4(built):

@@ -30,12 +30,14 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from empatheia_jax import losses
 from empatheia_jax.models import trainable
 from empatheia_jax.models.llama import Llama, LlamaConfig, init_added_rows
 from empatheia_jax.models.lora import LoraConfig, apply_lora, lora_config_of, lora_layers
 from empatheia_jax.models.vae import TransformerVAE, VAEConfig, VAEOutput, as_key, split_keys
+from empatheia_jax.sharding import create_sharded, shard_model
 from empatheia_jax.templates import AUD_PLACEHOLDER, VID_PLACEHOLDER, extend_tokenizer, signal_tokens
 
 if TYPE_CHECKING:
@@ -720,6 +722,7 @@ class Empatheia(nnx.Module):
         cfg_overrides: Mapping[str, Any] | None = None,
         *,
         rngs: nnx.Rngs | None = None,
+        mesh: Mesh | None = None,
     ) -> Empatheia:
         """Empatheia around a converted/pretrained backbone; extends `tokenizer` in place.
 
@@ -728,6 +731,11 @@ class Empatheia(nnx.Module):
         (`templates.extend_tokenizer`), `extra_vocab` grows to cover them, every pretrained parameter is
         copied (LoRA too when both sides have it), the added rows start at the mean of the pretrained rows,
         and rows the backbone already had in `*_extra` keep their values.
+
+        With a `mesh` the new model is created directly in its shards (`sharding.create_sharded`, same values
+        as without) and the copy stays sharded when `llm` is (`checkpoint_io.load_checkpoint(mesh=)`): no
+        host ever holds the whole model, which a 7B backbone needs. Every parameter ends on the sharding the
+        logical-axis rules give it.
         """
         over = dict(cfg_overrides or {})
         n_signal = int(over.get("n_signal", 16))
@@ -753,9 +761,14 @@ class Empatheia(nnx.Module):
             vid_signal_ids=tuple(ids[t] for t in vid),
             **over,
         )
-        model = cls(cfg, rngs=rngs or nnx.Rngs(0))
+        rngs = rngs or nnx.Rngs(0)
+        if mesh is None:
+            model = cls(cfg, rngs=rngs)
+            copy_backbone(llm, model.llm)
+            return model
+        model = create_sharded(lambda: cls(cfg, rngs=nnx.clone(rngs)), mesh)
         copy_backbone(llm, model.llm)
-        return model
+        return shard_model(model, mesh)  # the added rows' mean may come out of XLA on another layout
 
 
 # ----------------------------------------------------------------------------------------------------------
