@@ -65,6 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.log_every = 10
     c.train.eval_every = 0  # 0 = only at the end
     c.train.eval_batches = 0  # 0 = the whole eval split
+    c.train.calibration_batches = 16  # unshuffled train batches that set the SD input standardisation
     c.train.nan_policy = (
         "skip"  # skip (count, keep the params) | stop (checkpoint the last good state, exit 1)
     )

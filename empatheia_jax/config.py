@@ -121,7 +121,7 @@ def validate(
         bad("train.nan_policy", t.nan_policy, f"must be one of {NAN_POLICIES}")
     if t.max_consecutive_nonfinite < 1:
         bad("train.max_consecutive_nonfinite", t.max_consecutive_nonfinite, "must be >= 1")
-    for name in ("log_every",):
+    for name in ("log_every", "calibration_batches"):
         if t[name] < 1:
             bad(f"train.{name}", t[name], "must be >= 1")
     for name in ("eval_every", "eval_batches"):

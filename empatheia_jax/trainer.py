@@ -46,7 +46,13 @@ from empatheia_jax.checkpoint import PreemptionWatcher, TrainCheckpointer, read_
 from empatheia_jax.checkpoint_io import load_checkpoint
 from empatheia_jax.evaluate import pipeline_config_fields
 from empatheia_jax.input_pipeline import TOKEN_KEYS, InputPipeline, make_dataset, make_global_batch
-from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig, copy_backbone
+from empatheia_jax.models.empatheia import (
+    Empatheia,
+    EmpatheiaConfig,
+    calibrate_sd_inputs,
+    copy_backbone,
+    sd_inputs_calibrated,
+)
 from empatheia_jax.models.llama import Llama, LlamaConfig
 from empatheia_jax.models.lora import LoraConfig
 from empatheia_jax.models.trainable import groups as all_groups
@@ -382,6 +388,42 @@ def make_eval_step(stage: stages.Stage, weights: losses.LossWeights):
     return counts_of, jax.jit(eval_step, static_argnums=0)
 
 
+def eval_batches(
+    config: ml_collections.ConfigDict,
+    stage: stages.Stage,
+    model: Empatheia,
+    tokenizer: Any,
+    mesh: Mesh,
+    *,
+    split: str | None = None,
+    max_batches: int = 0,
+) -> Iterator[dict[str, jax.Array]]:
+    """One unshuffled pass over a split as global model batches (0 = every batch). Multi-process: a
+    collective per batch (`agree_on_length`)."""
+    pipe = make_eval_pipeline(config, stage, model, tokenizer, split)
+    for i, b in enumerate(pipe):
+        if max_batches and i >= max_batches:
+            break
+        b = agree_on_length(b, pipe.pad_id)
+        yield make_global_batch(b, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
+
+
+def calibrate_sd(
+    config: ml_collections.ConfigDict, stage: stages.Stage, model: Empatheia, tokenizer: Any, mesh: Mesh
+) -> None:
+    """Before the SD first trains: its input affines from `train.calibration_batches` unshuffled train
+    batches (`calibrate_sd_inputs`), then back on their rule shardings. A no-op when the stage does not
+    train the SD or the affines are already set (resume, or `init_from` a stage that set them)."""
+    if "sd" not in stage.trainable_groups or not model.config.has_sd or sd_inputs_calibrated(model):
+        return
+    batches = eval_batches(config, stage, model, tokenizer, mesh, split=config.data.train_split,
+                           max_batches=int(config.train.calibration_batches))
+    with jax.set_mesh(mesh):
+        n = calibrate_sd_inputs(model, batches)
+    sharding.shard_model(model.style_dis, mesh)
+    log.info("SD inputs standardised from %d train examples", n)
+
+
 def evaluate_loss(
     config: ml_collections.ConfigDict,
     stage: stages.Stage,
@@ -402,12 +444,7 @@ def evaluate_loss(
     counts_of, eval_step = make_eval_step(stage, weights)
 
     def batches() -> Iterator[dict[str, jax.Array]]:
-        pipe = make_eval_pipeline(config, stage, model, tokenizer, split)
-        for i, b in enumerate(pipe):
-            if max_batches and i >= max_batches:
-                break
-            b = agree_on_length(b, pipe.pad_id)
-            yield make_global_batch(b, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
+        return eval_batches(config, stage, model, tokenizer, mesh, split=split, max_batches=max_batches)
 
     total = None
     for b in batches():
@@ -555,6 +592,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
         _check_same("model", restored.meta["model_config"], meta["model_config"], Path(config.init_from))
         nnx.update(model, restored.params)
         log.info("initialised from %s step %d", src_dir, src_step)
+    if ckpt.latest_step() is None:
+        calibrate_sd(config, stage, model, tokenizer, mesh)
 
     weights = losses.LossWeights(**dict(config.loss))
     graphs, params, frozen, opt_state = stages.split_for_step(model, optimizer, stage)

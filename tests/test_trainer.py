@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
@@ -30,6 +31,7 @@ from helpers import FAST, make_tiny_shards, saved_smollm2_tokenizer, smollm2_che
 from configs import tiny
 from empatheia_jax import config as config_lib
 from empatheia_jax import losses, sharding, stages, trainer
+from empatheia_jax.models.empatheia import sd_inputs_calibrated
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -184,6 +186,41 @@ def test_model_built_in_its_shards_equals_the_host_build(tok, shards):
             np.testing.assert_array_equal(np.asarray(var.get_value()), np.asarray(host_llm[path].get_value()))
     assert any(len(v.get_value().sharding.device_set) == 8 and not v.get_value().sharding.is_fully_replicated
                for _, v in nnx.to_flat_state(nnx.state(sharded, nnx.Param)))
+
+
+def test_sd_input_calibration_standardises_the_signal_states(tok, shards):
+    """`calibrate_sd` sets shift = per-position mean and scale = 1 / per-dim std (averaged over positions)
+    of the signal states of the first train batches (numpy reference), once: a second call (resume, or a
+    later stage) leaves the affines alone."""
+    cfg = tiny_config(tok, shards, stage="sac", **{"train.calibration_batches": 2})
+    model, tokenizer = trainer.build_model(cfg, json.loads((Path(shards) / "manifest.json").read_text()))
+    stage = config_lib.resolve_stage(cfg)
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    assert not sd_inputs_calibrated(model)
+    batches = list(trainer.eval_batches(cfg, stage, model, tokenizer, mesh, split="train", max_batches=2))
+    with jax.default_matmul_precision("highest"):
+        states = [model(b, train=False, heads=frozenset()) for b in batches]
+        trainer.calibrate_sd(cfg, stage, model, tokenizer, mesh)
+    assert sd_inputs_calibrated(model)
+    for key, norm in (("r_s", model.style_dis.speech_in), ("r_v", model.style_dis.video_in)):
+        r = np.concatenate([np.asarray(o[key], np.float64) for o in states])
+        m = np.concatenate([np.asarray(o[f"{key}_mask"]) for o in states])
+        assert m.any(axis=0).all() and not m.all()  # every position seen; filler rows left out
+        mean = np.stack([r[m[:, p], p].mean(0) for p in range(r.shape[1])])
+        std = np.stack([r[m[:, p], p].std(0) for p in range(r.shape[1])]).mean(0)
+        np.testing.assert_allclose(np.asarray(norm.shift[...]), mean, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(norm.scale[...]), 1 / np.maximum(std, 1e-3 * std.max()),
+                                   rtol=1e-3)
+        z = np.asarray(norm(jnp.asarray(r, jnp.float32)), np.float64)
+        z = [z[m[:, p], p] for p in range(r.shape[1])]
+        np.testing.assert_allclose(np.stack([zp.mean(0) for zp in z]), 0.0, atol=1e-2)
+        z_std = np.stack([zp.std(0) for zp in z]).mean(0)
+        np.testing.assert_allclose(z_std[std > 1e-3 * std.max()], 1.0, rtol=1e-3)
+    sd_params = lambda: nnx.to_flat_state(nnx.state(model.style_dis, nnx.Param))  # noqa: E731
+    before = {k: np.asarray(v.get_value()) for k, v in sd_params()}
+    trainer.calibrate_sd(cfg, stage, model, tokenizer, mesh)
+    for k, v in sd_params():
+        np.testing.assert_array_equal(np.asarray(v.get_value()), before[k])
 
 
 def test_grad_accumulation_4x1_equals_1x4(built):

@@ -24,7 +24,7 @@ groups): `llm` (LoRA: "lora"; added rows: "added_rows"), `aud_proj`/`vid_proj` (
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -339,10 +339,30 @@ class ContentSynchronizer(nnx.Module):
         return {"cs_speech": speech, "cs_video": video}
 
 
+class SignalStandardizer(nnx.Module):
+    """`(r - shift[position]) * scale` over the n signal-token states [B, n, d] that feed the SD.
+
+    Across examples those states differ by ~10 % of their magnitude; the identity of each signal token
+    dominates, and raw the SD cannot learn from them (docs/benchmarks.md, "Session 3"). Starts as the
+    identity; `calibrate_sd_inputs` sets it from data before the SD first trains.
+    """
+
+    def __init__(self, n: int, d: int, param_dtype):
+        self.shift = nnx.Param(jnp.zeros((n, d), param_dtype), out_sharding=(None, "embed"))
+        self.scale = nnx.Param(jnp.ones((d,), param_dtype), out_sharding=("embed",))
+
+    def __call__(self, r: jax.Array) -> jax.Array:
+        return (r - self.shift[...].astype(r.dtype)) * self.scale[...].astype(r.dtype)
+
+    def is_identity(self) -> bool:
+        return bool(jnp.all(self.shift[...] == 0) & jnp.all(self.scale[...] == 1))
+
+
 class StyleDisentangler(nnx.Module):
     """SD (eqs 3-7) and the style classifiers.
 
-    Per modality m: E^m = emotion VAE(r^m), P^m = profile VAE(r^m), each [B, sd_queries, sd_code_dim];
+    Per modality m, r^m is first standardised (`SignalStandardizer`, set from data by `calibrate_sd_inputs`).
+    Then E^m = emotion VAE(r^m), P^m = profile VAE(r^m), each [B, sd_queries, sd_code_dim];
     S^m = style layer(flat(E^m) ⊕ flat(P^m)) [B, style_dim] (eq 7's concatenation, then one affine map to
     the generator's 256-d style code). Fusion: E = gelu(Linear(flat(E^s) ⊕ flat(E^v))) [B, fuse_dim] feeds the
     emotion classifier; P likewise feeds the age, gender and timbre classifiers (each one Linear).
@@ -355,6 +375,8 @@ class StyleDisentangler(nnx.Module):
         def dense(d_in, d_out, axes):
             return _dense(d_in, d_out, axes, rngs, f32, pdt)
 
+        self.speech_in = SignalStandardizer(cfg.n_signal, cfg.llm.hidden_size, pdt)
+        self.video_in = SignalStandardizer(cfg.n_signal, cfg.llm.hidden_size, pdt)
         self.speech_emotion = TransformerVAE(cfg.sd_speech_emotion, rngs=rngs)
         self.speech_profile = TransformerVAE(cfg.sd_speech_profile, rngs=rngs)
         self.video_emotion = TransformerVAE(cfg.sd_video_emotion, rngs=rngs)
@@ -384,6 +406,7 @@ class StyleDisentangler(nnx.Module):
         sample: bool,
         rng: jax.Array | None,
     ) -> dict[str, Any]:
+        r_s, r_v = self.speech_in(r_s), self.video_in(r_v)
         blocks = [self.speech_emotion, self.speech_profile, self.video_emotion, self.video_profile]
         inputs = [(r_s, r_s_mask), (r_s, r_s_mask), (r_v, r_v_mask), (r_v, r_v_mask)]
         vae = dict(zip(SD_VAES, run_vaes(blocks, inputs, sample=sample, rng=rng), strict=True))
@@ -849,6 +872,50 @@ def _count_getter(counts: Mapping[str, jax.Array] | None):
     return get
 
 
+def sd_inputs_calibrated(model: Empatheia) -> bool:
+    """False while the SD input affines are still the identity they start as."""
+    sd = model.style_dis
+    return not (sd.speech_in.is_identity() and sd.video_in.is_identity())
+
+
+def calibrate_sd_inputs(model: Empatheia, batches: Iterable[Mapping[str, jax.Array]]) -> int:
+    """Sets the SD input affines from data; returns the number of examples used.
+
+    shift = the mean of r^m at each signal position over the examples of `batches` (where the signal token
+    is present); scale = 1 / the per-dimension std over those examples, averaged over the positions
+    (docs/design.md, "SD input standardisation"). Deterministic given the batches. Under a mesh the batches
+    are global arrays, so the sums are global reductions and every process sets the same values.
+    """
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def signal_states(state, batch):
+        out = nnx.merge(graphdef, state)(batch, train=False, heads=frozenset())
+        return {k: out[k] for k in ("r_s", "r_s_mask", "r_v", "r_v_mask")}
+
+    # The states are kept (a few MB) for a two-pass mean/variance: their spread is ~1e-2 of their mean, where
+    # the one-pass E[r^2] - E[r]^2 loses most of its digits in float32.
+    got = [signal_states(state, b) for b in batches]
+    if not got:
+        raise ValueError("calibrate_sd_inputs: no batches")
+    n_examples = 0
+    for key, norm in (("r_s", model.style_dis.speech_in), ("r_v", model.style_dis.video_in)):
+        r = jnp.concatenate([g[key].astype(jnp.float32) for g in got])  # [N, n_signal, d]
+        w = jnp.concatenate([g[f"{key}_mask"] for g in got]).astype(jnp.float32)[..., None]
+        n = jnp.sum(w, 0)  # [n_signal, 1]
+        seen = n > 0
+        if not bool(jnp.any(seen)):
+            raise ValueError(f"calibrate_sd_inputs: no example has a {key} signal token")
+        mean = jnp.sum(r * w, 0) / jnp.maximum(n, 1.0)
+        std = jnp.sqrt(jnp.sum(jnp.square(r - mean) * w, 0) / jnp.maximum(n, 1.0))
+        std_d = jnp.sum(jnp.where(seen, std, 0.0), 0) / jnp.sum(seen)
+        floor = 1e-3 * jnp.max(std_d) + 1e-12  # a constant dimension must not be blown up
+        norm.shift[...] = jnp.where(seen, mean, 0.0).astype(norm.shift.dtype)
+        norm.scale[...] = (1.0 / jnp.maximum(std_d, floor)).astype(norm.scale.dtype)
+        n_examples = max(n_examples, int(jnp.max(n)))
+    return n_examples
+
+
 def copy_backbone(src: Llama, dst: Llama) -> None:
     """Copies every parameter of `src` into `dst` (same architecture, `dst` may have more added rows).
 
@@ -890,7 +957,10 @@ __all__ = [
     "Empatheia",
     "EmpatheiaConfig",
     "StyleDisentangler",
+    "SignalStandardizer",
+    "calibrate_sd_inputs",
     "copy_backbone",
+    "sd_inputs_calibrated",
     "loss_counts",
     "run_vaes",
     "signal_present",
