@@ -576,7 +576,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
     pipeline = make_train_pipeline(config, stage, model, tokenizer)
     data_iter = iter(pipeline)
     start, nonfinite_skipped = 0, 0
-    if ckpt.latest_step() is not None:
+    resuming = ckpt.latest_step() is not None
+    if resuming:
         restored = ckpt.restore(params=saved_state(model, include_backbone), opt_state=nnx.state(optimizer))
         _check_same("stage", restored.meta["stage"], meta["stage"], workdir)
         _check_same("model", restored.meta["model_config"], meta["model_config"], workdir)
@@ -592,7 +593,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
         _check_same("model", restored.meta["model_config"], meta["model_config"], Path(config.init_from))
         nnx.update(model, restored.params)
         log.info("initialised from %s step %d", src_dir, src_step)
-    if ckpt.latest_step() is None:
+    if not resuming:
         calibrate_sd(config, stage, model, tokenizer, mesh)
 
     weights = losses.LossWeights(**dict(config.loss))

@@ -787,11 +787,12 @@ class Empatheia(nnx.Module):
         rngs = rngs or nnx.Rngs(0)
         if mesh is None:
             model = cls(cfg, rngs=rngs)
-            copy_backbone(llm, model.llm)
-            return model
-        model = create_sharded(lambda: cls(cfg, rngs=nnx.clone(rngs)), mesh)
+        else:
+            model = create_sharded(lambda: cls(cfg, rngs=nnx.clone(rngs)), mesh)
         copy_backbone(llm, model.llm)
-        return shard_model(model, mesh)  # the added rows' mean may come out of XLA on another layout
+        if mesh is not None:  # the added rows' mean may come out of XLA on another layout
+            shard_model(model, mesh)
+        return model
 
 
 # ----------------------------------------------------------------------------------------------------------
