@@ -65,7 +65,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.log_every = 10
     c.train.eval_every = 0  # 0 = only at the end
     c.train.eval_batches = 0  # 0 = the whole eval split
-    c.train.calibration_batches = 16  # unshuffled train batches that set the SD input standardisation
+    # Unshuffled train batches whose signal states set the SD input standardisation and feed the SD warm-up.
+    c.train.calibration_batches = 16
+    c.train.sd_warmup_batch_size = 32  # examples per SD warm-up step (cached states: cheap)
     c.train.nan_policy = (
         "skip"  # skip (count, keep the params) | stop (checkpoint the last good state, exit 1)
     )
@@ -89,14 +91,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.loss = ml_collections.ConfigDict({"alpha": 0.2, "beta": 0.3, "kl": 1e-3})
 
-    # Per-stage schedule: steps and (optionally) lr / warmup, picked by `stage`.
+    # Per-stage schedule, picked by `stage`: steps and (optionally) lr / warmup; lr 0 / warmup -1 =
+    # optim.lr / optim.warmup_steps. sd_warmup_steps: SD-only steps on the cached signal states of the
+    # calibration batches before the stage's first step (stages that train the SD; trainer.warmup_sd), at
+    # sd_warmup_lr (0 = the stage's lr). The paper has no warm-up: 0.
     c.schedule = ml_collections.ConfigDict(
         {
-            name: {
-                "steps": 1000,
-                "lr": 0.0,
-                "warmup_steps": -1,
-            }  # lr 0 / warmup -1 = optim.lr / optim.warmup_steps
+            name: {"steps": 1000, "lr": 0.0, "warmup_steps": -1, "sd_warmup_steps": 0, "sd_warmup_lr": 0.0}
             for name in ("coe", "ccl", "sac", "overall", "pipeline")
         }
     )

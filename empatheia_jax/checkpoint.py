@@ -488,7 +488,8 @@ class PreemptionWatcher:
         if self.received is None:
             self.received = signum
 
-    def requested(self, step: int) -> bool:
+    def requested(self, step: int | None) -> bool:
+        """step=None: only the signals, not jax's preemption sync point (work before the first step)."""
         if self._agreed:
             return True
         local = self.received is not None
@@ -496,11 +497,9 @@ class PreemptionWatcher:
             from jax.experimental import multihost_utils
 
             flags = multihost_utils.process_allgather(np.asarray([int(local)], np.int32))
-            agreed = bool(np.asarray(flags).any()) or _reached_preemption_sync_point(step)
-        else:
-            agreed = local or _reached_preemption_sync_point(step)
-        self._agreed = agreed
-        return agreed
+            local = bool(np.asarray(flags).any())
+        self._agreed = local or (step is not None and _reached_preemption_sync_point(step))
+        return self._agreed
 
     def restore_handlers(self) -> None:
         """Puts back the handlers that were installed before this watcher. Idempotent."""

@@ -31,6 +31,8 @@ class Schedule:
     steps: int
     lr: float
     warmup_steps: int
+    sd_warmup_steps: int = 0  # SD-only steps on cached signal states before step 0 (trainer.warmup_sd)
+    sd_warmup_lr: float = 0.0  # resolved: schedule.<stage>.sd_warmup_lr, or the stage's lr when that is 0
 
 
 def resolve_stage(config: ml_collections.ConfigDict) -> Stage:
@@ -39,11 +41,14 @@ def resolve_stage(config: ml_collections.ConfigDict) -> Stage:
 
 
 def stage_schedule(config: ml_collections.ConfigDict) -> Schedule:
-    """Steps, peak lr and warmup of the current stage (`schedule.<stage>`, falling back to `optim`)."""
+    """Steps, peak lr, warmup and SD warm-up of the current stage (`schedule.<stage>`, falling back to
+    `optim`)."""
     s = config.schedule[config.stage]
     lr = float(s.lr) if s.lr > 0 else float(config.optim.lr)
     warmup = int(s.warmup_steps) if s.warmup_steps >= 0 else int(config.optim.warmup_steps)
-    return Schedule(steps=int(s.steps), lr=lr, warmup_steps=warmup)
+    sd_lr = float(s.get("sd_warmup_lr", 0.0))
+    return Schedule(steps=int(s.steps), lr=lr, warmup_steps=warmup,
+                    sd_warmup_steps=int(s.get("sd_warmup_steps", 0)), sd_warmup_lr=sd_lr if sd_lr > 0 else lr)
 
 
 def to_json(config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -92,8 +97,11 @@ def validate(
     if not o.lr > 0:
         bad("optim.lr", o.lr, "must be > 0")
     for name in config.schedule:
-        if config.schedule[name].lr < 0:
-            bad(f"schedule.{name}.lr", config.schedule[name].lr, "must be >= 0 (0 = optim.lr)")
+        for key, what in (("lr", "optim.lr"), ("sd_warmup_lr", "the stage's lr")):
+            if config.schedule[name].get(key, 0.0) < 0:
+                bad(f"schedule.{name}.{key}", config.schedule[name][key], f"must be >= 0 (0 = {what})")
+        if config.schedule[name].get("sd_warmup_steps", 0) < 0:
+            bad(f"schedule.{name}.sd_warmup_steps", config.schedule[name].sd_warmup_steps, "must be >= 0")
     if o.weight_decay < 0:
         bad("optim.weight_decay", o.weight_decay, "must be >= 0")
     if o.clip_norm < 0:
@@ -121,7 +129,7 @@ def validate(
         bad("train.nan_policy", t.nan_policy, f"must be one of {NAN_POLICIES}")
     if t.max_consecutive_nonfinite < 1:
         bad("train.max_consecutive_nonfinite", t.max_consecutive_nonfinite, "must be >= 1")
-    for name in ("log_every", "calibration_batches"):
+    for name in ("log_every", "calibration_batches", "sd_warmup_batch_size"):
         if t[name] < 1:
             bad(f"train.{name}", t[name], "must be >= 1")
     for name in ("eval_every", "eval_batches"):

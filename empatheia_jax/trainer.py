@@ -28,7 +28,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +50,9 @@ from empatheia_jax.models.empatheia import (
     Empatheia,
     EmpatheiaConfig,
     calibrate_sd_inputs,
+    collect_sd_inputs,
     copy_backbone,
-    sd_inputs_calibrated,
+    sd_head_loss,
 )
 from empatheia_jax.models.llama import Llama, LlamaConfig
 from empatheia_jax.models.lora import LoraConfig
@@ -408,20 +409,132 @@ def eval_batches(
         yield make_global_batch(b, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
 
 
-def calibrate_sd(
-    config: ml_collections.ConfigDict, stage: stages.Stage, model: Empatheia, tokenizer: Any, mesh: Mesh
-) -> None:
-    """Before the SD first trains: its input affines from `train.calibration_batches` unshuffled train
-    batches (`calibrate_sd_inputs`), then back on their rule shardings. A no-op when the stage does not
-    train the SD or the affines are already set (resume, or `init_from` a stage that set them)."""
-    if "sd" not in stage.trainable_groups or not model.config.has_sd or sd_inputs_calibrated(model):
-        return
+def prepare_sd(
+    config: ml_collections.ConfigDict,
+    stage: stages.Stage,
+    model: Empatheia,
+    tokenizer: Any,
+    mesh: Mesh,
+    schedule: config_lib.Schedule,
+    *,
+    writer: MetricsWriter | None = None,
+    stop_requested: Callable[[], bool] = lambda: False,
+) -> bool:
+    """Before a stage that trains the SD takes its first step (a fresh workdir; never on resume).
+
+    1. Caches the SD inputs and targets of `train.calibration_batches` unshuffled train batches under this
+       stage's template, from one frozen forward each (`collect_sd_inputs`).
+    2. Standardises the SD inputs from them (`calibrate_sd_inputs`). This happens at every stage that trains
+       the SD, not once: each stage's template moves the common mode of the signal states, and the SD reads
+       them relative to it (re-estimating normalisation statistics on the new input distribution, as
+       AdaBN does; docs/design.md, "SD input standardisation").
+    3. Trains the SD alone on the cache for `schedule.<stage>.sd_warmup_steps` (`warmup_sd`).
+
+    Returns False when a preemption was requested during the warm-up (nothing is saved: a restart redoes
+    all of this deterministically). A no-op returning True when the stage does not train the SD.
+    """
+    if "sd" not in stage.trainable_groups or not model.config.has_sd:
+        return True
     batches = eval_batches(config, stage, model, tokenizer, mesh, split=config.data.train_split,
                            max_batches=int(config.train.calibration_batches))
     with jax.set_mesh(mesh):
-        n = calibrate_sd_inputs(model, batches)
+        inputs = collect_sd_inputs(model, batches)
+        n = calibrate_sd_inputs(model, inputs)
     sharding.shard_model(model.style_dis, mesh)
-    log.info("SD inputs standardised from %d train examples", n)
+    log.info("SD inputs standardised from %d train examples (%s template)", n, stage.template_stage)
+    if schedule.sd_warmup_steps:
+        return warmup_sd(config, stage, model, inputs, schedule, mesh, writer=writer,
+                         stop_requested=stop_requested)
+    return True
+
+
+def warmup_sd(
+    config: ml_collections.ConfigDict,
+    stage: stages.Stage,
+    model: Empatheia,
+    inputs: Mapping[str, jax.Array],
+    schedule: config_lib.Schedule,
+    mesh: Mesh,
+    *,
+    writer: MetricsWriter | None = None,
+    stop_requested: Callable[[], bool] = lambda: False,
+) -> bool:
+    """Trains the SD alone on cached inputs (`collect_sd_inputs`) before the stage's joint steps.
+
+    Why: the SD needs a few hundred steps before its classifiers move (docs/benchmarks.md, "Session 3"),
+    and a stage step also runs the LLM forward and, for the projections and signal rows, its backward. On
+    cached signal states an SD step costs a small fraction of that. This is the head warm-up of
+    linear-probe-then-fine-tune (Kumar et al. 2022): the stage's joint steps then start from a trained head
+    instead of a random one. Objective: `sd_head_loss` (the stage's L_sal + L_cls + kl·KL_sd). Optimizer:
+    `make_tx` over `sd_warmup_steps` at `sd_warmup_lr`, its own state (the stage's optimizer starts fresh).
+    Batches: `train.sd_warmup_batch_size` examples drawn without replacement, epoch by epoch, from a
+    permutation seeded by `seed`; latent noise from per-example keys. Deterministic; a non-finite update is
+    skipped and counted. Returns False if a preemption was requested (polled every `log_every` steps).
+    """
+    steps = int(schedule.sd_warmup_steps)
+    n = int(inputs["r_s"].shape[0])
+    size = min(int(config.train.sd_warmup_batch_size), n)
+    weights = losses.LossWeights(**dict(config.loss))
+    warm = config_lib.Schedule(steps=steps, lr=schedule.sd_warmup_lr,
+                               warmup_steps=min(schedule.warmup_steps, steps))
+    tx, lr_schedule = make_tx(config, warm)
+    graphdef, params, rest = nnx.split(model.style_dis, nnx.Param, ...)
+    with jax.set_mesh(mesh):
+        opt_state = tx.init(params)
+
+    def step(params, opt_state, idx, key):
+        batch = jax.tree.map(lambda x: x[idx], inputs)
+
+        def loss_fn(p):
+            sd = nnx.merge(graphdef, p, rest)
+            return sd_head_loss(sd, batch, stage, weights, rng=example_keys(key, idx.shape))
+
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        grad_norm = optax.global_norm(grads)
+        ok = jnp.isfinite(metrics["total"]) & jnp.isfinite(grad_norm)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+        return keep(new_params, params), keep(new_opt_state, opt_state), {
+            **metrics, "grad_norm": grad_norm, "nonfinite": (~ok).astype(jnp.float32)}
+
+    shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
+    step_fn = jax.jit(step, donate_argnums=(0, 1), out_shardings=(shardings(params), None, None))
+    rng = np.random.default_rng([config.seed, 0x5D])
+    perm, cursor = rng.permutation(n), 0
+    key = jax.random.fold_in(jax.random.key(config.seed), 0x5D)
+    window: dict[str, float] = {}
+    skipped = 0
+    completed = True
+    from tqdm import tqdm
+
+    lead = jax.process_index() == 0
+    with jax.set_mesh(mesh):
+        for i in tqdm(range(steps), desc=f"SD warm-up ({stage.name})", unit="step", disable=not lead):
+            if cursor + size > n:
+                perm, cursor = rng.permutation(n), 0
+            idx = jnp.asarray(perm[cursor:cursor + size], jnp.int32)
+            cursor += size
+            params, opt_state, metrics = step_fn(params, opt_state, idx, jax.random.fold_in(key, i))
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            skipped += int(metrics.pop("nonfinite"))
+            for k, v in metrics.items():
+                window[k] = window.get(k, 0.0) + v
+            if (i + 1) % config.train.log_every == 0 or i + 1 == steps:
+                n_win = (i % config.train.log_every) + 1
+                out = {f"sd_warmup/{k}": v / n_win for k, v in window.items()}
+                out["sd_warmup/lr"] = float(lr_schedule(i))
+                out["sd_warmup/nonfinite_skipped"] = skipped
+                if writer is not None:
+                    writer.write(i + 1, out)
+                window = {}
+                if stop_requested():
+                    completed = i + 1 == steps
+                    break
+    nnx.update(model.style_dis, params)
+    if skipped:
+        log.warning("SD warm-up: %d of %d updates skipped (non-finite loss or gradient)", skipped, steps)
+    return completed
 
 
 def evaluate_loss(
@@ -593,8 +706,22 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
         _check_same("model", restored.meta["model_config"], meta["model_config"], Path(config.init_from))
         nnx.update(model, restored.params)
         log.info("initialised from %s step %d", src_dir, src_step)
-    if not resuming:
-        calibrate_sd(config, stage, model, tokenizer, mesh)
+    writer = MetricsWriter(workdir, lead)
+    watcher = PreemptionWatcher()  # from here on, so that a SIGTERM during the SD warm-up is clean too
+    try:
+        prepared = resuming or prepare_sd(config, stage, model, tokenizer, mesh, schedule, writer=writer,
+                                          stop_requested=lambda: watcher.requested(None))
+    except BaseException:
+        watcher.restore_handlers()
+        writer.close()
+        ckpt.close()
+        raise
+    if not prepared:
+        watcher.restore_handlers()
+        writer.close()
+        ckpt.close()
+        log.warning("preemption requested during the SD warm-up: exiting before step 0, nothing to save")
+        return TrainResult("preempted", 0, workdir, {}, {}, 0)
 
     weights = losses.LossWeights(**dict(config.loss))
     graphs, params, frozen, opt_state = stages.split_for_step(model, optimizer, stage)
@@ -602,7 +729,6 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
     n_trainable = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     peak = peak_flops()
     key = jax.random.key(config.seed)
-    writer = MetricsWriter(workdir, lead)
     trace = (workdir / "data_trace.jsonl").open("a") if config.train.trace_data and lead else None
 
     def save(step: int, metrics: Mapping[str, float] | None = None, force: bool = False) -> None:
@@ -626,7 +752,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
     consecutive_bad, status, done = 0, "completed", start
     last_metrics: dict[str, float] = {}
     profile = tuple(config.train.profile_steps)
-    with PreemptionWatcher() as watcher:
+    with watcher:
         try:
             for step in range(start, schedule.steps):
                 if profile and step == profile[0]:

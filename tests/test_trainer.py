@@ -9,6 +9,7 @@ CPU device each and a shared persistent compilation cache, so only the first run
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -31,7 +32,8 @@ from helpers import FAST, make_tiny_shards, saved_smollm2_tokenizer, smollm2_che
 from configs import tiny
 from empatheia_jax import config as config_lib
 from empatheia_jax import losses, sharding, stages, trainer
-from empatheia_jax.models.empatheia import sd_inputs_calibrated
+from empatheia_jax.models.empatheia import collect_sd_inputs, sd_head_loss, sd_inputs_calibrated
+from empatheia_jax.models.vae import split_keys
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -188,39 +190,95 @@ def test_model_built_in_its_shards_equals_the_host_build(tok, shards):
                for _, v in nnx.to_flat_state(nnx.state(sharded, nnx.Param)))
 
 
+def _numpy_standardisation(states, key):
+    r = np.concatenate([np.asarray(o[key], np.float64) for o in states])
+    m = np.concatenate([np.asarray(o[f"{key}_mask"]) for o in states])
+    assert m.any(axis=0).all() and not m.all()  # every position seen; filler rows left out
+    mean = np.stack([r[m[:, p], p].mean(0) for p in range(r.shape[1])])
+    std = np.stack([r[m[:, p], p].std(0) for p in range(r.shape[1])]).mean(0)
+    return r, m, mean, std
+
+
 def test_sd_input_calibration_standardises_the_signal_states(tok, shards):
-    """`calibrate_sd` sets shift = per-position mean and scale = 1 / per-dim std (averaged over positions)
-    of the signal states of the first train batches (numpy reference), once: a second call (resume, or a
-    later stage) leaves the affines alone."""
+    """`prepare_sd` sets shift = per-position mean and scale = 1 / per-dim std (averaged over positions)
+    of the signal states of the first train batches under the stage's template (numpy reference). A later
+    stage that trains the SD (overall) re-estimates them on its own template (AdaBN)."""
     cfg = tiny_config(tok, shards, stage="sac", **{"train.calibration_batches": 2})
     model, tokenizer = trainer.build_model(cfg, json.loads((Path(shards) / "manifest.json").read_text()))
-    stage = config_lib.resolve_stage(cfg)
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     assert not sd_inputs_calibrated(model)
-    batches = list(trainer.eval_batches(cfg, stage, model, tokenizer, mesh, split="train", max_batches=2))
+    for stage_name in ("sac", "overall"):
+        cfg.stage = stage_name
+        stage = config_lib.resolve_stage(cfg)
+        batches = list(trainer.eval_batches(cfg, stage, model, tokenizer, mesh, split="train", max_batches=2))
+        with jax.default_matmul_precision("highest"):
+            states = [model(b, train=False, heads=frozenset()) for b in batches]
+            assert trainer.prepare_sd(cfg, stage, model, tokenizer, mesh, config_lib.stage_schedule(cfg))
+        assert sd_inputs_calibrated(model)
+        for key, norm in (("r_s", model.style_dis.speech_in), ("r_v", model.style_dis.video_in)):
+            r, m, mean, std = _numpy_standardisation(states, key)
+            np.testing.assert_allclose(np.asarray(norm.shift[...]), mean, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(np.asarray(norm.scale[...]), 1 / np.maximum(std, 1e-3 * std.max()),
+                                       rtol=1e-3)
+            z = np.asarray(norm(jnp.asarray(r, jnp.float32)), np.float64)
+            z = [z[m[:, p], p] for p in range(r.shape[1])]
+            np.testing.assert_allclose(np.stack([zp.mean(0) for zp in z]), 0.0, atol=1e-2)
+            z_std = np.stack([zp.std(0) for zp in z]).mean(0)
+            np.testing.assert_allclose(z_std[std > 1e-3 * std.max()], 1.0, rtol=1e-3)
+        if stage_name == "sac":
+            sac_shift = np.asarray(model.style_dis.speech_in.shift[...])
+    # The templates differ, so the overall stage's statistics are its own.
+    assert np.abs(np.asarray(model.style_dis.speech_in.shift[...]) - sac_shift).max() > 1e-3
+
+
+def test_sd_warmup_trains_only_the_sd_on_its_stage_loss(tok, shards):
+    """`warmup_sd` on the cached inputs: the SD's own part of the stage loss (same terms as the model's
+    loss on the same examples and noise), lowered by the warm-up; nothing outside the SD moves; the same
+    seed gives bit-identical parameters (a restarted run redoes it exactly); a preemption stops it."""
+    cfg = tiny_config(tok, shards, stage="sac", **{
+        "train.calibration_batches": 3, "train.sd_warmup_batch_size": 16, "train.log_every": 5,
+        "schedule.sac.sd_warmup_steps": 40, "schedule.sac.sd_warmup_lr": 3e-3})
+    manifest = json.loads((Path(shards) / "manifest.json").read_text())
+    stage, schedule = config_lib.resolve_stage(cfg), config_lib.stage_schedule(cfg)
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    model, tokenizer = trainer.build_model(cfg, manifest)
+    batches = list(trainer.eval_batches(cfg, stage, model, tokenizer, mesh, split="train", max_batches=3))
+    trainer.prepare_sd(cfg, stage, model, tokenizer, mesh, dataclasses.replace(schedule, sd_warmup_steps=0))
+    inputs = collect_sd_inputs(model, batches)
+    weights = losses.LossWeights(**dict(cfg.loss))
+
+    # The warm-up objective is the model's own SD terms: same examples, same latent noise.
+    b = batches[0]
+    keys = trainer.example_keys(jax.random.key(3), (b["input_ids"].shape[0],))
     with jax.default_matmul_precision("highest"):
-        states = [model(b, train=False, heads=frozenset()) for b in batches]
-        trainer.calibrate_sd(cfg, stage, model, tokenizer, mesh)
-    assert sd_inputs_calibrated(model)
-    for key, norm in (("r_s", model.style_dis.speech_in), ("r_v", model.style_dis.video_in)):
-        r = np.concatenate([np.asarray(o[key], np.float64) for o in states])
-        m = np.concatenate([np.asarray(o[f"{key}_mask"]) for o in states])
-        assert m.any(axis=0).all() and not m.all()  # every position seen; filler rows left out
-        mean = np.stack([r[m[:, p], p].mean(0) for p in range(r.shape[1])])
-        std = np.stack([r[m[:, p], p].std(0) for p in range(r.shape[1])]).mean(0)
-        np.testing.assert_allclose(np.asarray(norm.shift[...]), mean, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(np.asarray(norm.scale[...]), 1 / np.maximum(std, 1e-3 * std.max()),
-                                   rtol=1e-3)
-        z = np.asarray(norm(jnp.asarray(r, jnp.float32)), np.float64)
-        z = [z[m[:, p], p] for p in range(r.shape[1])]
-        np.testing.assert_allclose(np.stack([zp.mean(0) for zp in z]), 0.0, atol=1e-2)
-        z_std = np.stack([zp.std(0) for zp in z]).mean(0)
-        np.testing.assert_allclose(z_std[std > 1e-3 * std.max()], 1.0, rtol=1e-3)
-    sd_params = lambda: nnx.to_flat_state(nnx.state(model.style_dis, nnx.Param))  # noqa: E731
-    before = {k: np.asarray(v.get_value()) for k, v in sd_params()}
-    trainer.calibrate_sd(cfg, stage, model, tokenizer, mesh)
-    for k, v in sd_params():
-        np.testing.assert_array_equal(np.asarray(v.get_value()), before[k])
+        _, full = model.loss(b, model(b, train=True, rng=keys, heads=stage.heads), stage, weights)
+        first = jax.tree.map(lambda x: x[: b["input_ids"].shape[0]], inputs)
+        _, head = sd_head_loss(model.style_dis, first, stage, weights, rng=split_keys(keys)[1])
+    for term in (*losses.SAL_TERMS, *losses.CLS_TERMS, losses.KL, "acc_age"):
+        np.testing.assert_allclose(float(head[term]), float(full[term]), rtol=2e-4, err_msg=term)
+    assert float(head[losses.SIGNAL_CE]) == 0.0 and float(full[losses.SIGNAL_CE]) > 0
+
+    def head_loss(m):  # deterministic: fixed keys over the whole cache
+        n = inputs["r_s"].shape[0]
+        return float(sd_head_loss(m.style_dis, inputs, stage, weights,
+                                  rng=trainer.example_keys(jax.random.key(0), (n,)))[0])
+
+    before = {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    loss_before = head_loss(model)
+    assert trainer.warmup_sd(cfg, stage, model, inputs, schedule, mesh)
+    after = {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    moved = {k for k in before if not np.array_equal(before[k], after[k])}
+    assert moved and all(k[0] == "style_dis" for k in moved)
+    assert len(moved) > len([k for k in before if k[0] == "style_dis"]) // 2
+    assert head_loss(model) < 0.8 * loss_before
+
+    again, _ = trainer.build_model(cfg, manifest)
+    trainer.prepare_sd(cfg, stage, again, tokenizer, mesh, schedule)  # calibrate + warm up, from scratch
+    for k, v in nnx.to_flat_state(nnx.state(again, nnx.Param)):
+        np.testing.assert_array_equal(np.asarray(v.get_value()), after[k], err_msg=str(k))
+
+    stopped, _ = trainer.build_model(cfg, manifest)
+    assert not trainer.prepare_sd(cfg, stage, stopped, tokenizer, mesh, schedule, stop_requested=lambda: True)
 
 
 def test_grad_accumulation_4x1_equals_1x4(built):
@@ -347,6 +405,7 @@ def test_resume_after_sigkill_is_bit_identical(tok, shards, tmp_path, cli_env):
     extra = [
         "--config.stage=overall",
         "--config.schedule.overall.steps=8",
+        "--config.schedule.overall.sd_warmup_steps=3",  # before step 0: redone, not resumed
         "--config.checkpoint.every=2",
         "--config.train.trace_data=True",
         "--config.checkpoint.async_save=True",

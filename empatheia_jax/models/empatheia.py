@@ -636,25 +636,9 @@ class Empatheia(nnx.Module):
                 terms[term] = losses.masked_squared_l2(pred, target, batch[f"{key}_mask"],
                                                        count=count(f"{key}_rows"))
         if "speech_style" in outputs:
-            style_mask = batch["style_mask"].astype(bool)
-            has_s, has_v = jnp.any(outputs["r_s_mask"], -1), jnp.any(outputs["r_v_mask"], -1)
-            terms[losses.SAL_SPEECH] = losses.squared_l2(outputs["speech_style"], batch["speech_style"],
-                                                         style_mask[:, 0] & has_s,
-                                                         count=count("speech_style_examples"))
-            terms[losses.SAL_VIDEO] = losses.squared_l2(outputs["video_style"], batch["video_style"],
-                                                        style_mask[:, 1] & has_v,
-                                                        count=count("video_style_examples"))
-            has_any = has_s | has_v
-            for term, name in ((losses.CLS_EMOTION, "emotion"), (losses.CLS_AGE, "age"),
-                               (losses.CLS_GENDER, "gender"), (losses.CLS_TIMBRE, "timbre")):
-                labels = jnp.where(has_any, batch[name], -1)
-                lg = outputs[f"{name}_logits"]
-                n_labels = count(f"{name}_labels")
-                terms[term] = losses.classification_ce(lg, labels, count=n_labels)
-                valid = labels >= 0
-                correct = jnp.sum(valid & (jnp.argmax(lg, -1) == labels))
-                n_labels = losses.label_count(labels) if n_labels is None else n_labels
-                extra[f"acc_{name}"] = correct / jnp.maximum(n_labels, 1).astype(jnp.float32)
+            style, accuracy = style_terms(batch, outputs, count)
+            terms.update(style)
+            extra.update(accuracy)
         terms.update({f"_{k}": v for k, v in extra.items()})
         return terms
 
@@ -681,15 +665,7 @@ class Empatheia(nnx.Module):
                 for name, key in (("cs_speech", "speech_content"), ("cs_video", "video_content"))
             )
         if "sd_speech_emotion" in vae:
-            total = jnp.zeros((), jnp.float32)
-            for name in SD_VAES:
-                modality = "speech" if "speech" in name else "video"
-                present = jnp.any(outputs["r_s_mask" if modality == "speech" else "r_v_mask"], -1)
-                mu = vae[name].mu
-                total = total + losses.kl_term(mu, vae[name].logvar,
-                                               jnp.broadcast_to(present[:, None], mu.shape[:2]),
-                                               count=count(f"{modality}_signal_examples"))
-            out["sd"] = total
+            out["sd"] = sd_kl(vae, outputs["r_s_mask"], outputs["r_v_mask"], count)
         return out
 
     def loss(
@@ -873,36 +849,114 @@ def _count_getter(counts: Mapping[str, jax.Array] | None):
     return get
 
 
+def style_terms(
+    batch: Mapping[str, jax.Array], outputs: Mapping[str, Any], count
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """(sal_* and cls_* terms, acc_* metrics) of the SD outputs; `count` is a `_count_getter`.
+
+    sal_*: L2 against speech/video_style for examples with that style target (style_mask) and the modality's
+    signal tokens present; cls_*: CE with -1 ignored, also where no signal token is present.
+    """
+    terms, extra = {}, {}
+    style_mask = batch["style_mask"].astype(bool)
+    has_s, has_v = jnp.any(outputs["r_s_mask"], -1), jnp.any(outputs["r_v_mask"], -1)
+    sal = ((losses.SAL_SPEECH, "speech", has_s), (losses.SAL_VIDEO, "video", has_v))
+    for j, (term, key, has) in enumerate(sal):
+        terms[term] = losses.squared_l2(outputs[f"{key}_style"], batch[f"{key}_style"],
+                                        style_mask[:, j] & has, count=count(f"{key}_style_examples"))
+    has_any = has_s | has_v
+    for term, name in ((losses.CLS_EMOTION, "emotion"), (losses.CLS_AGE, "age"),
+                       (losses.CLS_GENDER, "gender"), (losses.CLS_TIMBRE, "timbre")):
+        labels = jnp.where(has_any, batch[name], -1)
+        lg = outputs[f"{name}_logits"]
+        n_labels = count(f"{name}_labels")
+        terms[term] = losses.classification_ce(lg, labels, count=n_labels)
+        correct = jnp.sum((labels >= 0) & (jnp.argmax(lg, -1) == labels))
+        n_labels = losses.label_count(labels) if n_labels is None else n_labels
+        extra[f"acc_{name}"] = correct / jnp.maximum(n_labels, 1).astype(jnp.float32)
+    return terms, extra
+
+
+def sd_kl(vae: Mapping[str, VAEOutput], r_s_mask: jax.Array, r_v_mask: jax.Array, count) -> jax.Array:
+    """KL of the four SD blocks, each averaged over the examples whose modality has its signal tokens."""
+    total = jnp.zeros((), jnp.float32)
+    for name in SD_VAES:
+        modality = "speech" if "speech" in name else "video"
+        present = jnp.any(r_s_mask if modality == "speech" else r_v_mask, -1)
+        mu = vae[name].mu
+        total = total + losses.kl_term(mu, vae[name].logvar, jnp.broadcast_to(present[:, None], mu.shape[:2]),
+                                       count=count(f"{modality}_signal_examples"))
+    return total
+
+
+def sd_head_loss(
+    sd: StyleDisentangler,
+    inputs: Mapping[str, jax.Array],
+    stage: Stage,
+    weights: losses.LossWeights | None = None,
+    *,
+    rng: jax.Array,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(total, metrics) of the SD alone on cached inputs (`collect_sd_inputs`): the SD warm-up's objective.
+
+    The "sac" formula L_sal + L_cls + kl·KL_sd with the terms and denominators of `Empatheia.loss`. The
+    signal CE needs the LLM and enters as 0, as does any term `stage` does not train (ablations).
+    """
+    out = dict(sd(inputs["r_s"], inputs["r_s_mask"], inputs["r_v"], inputs["r_v_mask"], sample=True, rng=rng))
+    vae = out.pop("vae")
+    outputs = {**out, "r_s_mask": inputs["r_s_mask"], "r_v_mask": inputs["r_v_mask"]}
+    no_counts = _count_getter(None)
+    terms, extra = style_terms(inputs, outputs, no_counts)
+    terms[losses.KL] = sd_kl(vae, inputs["r_s_mask"], inputs["r_v_mask"], no_counts)
+    zero = jnp.zeros((), jnp.float32)
+    terms = {t: terms.get(t, zero) if t in stage.loss_terms else zero for t in losses.STAGE_TERMS["sac"]}
+    total, metrics = losses.combine(terms, "sac", weights)
+    return total, {**metrics, **extra}
+
+
 def sd_inputs_calibrated(model: Empatheia) -> bool:
     """False while the SD input affines are still the identity they start as."""
     sd = model.style_dis
     return not (sd.speech_in.is_identity() and sd.video_in.is_identity())
 
 
-def calibrate_sd_inputs(model: Empatheia, batches: Iterable[Mapping[str, jax.Array]]) -> int:
-    """Sets the SD input affines from data; returns the number of examples used.
+SD_INPUT_KEYS = ("r_s", "r_s_mask", "r_v", "r_v_mask")
+SD_TARGET_KEYS = ("speech_style", "video_style", "style_mask", "emotion", "age", "gender", "timbre")
 
-    shift = the mean of r^m at each signal position over the examples of `batches` (where the signal token
-    is present); scale = 1 / the per-dimension std over those examples, averaged over the positions
-    (docs/design.md, "SD input standardisation"). Deterministic given the batches. Under a mesh the batches
-    are global arrays, so the sums are global reductions and every process sets the same values.
+
+def collect_sd_inputs(model: Empatheia, batches: Iterable[Mapping[str, jax.Array]]) -> dict[str, jax.Array]:
+    """The SD's inputs (`SD_INPUT_KEYS`, from one frozen forward per batch) and targets (`SD_TARGET_KEYS`,
+    those the batches hold), concatenated over the examples of `batches`.
+
+    A few MB per thousand examples (n_signal x d per modality). It feeds `calibrate_sd_inputs` and the SD
+    warm-up (`sd_head_loss`). Under a mesh the batches are global arrays and so are the results.
     """
     graphdef, state = nnx.split(model)
 
     @jax.jit
     def signal_states(state, batch):
         out = nnx.merge(graphdef, state)(batch, train=False, heads=frozenset())
-        return {k: out[k] for k in ("r_s", "r_s_mask", "r_v", "r_v_mask")}
+        return {k: out[k] for k in SD_INPUT_KEYS}
 
-    # The states are kept (a few MB) for a two-pass mean/variance: their spread is ~1e-2 of their mean, where
-    # the one-pass E[r^2] - E[r]^2 loses most of its digits in float32.
-    got = [signal_states(state, b) for b in batches]
+    got = [{**signal_states(state, b), **{k: b[k] for k in SD_TARGET_KEYS if k in b}} for b in batches]
     if not got:
-        raise ValueError("calibrate_sd_inputs: no batches")
+        raise ValueError("collect_sd_inputs: no batches")
+    return {k: jnp.concatenate([g[k] for g in got]) for k in got[0]}
+
+
+def calibrate_sd_inputs(model: Empatheia, inputs: Mapping[str, jax.Array]) -> int:
+    """Sets the SD input affines from `collect_sd_inputs` output; returns the number of examples used.
+
+    shift = the mean of r^m at each signal position over the examples where the signal token is present;
+    scale = 1 / the per-dimension std over those examples, averaged over the positions (docs/design.md,
+    "SD input standardisation"). Two-pass mean/variance: the spread of the states is ~1e-2 of their mean,
+    where the one-pass E[r^2] - E[r]^2 loses most of its digits in float32. Deterministic given the inputs;
+    under a mesh the sums are global reductions and every process sets the same values.
+    """
     n_examples = 0
     for key, norm in (("r_s", model.style_dis.speech_in), ("r_v", model.style_dis.video_in)):
-        r = jnp.concatenate([g[key].astype(jnp.float32) for g in got])  # [N, n_signal, d]
-        w = jnp.concatenate([g[f"{key}_mask"] for g in got]).astype(jnp.float32)[..., None]
+        r = inputs[key].astype(jnp.float32)  # [N, n_signal, d]
+        w = inputs[f"{key}_mask"].astype(jnp.float32)[..., None]
         n = jnp.sum(w, 0)  # [n_signal, 1]
         seen = n > 0
         if not bool(jnp.any(seen)):
@@ -959,8 +1013,14 @@ __all__ = [
     "EmpatheiaConfig",
     "StyleDisentangler",
     "SignalStandardizer",
+    "SD_INPUT_KEYS",
+    "SD_TARGET_KEYS",
     "calibrate_sd_inputs",
+    "collect_sd_inputs",
     "copy_backbone",
+    "sd_head_loss",
+    "sd_kl",
+    "style_terms",
     "sd_inputs_calibrated",
     "loss_counts",
     "run_vaes",
