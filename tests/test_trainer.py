@@ -74,6 +74,8 @@ def tiny_config(tok, shards, **overrides):
         ({"mesh.data": 3, "mesh.fsdp": 1}, "does not divide the 8 devices"),
         ({"train.batch_size": 6, "train.grad_accum": 4}, "must be a multiple of train.grad_accum=4"),
         ({"train.nan_policy": "ignore"}, "config.train.nan_policy='ignore'"),
+        ({"schedule.sac.sd_warmup_steps": -5}, "config.schedule.sac.sd_warmup_steps=-5: must be >= 0"),
+        ({"train.sd_warmup_batch_size": 0}, "config.train.sd_warmup_batch_size=0: must be >= 1"),
         ({"stage": "sac", "ablations.no_media": True}, "nothing to train"),
         ({"data.shards": "/nonexistent"}, "config.data.shards='/nonexistent'"),
     ],
