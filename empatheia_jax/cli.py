@@ -35,6 +35,7 @@ flags.DEFINE_string("shards", None, "eval: shards folder (default: the run's dat
 flags.DEFINE_bool("untrained", False, "eval: also evaluate the untrained model (same config, fresh heads)")
 flags.DEFINE_bool("generate", True, "eval: generate the CoE text (emotion accuracy from text, Dist-n)")
 flags.DEFINE_integer("batch_size", 8, "eval: batch size")
+flags.DEFINE_integer("generate_batch_size", 0, "eval: batch size of the generation (0 = --batch_size)")
 flags.DEFINE_integer("max_new_tokens", 160, "eval/chat: generation budget")
 flags.DEFINE_string("json", None, "eval: also write the metrics table as JSON here")
 flags.DEFINE_string("text", None, "chat: the speaker's latest utterance")
@@ -73,6 +74,7 @@ def _eval() -> int:
         max_len=int(config.data.max_len),
         max_new_tokens=FLAGS.max_new_tokens,
         generate_text=FLAGS.generate,
+        generate_batch_size=FLAGS.generate_batch_size or None,
         pipeline_overrides={"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)},
     )
     columns = {"trained": evaluate.evaluate(model, tokenizer, shards, FLAGS.split, **kwargs)}

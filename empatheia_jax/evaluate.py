@@ -577,6 +577,7 @@ def evaluate(
     max_len: int = 1024,
     max_new_tokens: int = 160,
     generate_text: bool = True,
+    generate_batch_size: int | None = None,
     pipeline_overrides: Mapping[str, Any] | None = None,
     weights: losses.LossWeights | None = None,
     max_examples: int | None = None,
@@ -589,7 +590,10 @@ def evaluate(
     teacher-forced: eval_loss, emp, ppl, signal_ce, ccl_*, sal_*, cls_*, kl; emotion_acc_cls, age_acc,
     gender_acc, timbre_acc; {speech,video}_{content,style}_{l2,cos}; num_examples, skipped_examples.
     generate_text: emotion_acc_text, coe_parse_rate, emotion_parse_rate, signal_rate, dist1, dist2,
-    num_generated (Pipeline baseline: also age/gender/timbre_acc_text). `predictions_path` writes one JSON
+    num_generated (Pipeline baseline: also age/gender/timbre_acc_text). `generate_batch_size` (default
+    `batch_size`) batches the generation apart from the teacher-forced pass: decoding holds a KV cache, not
+    [B, T, vocab] logits, so it affords more rows per step, and each decode step reads every weight once
+    whatever the batch. `predictions_path` writes one JSON
     line per generation. `max_examples` evaluates the first N records only. `compiler_options` go to the
     jitted forward passes (tests turn XLA optimisation off).
     """
@@ -598,7 +602,7 @@ def evaluate(
     result = teacher_forced_metrics(model, tokenizer, shards_dir, split, weights=weights, **common)
     if generate_text:
         preds = generate_predictions(model, tokenizer, shards_dir, split, max_new_tokens=max_new_tokens,
-                                     **common)
+                                     **{**common, "batch_size": generate_batch_size or batch_size})
         result.update(text_metrics(preds))
         if predictions_path is not None:
             write_predictions(preds, predictions_path)

@@ -120,6 +120,13 @@ def test_generations_are_scored_from_their_parse_and_equal_unbatched_decoding(mo
     assert got["emotion_acc_text"] == pytest.approx(np.mean(hits))
     assert got["num_generated"] == 3 and got["signal_rate"] == 0.0
 
+    # The generation's own batch size (all three prompts in one left-padded batch) changes nothing.
+    path3 = tmp_path / "preds3.jsonl"
+    got3 = ev.evaluate(model, tok, shards, "test", batch_size=2, generate_batch_size=3, max_len=MAX_LEN,
+                       max_new_tokens=6, predictions_path=path3, progress=False, compiler_options=FAST)
+    assert [json.loads(line)["text"] for line in path3.read_text().splitlines()] == [p["text"] for p in preds]
+    assert got3 == got
+
     # Evaluate sorts prompts by length, batches and left-pads them; one prompt alone must decode the same.
     reader = ip.ShardReader.for_split(shards, "test")
     cfg = ip.PipelineConfig(stage="overall", max_len=MAX_LEN, include_target=False, **PIPE)
