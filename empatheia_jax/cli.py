@@ -35,7 +35,8 @@ flags.DEFINE_string("shards", None, "eval: shards folder (default: the run's dat
 flags.DEFINE_bool("untrained", False, "eval: also evaluate the untrained model (same config, fresh heads)")
 flags.DEFINE_bool("generate", True, "eval: generate the CoE text (emotion accuracy from text, Dist-n)")
 flags.DEFINE_integer("batch_size", 8, "eval: batch size")
-flags.DEFINE_integer("generate_batch_size", 0, "eval: batch size of the generation (0 = --batch_size)")
+flags.DEFINE_integer("generate_batch_size", 0, "eval: batch size of the generation (0 = --batch_size)",
+                     lower_bound=0)
 flags.DEFINE_integer("max_new_tokens", 160, "eval/chat: generation budget")
 flags.DEFINE_string("json", None, "eval: also write the metrics table as JSON here")
 flags.DEFINE_string("text", None, "chat: the speaker's latest utterance")

@@ -493,6 +493,8 @@ def generate_predictions(
     Each dict: record_index, uid, labels, prompt_tokens, num_new, text (the new tokens decoded with special
     tokens, up to the end token), signal_complete, and the fields of `parse_generation`.
     """
+    if batch_size < 1:  # a negative size would make the batching loop empty: no predictions, no error
+        raise ValueError(f"generate_predictions: batch_size must be >= 1, got {batch_size}")
     cfg = model.config
     manifest = check_split(shards_dir, split)
     _check_model_and_data(model, tokenizer, manifest, shards_dir)

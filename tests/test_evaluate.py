@@ -126,6 +126,9 @@ def test_generations_are_scored_from_their_parse_and_equal_unbatched_decoding(mo
                        max_new_tokens=6, predictions_path=path3, progress=False, compiler_options=FAST)
     assert [json.loads(line)["text"] for line in path3.read_text().splitlines()] == [p["text"] for p in preds]
     assert got3 == got
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got -3"):
+        ev.evaluate(model, tok, shards, "test", batch_size=2, generate_batch_size=-3, max_len=MAX_LEN,
+                    max_new_tokens=6, progress=False, compiler_options=FAST)
 
     # Evaluate sorts prompts by length, batches and left-pads them; one prompt alone must decode the same.
     reader = ip.ShardReader.for_split(shards, "test")
