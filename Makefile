@@ -23,8 +23,12 @@ install: $(VENV)/.installed
 lint: install
 	$(VENV)/bin/ruff check .
 
+# Two workers: most tests run one XLA:CPU thread, so the 2-core CI box runs the suite in about half the time.
+# worksteal rebalances the few long tests (whole CLI runs, the sharded 135M build) between the workers.
+TEST_WORKERS ?= 2
+
 test: install lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
 demo: install
 	bash launch/demo.sh

@@ -39,16 +39,17 @@ def gguf_key() -> str:
 @functools.cache
 def smollm2_checkpoint() -> Path:
     """The converted SmolLM2 folder (float32), converted once and cached (see module docstring)."""
+    from filelock import FileLock
+
     from converters.hf_to_flax import convert
     from empatheia_jax.checkpoint_io import is_complete
 
     out = cache_root() / f"smollm2-{gguf_key()}"
-    if not is_complete(out):
-        try:
+    # One converter at a time: pytest-xdist workers (and concurrent sessions) share the cache folder, and
+    # a second converter would overwrite the first one's half-written folder.
+    with FileLock(str(out) + ".lock"):
+        if not is_complete(out):
             convert(gguf_path(), out, overwrite=out.exists())
-        except OSError:
-            if not is_complete(out):  # another session finished the same conversion first: use it
-                raise
     return out
 
 
