@@ -24,8 +24,8 @@ CORE = [
 # torch is pinned so that it is resolved (to the CPU wheel) before peft can pull a CUDA build.
 CONVERT = ["torch==2.13.0", "peft==0.21.2", "gguf>=0.19.0", "accelerate>=1.15.0"]
 DATA = ["librosa>=0.11", "av>=18.0", "espeakng-loader>=0.2.4", "tensorflow-datasets>=4.9.10"]
-# pytest-xdist runs the suite on both cores of the CI box (docs/design.md "Tests"); filelock guards the
-# session cache those workers share.
+# pytest-xdist runs the suite on both cores of the CI box (docs/design.md "Tests and CI"); filelock guards
+# the session cache those workers share.
 TEST = ["pytest>=9.0", "pytest-xdist>=3.6", "filelock>=3.12", "ruff>=0.17"]
 
 setup(
