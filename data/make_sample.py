@@ -204,18 +204,39 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[1]
 
 
+def shipped_ed_csv() -> Path:
+    """The ED validation csv shipped in `data/ed/` (data card and sha256 beside it)."""
+    return repo_root() / "data" / "ed" / DEFAULT_ED_CSV_NAME
+
+
+def check_shipped_ed_csv(path: Path) -> None:
+    """A truncated or re-encoded copy (a CRLF->LF checkout, say) would silently change the sample's
+    dialogues, so the shipped copy must hash to the sum recorded beside it."""
+    sums = path.with_name("SHA256SUMS")
+    lines = [line.split(maxsplit=1) for line in sums.read_text().splitlines() if line.strip()]
+    expected = {name: digest for digest, name in lines}
+    got = hashlib.sha256(path.read_bytes()).hexdigest()
+    if expected.get(path.name) != got:
+        raise ValueError(
+            f"{path}: sha256 {got} does not match {sums} ({expected.get(path.name)}); restore the file "
+            "with `git checkout -- data/ed` (it must keep its CRLF line endings)"
+        )
+
+
 def resolve_ed_csv(path: str | os.PathLike | None = None) -> Path:
-    """The ED csv to draw from: `path`, else $EMPATHEIA_ED_CSV, else ../shared/data/ed/ next to the repo."""
+    """The ED csv to draw from: `path`, else $EMPATHEIA_ED_CSV, else the copy shipped in data/ed/."""
     tried = []
     candidates = [("--ed-csv", path)] if path else []
     if not path:
         candidates.append(("EMPATHEIA_ED_CSV", os.environ.get("EMPATHEIA_ED_CSV")))
-        candidates.append(("default", repo_root().parent / "shared" / "data" / "ed" / DEFAULT_ED_CSV_NAME))
+        candidates.append(("default", shipped_ed_csv()))
     for how, p in candidates:
         if not p:
             continue
         p = Path(p).expanduser()
         if p.is_file():
+            if how == "default":
+                check_shipped_ed_csv(p)
             return p.resolve()
         tried.append(f"{how}: {p}")
     raise FileNotFoundError(
@@ -440,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dialogues", type=int, default=200, help="number of dialogues N (default 200)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ed-csv", default=None,
-                    help=f"ED csv (default: $EMPATHEIA_ED_CSV, else ../shared/data/ed/{DEFAULT_ED_CSV_NAME})")
+                    help=f"ED csv (default: $EMPATHEIA_ED_CSV, else data/ed/{DEFAULT_ED_CSV_NAME})")
     ap.add_argument("--masked-fraction", type=float, default=DEFAULT_MASKED_FRACTION,
                     help="fraction of dialogues whose text is emotion-masked (default 0.3)")
     ap.add_argument("--workers", type=int, default=None, help="render processes (default min(2, cpus))")

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import missing_real_data
 
 from data import make_sample
 from data.face_render import _layout, _mouth_box, render_face_video, render_frames
@@ -174,12 +173,11 @@ def test_neutralize_text():
     assert not make_sample.has_emotion_word("I moved to a new city last spring.")
 
 
-def test_real_ed_masking_and_balance():
-    """On the real ED validation csv (when present): balanced draw, no emotion word left in masked text."""
-    try:
-        path = make_sample.resolve_ed_csv()
-    except FileNotFoundError:
-        missing_real_data("real ED csv not available")
+def test_real_ed_masking_and_balance(monkeypatch):
+    """On the ED validation csv shipped in data/ed/: balanced draw, no emotion word left in masked text."""
+    monkeypatch.delenv("EMPATHEIA_ED_CSV", raising=False)
+    path = make_sample.resolve_ed_csv()
+    assert path == make_sample.shipped_ed_csv().resolve()
     from data.import_ed import convert_ed_csv
 
     emap = EmotionMap.load("avamerg7")
@@ -205,6 +203,22 @@ def test_splits_and_csv_resolution(tmp_path, monkeypatch):
     assert make_sample.resolve_ed_csv() == (tmp_path / "ed.csv").resolve()
     assert make_sample.main(["--out", str(tmp_path / "o"), "--dialogues", "2", "--ed-csv",
                              str(tmp_path / "nope.csv"), "--quiet"]) == 2
+
+
+def test_shipped_ed_csv_is_checked_against_its_sha256(tmp_path, monkeypatch):
+    """The default csv is the in-repo copy, and a changed copy (e.g. CRLF turned into LF) is refused."""
+    monkeypatch.delenv("EMPATHEIA_ED_CSV", raising=False)
+    shipped = make_sample.shipped_ed_csv()
+    make_sample.check_shipped_ed_csv(shipped)  # the committed file matches its recorded sum
+    repo = tmp_path / "repo"
+    (repo / "data" / "ed").mkdir(parents=True)
+    copy = repo / "data" / "ed" / shipped.name
+    copy.write_bytes(shipped.read_bytes().replace(b"\r\n", b"\n"))
+    (repo / "data" / "ed" / "SHA256SUMS").write_bytes((shipped.parent / "SHA256SUMS").read_bytes())
+    monkeypatch.setattr(make_sample, "repo_root", lambda: repo)
+    with pytest.raises(ValueError, match="sha256 .* does not match"):
+        make_sample.resolve_ed_csv()
+    assert make_sample.main(["--out", str(tmp_path / "o"), "--dialogues", "2", "--quiet"]) == 2
 
 
 def _median_f0(wav: np.ndarray, sr: int = SAMPLE_RATE) -> float:
