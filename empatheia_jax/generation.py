@@ -10,8 +10,13 @@ Why it is shaped this way:
   `MIN_BUCKET`), and the loop stops early once every row has produced an end-of-sequence token, so a new
   prompt length rarely compiles a new program. Programs are cached per (graphdef, sampling mode, eos
   count); jax caches the shapes underneath.
-- `temperature`/`top_p` are traced scalars: changing them never recompiles. Greedy (temperature 0) is its
-  own program, with no sort over the vocabulary.
+- `temperature`/`top_p`/`repetition_penalty` are traced scalars: changing them never recompiles. Greedy
+  (temperature 0) is its own program, with no sort over the vocabulary; so is each `no_repeat_ngram_size`
+  (the n-gram windows are shapes), and a penalty of 1.0 compiles a program without the penalty.
+- The repetition controls follow transformers' logits processors (`RepetitionPenaltyLogitsProcessor`,
+  `NoRepeatNGramLogitsProcessor`, applied before temperature and top-p, as HF orders them), so a
+  setting means what it means in HF. The one difference: HF also counts a batch's left padding as
+  "seen" tokens; here only the tokens a row attends to count, so a padded row decodes as it would alone.
 """
 
 from __future__ import annotations
@@ -102,6 +107,49 @@ def _nucleus(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+def _seen_tokens(logits: jax.Array, seq: jax.Array, valid: jax.Array) -> jax.Array:
+    """[B, V] bool: the tokens that occur among the attended columns of each row."""
+    rows = jnp.arange(seq.shape[0])[:, None]
+    return jnp.zeros(logits.shape, bool).at[rows, seq].max(valid)
+
+
+def _penalize_repeats(logits: jax.Array, seen: jax.Array, penalty) -> jax.Array:
+    """HF's repetition penalty: a seen token's logit is divided by `penalty` when positive, multiplied
+    when negative (CTRL, Keskar et al. 2019); 1.0 leaves the logits as they are."""
+    return jnp.where(seen, jnp.where(logits < 0, logits * penalty, logits / penalty), logits)
+
+
+def _ban_repeated_ngrams(logits: jax.Array, seq: jax.Array, valid: jax.Array, length, n: int) -> jax.Array:
+    """HF's no_repeat_ngram_size: a token that would complete an n-gram already in the row's first
+    `length` columns is banned. Windows that touch an unattended column (left padding) never match."""
+    b, t = seq.shape
+    if t < n:
+        return logits
+    starts = t - n + 1
+    windows = jnp.stack([seq[:, k:k + starts] for k in range(n)], axis=-1)  # [B, starts, n]
+    window_ok = jnp.stack([valid[:, k:k + starts] for k in range(n)], axis=-1).all(-1)
+    prefix = jax.lax.dynamic_slice_in_dim(seq, length - (n - 1), n - 1, axis=1)  # the last n-1 tokens
+    same = jnp.all(windows[:, :, : n - 1] == prefix[:, None, :], axis=-1)
+    complete = jnp.arange(starts) + n - 1 < length  # the window's last token is already written
+    banned = same & window_ok & complete[None, :] & (length >= n - 1)
+    rows = jnp.arange(b)[:, None]
+    mask = jnp.zeros(logits.shape, bool).at[rows, windows[:, :, -1]].max(banned)
+    return jnp.where(mask, -jnp.inf, logits)
+
+
+def _process(logits, seq, valid, length, repetition_penalty, no_repeat_ngram_size: int) -> jax.Array:
+    """The repetition controls over the columns written so far (`seq[:, :length]`, `valid` marks them).
+
+    A `repetition_penalty` of None (not merely 1.0) leaves the penalty out of the program: the default
+    decode pays nothing for it."""
+    valid = valid & (jnp.arange(seq.shape[1]) < length)[None, :]
+    if repetition_penalty is not None:
+        logits = _penalize_repeats(logits, _seen_tokens(logits, seq, valid), repetition_penalty)
+    if no_repeat_ngram_size > 0:
+        logits = _ban_repeated_ngrams(logits, seq, valid, length, no_repeat_ngram_size)
+    return logits
+
+
 def _select(logits: jax.Array, key: jax.Array, temperature, top_p, do_sample: bool) -> jax.Array:
     if not do_sample:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -111,8 +159,12 @@ def _select(logits: jax.Array, key: jax.Array, temperature, top_p, do_sample: bo
 
 
 def _program(graphdef, state, input_ids, attention_mask, inputs_embeds, max_new_tokens, temperature, top_p,
-             key, eos_ids, pad_token_id, *, new_bucket: int, do_sample: bool):
-    """Prefill the left-padded prompt, then decode up to `max_new_tokens` (<= new_bucket) in a while_loop."""
+             repetition_penalty, key, eos_ids, pad_token_id, *, new_bucket: int, do_sample: bool,
+             penalize: bool, no_repeat_ngram_size: int):
+    """Prefill the left-padded prompt, then decode up to `max_new_tokens` (<= new_bucket) in a while_loop.
+
+    The repetition controls read `seq`/`valid`: the prompt columns followed by the tokens written so far.
+    """
     model: Llama = nnx.merge(graphdef, state)
     cfg = model.config
     b, p = input_ids.shape
@@ -120,14 +172,21 @@ def _program(graphdef, state, input_ids, attention_mask, inputs_embeds, max_new_
     positions = jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
     x = model.embed(input_ids) if inputs_embeds is None else inputs_embeds
     hidden, cache = model.decode(x, positions=positions, attention_mask=attention_mask, cache=cache)
-    first = _select(model.logits(hidden[:, -1:])[:, 0], jax.random.fold_in(key, 0), temperature, top_p,
-                    do_sample)
+    seq = jnp.concatenate([input_ids, jnp.full((b, new_bucket), pad_token_id, jnp.int32)], axis=1)
+    valid = jnp.concatenate([attention_mask, jnp.ones((b, new_bucket), bool)], axis=1)
+
+    def pick(logits, seq, step, key):
+        logits = _process(logits, seq, valid, p + step, repetition_penalty if penalize else None,
+                          no_repeat_ngram_size)
+        return _select(logits, key, temperature, top_p, do_sample)
+
+    first = pick(model.logits(hidden[:, -1:])[:, 0], seq, 0, jax.random.fold_in(key, 0))
     next_position = jnp.sum(attention_mask, axis=1, dtype=jnp.int32)  # position of the first new token
 
     def is_eos(tok):
         return jnp.any(tok[:, None] == eos_ids[None, :], axis=-1)
 
-    tokens = jnp.full((b, new_bucket), pad_token_id, jnp.int32).at[:, 0].set(first)
+    seq = seq.at[:, p].set(first)
     ones = jnp.ones((b, 1), bool)
 
     def cond(carry):
@@ -135,16 +194,17 @@ def _program(graphdef, state, input_ids, attention_mask, inputs_embeds, max_new_
         return (step < max_new_tokens) & ~jnp.all(done)
 
     def body(carry):
-        step, last, done, cache, tokens = carry
+        step, last, done, cache, seq = carry
         pos = (next_position + step - 1)[:, None]
         logits, cache = model(last[:, None], positions=pos, attention_mask=ones, cache=cache)
-        tok = _select(logits[:, 0], jax.random.fold_in(key, step), temperature, top_p, do_sample)
+        tok = pick(logits[:, 0], seq, step, jax.random.fold_in(key, step))
         tok = jnp.where(done, pad_token_id, tok)
-        tokens = jax.lax.dynamic_update_slice(tokens, tok[:, None], (0, step))
-        return step + 1, tok, done | is_eos(tok), cache, tokens
+        seq = jax.lax.dynamic_update_slice(seq, tok[:, None], (0, p + step))
+        return step + 1, tok, done | is_eos(tok), cache, seq
 
-    carry = (jnp.ones((), jnp.int32), first, is_eos(first), cache, tokens)
-    steps, _, _, _, tokens = jax.lax.while_loop(cond, body, carry)
+    carry = (jnp.ones((), jnp.int32), first, is_eos(first), cache, seq)
+    steps, _, _, _, seq = jax.lax.while_loop(cond, body, carry)
+    tokens = seq[:, p:]
     # Tokens up to and including each row's first end token (or all `steps` when it never ended).
     hit = is_eos(tokens.reshape(-1)).reshape(b, new_bucket) & (jnp.arange(new_bucket) < steps)
     first_eos = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1) + 1, steps)
@@ -160,13 +220,15 @@ _LOCK = threading.Lock()
 _CPU_COMPILER_OPTIONS = {"xla_cpu_ftz": True}
 
 
-def _compiled(graphdef, new_bucket: int, do_sample: bool):
-    key = (graphdef, new_bucket, do_sample)
+def _compiled(graphdef, new_bucket: int, do_sample: bool, penalize: bool = False,
+              no_repeat_ngram_size: int = 0):
+    key = (graphdef, new_bucket, do_sample, penalize, no_repeat_ngram_size)
     with _LOCK:
         fn = _PROGRAMS.get(key)
         if fn is None:
             def run(*args):
-                return _program(graphdef, *args, new_bucket=new_bucket, do_sample=do_sample)
+                return _program(graphdef, *args, new_bucket=new_bucket, do_sample=do_sample,
+                                penalize=penalize, no_repeat_ngram_size=no_repeat_ngram_size)
 
             options = _CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
             fn = _PROGRAMS[key] = jax.jit(run, compiler_options=options)
@@ -202,11 +264,15 @@ def generate_tokens(
     eos_ids: Sequence[int] = (),
     pad_token_id: int | None = None,
     inputs_embeds: jax.Array | None = None,
+    repetition_penalty: float = 1.0,
+    no_repeat_ngram_size: int = 0,
 ) -> Generation:
     """Generates from token-id prompts; returns the whole `Generation` (prompt + new tokens + mask).
 
     `inputs_embeds` [B, P, D], aligned with `left_pad(prompts, pad, bucket(longest))`, replaces the token
     embeddings of the prompt (how Empatheia splices encoder features into `<Aud>`/`<Vid>` slots).
+    `repetition_penalty` (> 0, 1 = off) and `no_repeat_ngram_size` (0 = off) have HF's meaning and count
+    the prompt as HF does for a decoder-only model.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
@@ -214,6 +280,10 @@ def generate_tokens(
         raise ValueError(f"temperature={temperature} must be >= 0")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    if not repetition_penalty > 0:
+        raise ValueError(f"repetition_penalty={repetition_penalty} must be > 0 (1.0 = no penalty)")
+    if no_repeat_ngram_size < 0:
+        raise ValueError(f"no_repeat_ngram_size={no_repeat_ngram_size} must be >= 0 (0 = off)")
     eos_ids = tuple(int(e) for e in eos_ids) or (-1,)  # -1: no end token, never produced
     if pad_token_id is None:
         pad_token_id = eos_ids[0] if eos_ids[0] >= 0 else 0
@@ -223,11 +293,12 @@ def generate_tokens(
     new_bucket = bucket(max_new_tokens)
     do_sample = temperature > 0
     graphdef, state = nnx.split(model)
-    fn = _compiled(graphdef, new_bucket, do_sample)
+    fn = _compiled(graphdef, new_bucket, do_sample, repetition_penalty != 1.0, int(no_repeat_ngram_size))
     tokens, steps, lengths = fn(
         state, jnp.asarray(ids), jnp.asarray(mask), inputs_embeds,
         jnp.int32(max_new_tokens), jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p),
-        jax.random.key(seed), jnp.asarray(eos_ids, jnp.int32), jnp.int32(pad_token_id),
+        jnp.float32(repetition_penalty), jax.random.key(seed), jnp.asarray(eos_ids, jnp.int32),
+        jnp.int32(pad_token_id),
     )
     steps = int(steps)
     new = np.asarray(tokens)[:, :steps]
@@ -262,6 +333,8 @@ def generate_ids(
     top_p: float = 1.0,
     *,
     seed: int = 0,
+    repetition_penalty: float = 1.0,
+    no_repeat_ngram_size: int = 0,
 ) -> np.ndarray:
     """New token ids [B, N] for already-templated prompts; after a row's end token the ids are the pad id.
 
@@ -269,7 +342,8 @@ def generate_ids(
     """
     eos = eos_token_ids(model, tokenizer)
     out = generate_tokens(model, _encode(tokenizer, prompts), max_new_tokens, temperature, top_p, seed=seed,
-                          eos_ids=eos, pad_token_id=_pad_id(tokenizer, eos))
+                          eos_ids=eos, pad_token_id=_pad_id(tokenizer, eos),
+                          repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size)
     return out.new_tokens
 
 
@@ -282,12 +356,16 @@ def generate(
     top_p: float = 1.0,
     *,
     seed: int = 0,
+    repetition_penalty: float = 1.0,
+    no_repeat_ngram_size: int = 0,
 ) -> list[str]:
     """Replies to already-templated prompts (batched, left-padded); greedy at temperature 0, else
-    temperature + nucleus sampling seeded by `seed`. Returns the new text without special tokens."""
+    temperature + nucleus sampling seeded by `seed`, with HF's repetition controls (see `generate_tokens`).
+    Returns the new text without special tokens."""
     eos = eos_token_ids(model, tokenizer)
     out = generate_tokens(model, _encode(tokenizer, prompts), max_new_tokens, temperature, top_p, seed=seed,
-                          eos_ids=eos, pad_token_id=_pad_id(tokenizer, eos))
+                          eos_ids=eos, pad_token_id=_pad_id(tokenizer, eos),
+                          repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size)
     new = out.new_tokens
     return [
         tokenizer.decode(new[i, : out.num_new[i]].tolist(), skip_special_tokens=True) for i in range(len(new))

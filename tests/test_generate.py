@@ -81,12 +81,59 @@ def test_left_padded_cache_equals_unpadded(pair):
         np.testing.assert_allclose(np.asarray(padded)[row, -len(p):], alone, atol=1e-5, rtol=0)
 
 
-def _hf_generate(hf, prompts, max_new, eos=EOS):
+def _hf_generate(hf, prompts, max_new, eos=EOS, **controls):
     ids, mask = left_pad(prompts, pad_token_id=0, length=max(map(len, prompts)))
     with torch.no_grad():
         out = hf.generate(torch.from_numpy(ids.astype(np.int64)), attention_mask=torch.from_numpy(mask.astype(
-            np.int64)), max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0)
+            np.int64)), max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0, **controls)
     return out[:, ids.shape[1]:].numpy()
+
+
+def _has_repeated_ngram(tokens, n: int) -> bool:
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return len(grams) != len(set(grams))
+
+
+@pytest.mark.parametrize("controls", [dict(repetition_penalty=1.6), dict(no_repeat_ngram_size=2),
+                                      dict(repetition_penalty=0.7, no_repeat_ngram_size=3)])
+def test_repetition_controls_equal_hf_generate(pair, controls):
+    """Greedy decoding under HF's repetition controls gives HF's tokens (the prompt counts, as in HF)."""
+    hf, model = pair
+    prompts = _prompts([5, 12], seed=5)
+    for p in prompts:
+        plain = _hf_generate(hf, [p], 40, eos=None)[0]
+        expected = _hf_generate(hf, [p], 40, eos=None, **controls)[0]
+        assert not np.array_equal(plain, expected), "the controls must change this decode to be tested"
+        ours = generate_tokens(model, [p], 40, eos_ids=[], pad_token_id=0, **controls)
+        np.testing.assert_array_equal(ours.new_tokens[0], expected)
+        if controls.get("no_repeat_ngram_size"):
+            n = controls["no_repeat_ngram_size"]
+            assert _has_repeated_ngram(list(plain), n)
+            assert not _has_repeated_ngram(list(p) + ours.new_tokens[0].tolist(), n)
+    # Left padding is not "seen": a padded row decodes as it would alone.
+    batch = generate_tokens(model, prompts, 40, eos_ids=[], pad_token_id=0, **controls)
+    for i, p in enumerate(prompts):
+        alone = generate_tokens(model, [p], 40, eos_ids=[], pad_token_id=0, **controls)
+        np.testing.assert_array_equal(batch.new_tokens[i], alone.new_tokens[0])
+
+
+def test_repetition_processors_equal_hf_logits_processors():
+    """The in-jit processors on random logits and sequences equal transformers' processors, with the
+    penalty applied before the n-gram ban as HF orders them (negative logits included)."""
+    from transformers import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
+
+    rng = np.random.default_rng(0)
+    seq = rng.integers(0, 6, (4, 30)).astype(np.int32)  # a small alphabet: many repeated n-grams
+    logits = rng.normal(size=(4, 12)).astype(np.float32)
+    for length in (1, 2, 3, 17, 30):
+        for penalty, n in ((1.3, 0), (1.0, 2), (0.8, 3), (2.0, 4)):
+            ids = torch.from_numpy(seq[:, :length].astype(np.int64))
+            want = RepetitionPenaltyLogitsProcessor(penalty)(ids, torch.from_numpy(logits.copy()))
+            if n:
+                want = NoRepeatNGramLogitsProcessor(n)(ids, want)
+            got = generation._process(jnp.asarray(logits), jnp.asarray(seq), jnp.ones(seq.shape, bool),
+                                      jnp.int32(length), jnp.float32(penalty), n)
+            np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=1e-6, err_msg=f"{length=} {n=}")
 
 
 def test_greedy_equals_hf_generate(pair):
@@ -190,6 +237,10 @@ def _graphdef_key(model):
 
 def test_rejects_bad_arguments(pair):
     _, model = pair
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        generate_tokens(model, [[5]], 4, repetition_penalty=0.0)
+    with pytest.raises(ValueError, match="no_repeat_ngram_size"):
+        generate_tokens(model, [[5]], 4, no_repeat_ngram_size=-1)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate_tokens(model, [[5]], 0)
     with pytest.raises(ValueError, match="top_p"):
