@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from converters.hf_names import ConversionError, load_hf_tensors
+from empatheia_jax import logs
 from empatheia_jax.checkpoint_io import empty_model, save_checkpoint
 from empatheia_jax.models.llama import Llama, LlamaConfig, init_added_rows
 
@@ -229,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extra-vocab", type=int, default=0,
                         help="rows appended for added tokens, initialised at the mean of the existing rows")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    parser.add_argument("--verbose", action="store_true",
+                        help="library logging (absl, jax, transformers, ...) at INFO instead of WARNING")
     args = parser.parse_args(argv)
+    logs.configure(args.verbose)
     try:
         out = convert(args.src, args.out, dtype=args.dtype, extra_vocab=args.extra_vocab,
                       overwrite=args.overwrite)

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from empatheia_jax import logs
 from empatheia_jax.schema import (
     AGES,
     GENDERS,
@@ -396,7 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="raw AvaMERG directory to write {split}.json into")
     ap.add_argument("--split", default=None, help="split name (default: from the file name, e.g. valid)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--verbose", action="store_true",
+                    help="library logging (absl, jax, transformers, ...) at INFO instead of WARNING")
     args = ap.parse_args(argv)
+    logs.configure(args.verbose)
     split = args.split or split_from_filename(args.csv)
     result = convert_ed_csv(args.csv, progress=not args.quiet)
     problems = validate_dialogues(

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from empatheia_jax import logs
 from empatheia_jax.schema import (
     EMOTIONS_7,
     Dialogue,
@@ -466,7 +467,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="fraction of dialogues whose text is emotion-masked (default 0.3)")
     ap.add_argument("--workers", type=int, default=None, help="render processes (default min(2, cpus))")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--verbose", action="store_true",
+                    help="library logging (absl, jax, transformers, ...) at INFO instead of WARNING")
     args = ap.parse_args(argv)
+    logs.configure(args.verbose)
     start = time.perf_counter()
     try:
         meta = build_sample(args.out, args.dialogues, args.seed, ed_csv=args.ed_csv,

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from empatheia_jax import schema
+from empatheia_jax import logs, schema
 from empatheia_jax.encoders import Encoder, get_encoder
 from empatheia_jax.shard_format import (
     ARRAY_RECORD_OPTIONS,
@@ -581,7 +581,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--emotion-map", default="avamerg7", choices=list(schema.EMOTION_MAP_NAMES))
     ap.add_argument("--overwrite", action="store_true", help="replace an existing shard folder")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--verbose", action="store_true",
+                    help="library logging (absl, jax, transformers, ...) at INFO instead of WARNING")
     args = ap.parse_args(argv)
+    logs.configure(args.verbose)
     kwargs: dict[str, Any] = {}
     for item in args.encoder_arg:
         key, sep, value = item.partition("=")

@@ -48,6 +48,26 @@ OUTPUT_FORMAT = "empatheia-chat/1"
 _HISTORY_KEYS = ("role", "utterance", "audio", "video")
 
 
+class ChatInputError(ValueError):
+    """Chat input the user can fix: a malformed history file or entry, a media file the encoder cannot read
+    (wrong format, corrupt, wrong encoder), a prompt too long. The message names the file (and history
+    entry) or the input at fault; `empatheia chat` prints it as one line and exits 2. A media file that does
+    not exist is a `FileNotFoundError` instead, also naming it."""
+
+
+class EncoderManifestError(ValueError):
+    """A manifest "encoder" entry that cannot rebuild the training shards' encoder (malformed, or today's
+    encoder code would compute other features); chat features would not match training."""
+
+
+class PromptTooLongError(ChatInputError):
+    """The latest utterance alone does not fit: `prompt_tokens` + `reserve` (reply budget) > `max_len`."""
+
+    def __init__(self, message: str, *, prompt_tokens: int, reserve: int, max_len: int):
+        super().__init__(message)
+        self.prompt_tokens, self.reserve, self.max_len = prompt_tokens, reserve, max_len
+
+
 @dataclasses.dataclass
 class ChatResult:
     """What `respond` produced. Arrays are float32 numpy.
@@ -94,8 +114,8 @@ def load_history(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Earlier utterances from a JSON file: a list of {"role": "speaker"|"listener", "utterance": str,
     "audio": path|null, "video": path|null} (audio/video optional; relative paths are relative to the file).
 
-    Errors name the file and the entry (0-based) and say what is wrong, including a media file that does
-    not exist.
+    Errors (`ChatInputError`, `FileNotFoundError` for a missing file) name the file and the entry (0-based)
+    and say what is wrong, including a media file that does not exist.
     """
     path = Path(path)
     if not path.is_file():
@@ -103,10 +123,10 @@ def load_history(path: str | os.PathLike) -> list[dict[str, Any]]:
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"history file {path}: invalid JSON ({e})") from e
+        raise ChatInputError(f"history file {path}: invalid JSON ({e})") from e
     if not isinstance(data, list):
         got = type(data).__name__
-        raise ValueError(f"history file {path}: expected a JSON list of utterances, got {got}")
+        raise ChatInputError(f"history file {path}: expected a JSON list of utterances, got {got}")
     return validate_history(data, source=str(path), base_dir=path.parent)
 
 
@@ -122,16 +142,16 @@ def validate_history(
     for i, entry in enumerate(history):
         where = f"{source}: entry {i}"
         if not isinstance(entry, Mapping):
-            raise ValueError(f"{where}: expected an object, got {type(entry).__name__}")
+            raise ChatInputError(f"{where}: expected an object, got {type(entry).__name__}")
         unknown = sorted(set(entry) - set(_HISTORY_KEYS))
         if unknown:
-            raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {list(_HISTORY_KEYS)}")
+            raise ChatInputError(f"{where}: unknown key(s) {unknown}; allowed: {list(_HISTORY_KEYS)}")
         role = entry.get("role")
         if role not in schema.ROLES:
-            raise ValueError(f"{where}: role must be one of {list(schema.ROLES)}, got {role!r}")
+            raise ChatInputError(f"{where}: role must be one of {list(schema.ROLES)}, got {role!r}")
         utt = entry.get("utterance")
         if not isinstance(utt, str):
-            raise ValueError(f"{where}: utterance must be a string, got {type(utt).__name__}")
+            raise ChatInputError(f"{where}: utterance must be a string, got {type(utt).__name__}")
         media = {}
         for kind in ("audio", "video"):
             p = entry.get(kind)
@@ -139,7 +159,7 @@ def validate_history(
                 media[kind] = None
                 continue
             if not isinstance(p, str | os.PathLike):
-                raise ValueError(f"{where}: {kind} must be a file path or null, got {type(p).__name__}")
+                raise ChatInputError(f"{where}: {kind} must be a file path or null, got {type(p).__name__}")
             p = Path(p)
             if base_dir is not None and not p.is_absolute():
                 p = Path(base_dir) / p
@@ -171,23 +191,27 @@ def encoder_from_manifest(source: str | os.PathLike | Mapping[str, Any], **overr
     recovered from the stored config (e.g. lite's n_mels/grid/mouth_box, hubert's path and layer);
     `overrides` replace some (e.g. `hubert_path=` when the weights moved). The rebuilt encoder's config must
     equal the stored one (paths excepted), so chat features are computed exactly as the training features.
+    Anything else is an `EncoderManifestError`.
     """
     if isinstance(source, str | os.PathLike):
         source = shard_format.load_manifest(source)
     entry = source.get("encoder", source) if isinstance(source, Mapping) else source
     if not isinstance(entry, Mapping) or "name" not in entry:
-        raise ValueError(f"not a manifest encoder entry: {entry!r}")
+        raise EncoderManifestError(f"not a manifest encoder entry: {entry!r}")
     name, stored = entry["name"], dict(entry.get("config") or {})
     parts = [stored[k] for k in ("audio", "video") if isinstance(stored.get(k), Mapping)] or [stored]
     kwargs: dict[str, Any] = {}
     for part in parts:
         kwargs.update(_part_kwargs({"name": part.get("name", name), **part}))
     kwargs.update(overrides)
-    encoder = enc_lib.get_encoder(name, **kwargs)
+    try:
+        encoder = enc_lib.get_encoder(name, **kwargs)
+    except (KeyError, ValueError) as e:  # an unknown encoder name, or a one-modality one
+        raise EncoderManifestError(f"cannot rebuild encoder {name!r} from the manifest entry: {e}") from e
     diff = _config_diff(stored, encoder.config()) if stored else []
     if diff:
-        raise ValueError(f"encoder {name!r} rebuilt from the manifest differs from the one that prepared the "
-                         f"shards in {diff}; features would not match training")
+        raise EncoderManifestError(f"encoder {name!r} rebuilt from the manifest differs from the one that "
+                                   f"prepared the shards in {diff}; features would not match training")
     return encoder
 
 
@@ -211,11 +235,11 @@ def _encode(encoder: enc_lib.Encoder, kind: str, path: str | os.PathLike, expect
     try:
         x = encoder.encode_audio(p) if kind == "audio" else encoder.encode_video(p)
     except Exception as e:
-        raise ValueError(f"cannot read {kind} file {p} with encoder {encoder.name!r}: {e}") from e
+        raise ChatInputError(f"cannot read {kind} file {p} with encoder {encoder.name!r}: {e}") from e
     x = np.asarray(x, np.float32)
     if x.ndim != 2 or x.shape[1] != expected_dim:
-        raise ValueError(f"{kind} file {p}: encoder {encoder.name!r} gave features of shape {x.shape}; the "
-                         f"model expects [k, {expected_dim}] (use the encoder of the training shards)")
+        raise ChatInputError(f"{kind} file {p}: encoder {encoder.name!r} gave features of shape {x.shape}; "
+                             f"the model expects [k, {expected_dim}] (use the training shards' encoder)")
     return x
 
 
@@ -296,8 +320,11 @@ def build_prompt(
             break
         start += 1
     if len(ids) + reserve > max_len:
-        raise ValueError(f"the latest utterance alone makes a {len(ids)}-token prompt; with {reserve} tokens "
-                         f"reserved for the reply that exceeds max_len={max_len}")
+        raise PromptTooLongError(
+            f"the latest utterance alone makes a {len(ids)}-token prompt; with {reserve} tokens reserved for "
+            f"the reply that exceeds max_len={max_len}",
+            prompt_tokens=len(ids), reserve=reserve, max_len=max_len,
+        )
     if start:
         notes.append(f"history too long for max_len={max_len}: dropped the {start} oldest utterance(s)")
     kept = features[start:]
@@ -373,7 +400,8 @@ def respond(
 
     encoder: the name (with `encoder_kwargs`) or an instance; it must be the encoder of the training shards
     (`encoder_from_manifest(shards_dir)`). Greedy at temperature 0, else sampled with `seed`/`top_p`.
-    Missing or unreadable media raise errors naming the file.
+    Missing media raise `FileNotFoundError`, unreadable media and a latest utterance that cannot fit in
+    `max_len` `ChatInputError` (`PromptTooLongError`), each naming the file or the limit.
     """
     if not isinstance(text, str):
         raise TypeError(f"text must be a string, got {type(text).__name__}")

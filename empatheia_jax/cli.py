@@ -7,21 +7,29 @@
                     [--out reply]      # writes reply.npz (features, emotion, profile) and reply.json
 
 Flags are absl flags; `--config` is an ml-collections config file (`path.py[:arg]`) whose every field can be
-overridden (`--config.optim.lr=1e-4`; unknown fields are refused). Exit status: 0 done (also after a
-preemption checkpoint), 1 a failed run (non-finite loss under the stop policy), 2 bad usage or config.
+overridden (`--config.optim.lr=1e-4`; unknown fields are refused). Library logging (absl, orbax, jax, grain,
+transformers) stays at WARNING unless `--verbose` (`empatheia_jax.logs.configure`); progress bars and results
+always show.
+
+Exit status: 0 done (also after a preemption checkpoint); 1 a failed run (non-finite loss under the stop
+policy); 2 bad usage or input: an unknown flag or bad flag value, a bad config, a missing or incomplete
+checkpoint, a missing or corrupt shards folder, a media or history file that cannot be read, a prompt too
+long. Those print ONE line `error: ...` naming the flag, key or file, and no traceback; anything else is a
+bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
-import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from absl import app, flags
 from ml_collections import config_flags
 
-COMMANDS = ("train", "eval", "chat")
 FLAGS = flags.FLAGS
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -34,10 +42,10 @@ flags.DEFINE_string("split", "test", "eval: the split of the run's shards to eva
 flags.DEFINE_string("shards", None, "eval: shards folder (default: the run's data.shards)")
 flags.DEFINE_bool("untrained", False, "eval: also evaluate the untrained model (same config, fresh heads)")
 flags.DEFINE_bool("generate", True, "eval: generate the CoE text (emotion accuracy from text, Dist-n)")
-flags.DEFINE_integer("batch_size", 8, "eval: batch size")
+flags.DEFINE_integer("batch_size", 8, "eval: batch size", lower_bound=1)
 flags.DEFINE_integer("generate_batch_size", 0, "eval: batch size of the generation (0 = --batch_size)",
                      lower_bound=0)
-flags.DEFINE_integer("max_new_tokens", 160, "eval/chat: generation budget")
+flags.DEFINE_integer("max_new_tokens", 160, "eval/chat: generation budget", lower_bound=1)
 flags.DEFINE_string("json", None, "eval: also write the metrics table as JSON here")
 flags.DEFINE_string("text", None, "chat: the speaker's latest utterance")
 flags.DEFINE_string("audio", None, "chat: its speech (.wav)")
@@ -46,6 +54,24 @@ flags.DEFINE_string(
     "history", None, "chat: earlier utterances, a JSON list of {role, utterance, audio?, video?}"
 )
 flags.DEFINE_string("out", None, "chat: output path stem (default: ./chat_reply)")
+flags.DEFINE_bool("verbose", False, "library logging (absl, orbax, jax, grain, transformers) at INFO")
+
+
+def _load_trained(restore: bool = True) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """`trainer.load_trained(--ckpt, --step)`, with checkpoint errors naming `--ckpt` (the resolver behind it
+    words its messages for `--init_from`, which takes the same kinds of paths)."""
+    from empatheia_jax import trainer
+    from empatheia_jax.checkpoint import CheckpointError
+
+    try:
+        return trainer.load_trained(FLAGS.ckpt, step=FLAGS.step, restore=restore)
+    except CheckpointError as e:
+        message = str(e)
+        if message.startswith("--init_from "):
+            message = "--ckpt " + message[len("--init_from "):]
+        elif str(FLAGS.ckpt) not in message:
+            message = f"--ckpt {FLAGS.ckpt}: {message}"
+        raise CheckpointError(message) from e
 
 
 def _train() -> int:
@@ -64,12 +90,18 @@ def _train() -> int:
 
 
 def _eval() -> int:
-    from empatheia_jax import evaluate, trainer
+    from empatheia_jax import evaluate
 
     if not FLAGS.ckpt:
         raise app.UsageError("eval needs --ckpt")
-    model, tokenizer, config, _ = trainer.load_trained(FLAGS.ckpt, step=FLAGS.step)
+    if FLAGS.shards:  # checked before the model is loaded: a wrong folder fails in seconds
+        evaluate.check_split(FLAGS.shards, FLAGS.split)
+    model, tokenizer, config, _ = _load_trained()
     shards = FLAGS.shards or config.data.shards
+    if not FLAGS.shards and not Path(shards).is_dir():
+        raise FileNotFoundError(f"shards folder {shards} (the run's config.data.shards) does not exist; "
+                                "pass --shards")
+    evaluate.check_split(shards, FLAGS.split)  # before any compiling
     kwargs = dict(
         batch_size=FLAGS.batch_size,
         max_len=int(config.data.max_len),
@@ -80,7 +112,7 @@ def _eval() -> int:
     )
     columns = {"trained": evaluate.evaluate(model, tokenizer, shards, FLAGS.split, **kwargs)}
     if FLAGS.untrained:
-        fresh, tok, _, _ = trainer.load_trained(FLAGS.ckpt, step=FLAGS.step, restore=False)
+        fresh, tok, _, _ = _load_trained(restore=False)
         columns["untrained"] = evaluate.evaluate(fresh, tok, shards, FLAGS.split, **kwargs)
     columns["baseline"] = evaluate.baselines(
         shards,
@@ -92,64 +124,182 @@ def _eval() -> int:
     columns["chance"] = evaluate.chance_levels(model.config)
     print(evaluate.format_table(columns))
     if FLAGS.json:
+        Path(FLAGS.json).parent.mkdir(parents=True, exist_ok=True)
         Path(FLAGS.json).write_text(json.dumps(columns, indent=1))
     return 0
 
 
 def _chat() -> int:
-    from empatheia_jax import chat, trainer
+    from empatheia_jax import chat
+    from empatheia_jax.checkpoint import CheckpointError
 
     if not FLAGS.ckpt or FLAGS.text is None:
         raise app.UsageError("chat needs --ckpt and --text")
-    model, tokenizer, config, meta = trainer.load_trained(FLAGS.ckpt, step=FLAGS.step)
+    # The inputs first: a wrong path fails in a second, not after the model is loaded.
+    for flag in ("audio", "video"):
+        path = FLAGS[flag].value
+        if path and not Path(path).is_file():
+            raise FileNotFoundError(f"--{flag} {path}: no such file")
     history = chat.load_history(FLAGS.history) if FLAGS.history else None
-    result = chat.respond(
-        model,
-        tokenizer,
-        text=FLAGS.text,
-        audio=FLAGS.audio,
-        video=FLAGS.video,
-        history=history,
-        encoder=chat.encoder_from_manifest(meta.get("encoder") or {"name": "lite", "config": {}}),
-        max_new_tokens=FLAGS.max_new_tokens,
-        # The prompt gets the training budget; the reply (and its signal tokens) come on top of it.
-        max_len=int(config.data.max_len) + FLAGS.max_new_tokens + 2 * model.config.n_signal + 2,
-    )
+    model, tokenizer, config, meta = _load_trained()
+    # Features must come from the encoder that made the training shards; guessing one would give features
+    # the model never saw, silently.
+    where = f"--ckpt {FLAGS.ckpt} (step {meta.get('step', '?')})"
+    if not meta.get("encoder"):
+        raise CheckpointError(f"{where}: its meta has no 'encoder' entry (the encoder of its training "
+                              "shards), so chat cannot compute speech/video features the way training did")
+    try:
+        encoder = chat.encoder_from_manifest(meta["encoder"])
+    except chat.EncoderManifestError as e:
+        raise CheckpointError(f"{where}: {e}") from e
+    try:
+        result = chat.respond(
+            model,
+            tokenizer,
+            text=FLAGS.text,
+            audio=FLAGS.audio,
+            video=FLAGS.video,
+            history=history,
+            encoder=encoder,
+            max_new_tokens=FLAGS.max_new_tokens,
+            # The prompt gets the training budget; the reply (and its signal tokens) come on top of it.
+            max_len=int(config.data.max_len) + FLAGS.max_new_tokens + 2 * model.config.n_signal + 2,
+        )
+    except chat.PromptTooLongError as e:
+        raise chat.ChatInputError(
+            f"--text: the latest utterance makes a {e.prompt_tokens}-token prompt, more than the "
+            f"{int(config.data.max_len)} tokens the model was trained with (config.data.max_len)"
+        ) from e
     print(chat.format_result(result))
     npz, js = chat.write_outputs(result, FLAGS.out or "chat_reply")
     print(f"features -> {npz}\ntext -> {js}")
     return 0
 
 
-def _run(command: str, argv: list[str]) -> None:
+# The sub-commands: name -> function returning the exit status. A new one adds its function here (its flags
+# are defined above, with the command name at the start of their help).
+COMMANDS: dict[str, Callable[[], int]] = {"train": _train, "eval": _eval, "chat": _chat}
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean bad input, not a bug: one `error:` line and exit 2. Imported only when an
+    exception is being matched (the modules import jax)."""
+    from empatheia_jax.chat import ChatInputError, EncoderManifestError
     from empatheia_jax.checkpoint import CheckpointError
     from empatheia_jax.checkpoint_io import CheckpointError as ConvertedCheckpointError
     from empatheia_jax.config import ConfigError
+    from empatheia_jax.evaluate import ShardsError
+    from empatheia_jax.shard_format import ShardRecordError
+
+    return (
+        ConfigError, CheckpointError, ConvertedCheckpointError, ShardsError, ShardRecordError, ChatInputError,
+        EncoderManifestError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
+    )
+
+
+def _failed_run_errors() -> tuple[type[BaseException], ...]:
+    """A run that started and failed (not a bug, not bad input): one `error:` line and exit 1."""
     from empatheia_jax.trainer import NonFiniteLossError
 
-    del argv
-    logging.getLogger("empatheia_jax").setLevel(logging.INFO)
+    return (NonFiniteLossError,)
+
+
+def one_line(message: str) -> str:
+    """A possibly multi-line message (a ConfigError lists one problem per line) as one line."""
+    lines = [line.strip() for line in str(message).splitlines() if line.strip()] or ["(no message)"]
+    head, rest = lines[0], lines[1:]
+    if not rest:
+        return head
+    return head + (" " if head.endswith(":") else "; ") + "; ".join(rest)
+
+
+def fail(message: str, code: int = 2) -> int:
+    """Prints `error: MESSAGE` on one stderr line and returns `code` (the exit status to use)."""
+    print(f"error: {one_line(message)}", file=sys.stderr)
+    return code
+
+
+def _run(command: str, argv: list[str]) -> None:
+    from empatheia_jax import logs
+
+    logs.configure(verbose=FLAGS.verbose)
     try:
-        code = {"train": _train, "eval": _eval, "chat": _chat}[command]()
-    except (ConfigError, CheckpointError, ConvertedCheckpointError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
-    except NonFiniteLossError as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 1
+        if len(argv) > 1:
+            raise app.UsageError(f"unexpected argument(s) {argv[1:]} (flags are --name=value)")
+        code = COMMANDS[command]()
+    except app.UsageError as e:
+        code = fail(f"{e} (empatheia {command} --helpfull lists the flags)")
+    except _user_errors() as e:
+        code = fail(str(e))
+    except _failed_run_errors() as e:
+        code = fail(str(e), code=1)
     sys.exit(code)
+
+
+def _flag_error(e: Exception, args: list[str]) -> str:
+    """One line naming the flag for an error raised while parsing `args`.
+
+    absl's errors name the flag but may embed a traceback (an exception inside the config file's
+    get_config); ml-collections reports an unknown `--config.a.b` override as a bare AttributeError("'b'"),
+    so the override is found again here, with close matches."""
+    if isinstance(e, flags.Error):
+        lines = str(e).splitlines()
+        if len(lines) > 1 and "Traceback (most recent call last)" in str(e):
+            head = lines[0].replace("Traceback (most recent call last):", "").rstrip(": ")
+            return f"{head}: {lines[-1].strip()}"
+        return str(e)
+    spec = next((a.split("=", 1)[1] for a in args if a.startswith("--config=")), None)
+    if spec is None and "--config" in args[:-1]:
+        spec = args[args.index("--config") + 1]
+    try:  # the failure came before the flag stored its value: load the file again to walk its fields
+        config = FLAGS["config"].parser.parse(spec) if spec else None
+    except Exception:  # noqa: BLE001 - the config does not load either: no override can be checked
+        config = None
+    for arg in args:
+        if config is None or not arg.startswith("--config."):
+            continue
+        path = arg[len("--config."):].split("=", 1)[0]
+        node, seen = config, "config"
+        for key in path.split("."):
+            keys = list(node.keys()) if hasattr(node, "keys") else []
+            if key not in keys:
+                close = difflib.get_close_matches(key, [str(k) for k in keys], n=3)
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
+                return f"{arg}: {seen} has no field {key!r}{hint}"
+            node, seen = node[key], f"{seen}.{key}"
+    raise e
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv if argv is None else argv)
+    usage = (f"usage: empatheia {{{','.join(COMMANDS)}}} [flags]   "
+             "(empatheia COMMAND --helpfull lists the flags)")
+    if len(argv) >= 2 and argv[1] in ("-h", "--help", "help"):
+        print(usage)
+        sys.exit(0)
     if len(argv) < 2 or argv[1] not in COMMANDS:
-        print(
-            f"usage: empatheia {{{','.join(COMMANDS)}}} [flags]   (empatheia COMMAND --helpfull for flags)",
-            file=sys.stderr,
-        )
+        got = f"unknown command {argv[1]!r}; " if len(argv) >= 2 and not argv[1].startswith("-") else ""
+        print(f"error: {got}{usage}", file=sys.stderr)
         sys.exit(2)
     command = argv.pop(1)
-    app.run(lambda a: _run(command, a), argv=argv)
+    helpfull = f"(empatheia {command} --helpfull lists the flags)"
+
+    def parse_flags(args: list[str]) -> list[str]:
+        # absl's own parser prints two lines and exits 1; a bad flag is bad usage: one line, exit 2.
+        try:
+            rest = FLAGS(args)
+        except (flags.Error, AttributeError, KeyError) as e:
+            sys.exit(fail(f"{_flag_error(e, args)} {helpfull}"))
+        if FLAGS["config"].present:
+            try:
+                _CONFIG.value.keys()  # a config file that failed to load raises only when a field is read
+            except OSError as e:
+                name = FLAGS["config"].config_filename.split(":", 1)[0]
+                why = "no such file" if not Path(name).is_file() else one_line(str(e))
+                sys.exit(fail(f"--config {name}: {why}"))
+        return rest
+
+    app.run(lambda a: _run(command, a), argv=argv, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

@@ -312,16 +312,39 @@ def pipeline_config_fields(
     return fields
 
 
+class ShardsError(ValueError):
+    """A shards folder that cannot be evaluated as asked: an unreadable or foreign manifest, a split it lacks
+    or holds no records of, a shard file missing or not what the manifest lists, features of another encoder
+    than the model's. The message names the folder, split or file; `empatheia eval` prints it as one line and
+    exits 2. (A folder that does not exist is a `FileNotFoundError`; a record that fails to decode while
+    reading, `shard_format.ShardRecordError`.)"""
+
+
 def check_split(shards_dir: str | os.PathLike, split: str) -> dict[str, Any]:
-    """The manifest of `shards_dir`, after checking it has `split`; errors name the folder and the split."""
+    """The manifest of `shards_dir`, after checking it has `split` and that the split's shard files are there
+    with the record counts the manifest lists (ArrayRecord footers only: cheap, and a truncated copy fails
+    here rather than in the middle of the pass). Errors name the folder, the split or the file."""
     if not Path(shards_dir).is_dir():
         raise FileNotFoundError(f"shards folder {shards_dir} does not exist (run data/prepare.py first)")
-    m = shard_format.load_manifest(shards_dir)
-    if split not in m.get("splits", {}):
-        known = sorted(m.get("splits", {}))
-        raise ValueError(f"{shards_dir} has no split {split!r}; its manifest lists {known}")
-    if not m["splits"][split].get("records"):
-        raise ValueError(f"split {split!r} of {shards_dir} has no records")
+    try:
+        m = shard_format.load_manifest(shards_dir)
+    except FileNotFoundError:
+        raise
+    except ValueError as e:  # invalid JSON, or not our manifest format
+        raise ShardsError(str(e)) from e
+    splits = m.get("splits")
+    if not isinstance(splits, Mapping) or split not in splits:
+        known = sorted(splits) if isinstance(splits, Mapping) else []
+        raise ShardsError(f"{shards_dir} has no split {split!r}; its manifest lists {known}")
+    if not splits[split].get("records"):
+        raise ShardsError(f"split {split!r} of {shards_dir} has no records")
+    try:
+        ip.ShardReader.for_split(shards_dir, split)
+    except shard_format.ShardRecordError as e:
+        raise ShardsError(f"split {split!r} of {shards_dir}: {e}") from e
+    except (KeyError, TypeError) as e:  # a manifest entry without path/records
+        raise ShardsError(f"{Path(shards_dir) / shard_format.MANIFEST}: malformed entry of split {split!r} "
+                          f"({type(e).__name__}: {e})") from e
     return m
 
 
@@ -331,7 +354,7 @@ def _check_model_and_data(model: Empatheia, tokenizer: Any, manifest: Mapping[st
     if cfg.has_media:
         for key in ("audio_dim", "video_dim"):
             if feats.get(key) is not None and int(feats[key]) != getattr(cfg, key):
-                raise ValueError(f"{shards_dir}: features {key}={feats[key]} but the model was built for "
+                raise ShardsError(f"{shards_dir}: features {key}={feats[key]} but the model was built for "
                                  f"{getattr(cfg, key)} (shards from another encoder?)")
     ids = tpl.extend_tokenizer(tokenizer, cfg.n_signal)
     if ids != cfg.token_ids:

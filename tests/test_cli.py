@@ -1,0 +1,323 @@
+"""`empatheia train | eval | chat` as a newcomer runs them: real subprocesses on one tiny trained run.
+
+- eval prints the metrics table and writes --json equal to `evaluate.evaluate/baselines/chance_levels` called
+  in Python on the same checkpoint; chat writes OUT.npz/OUT.json equal to `chat.respond` in Python (both
+  bit for bit: the reference calls run in a Python process of the CLI's environment, see REFERENCE).
+- Quiet by default: no absl/orbax INFO lines on stderr (orbax logs through absl, which `app.run` sets to
+  INFO); `--verbose` is accepted and `logs.configure` lets library INFO through only when asked.
+- Every user error exits 2 with ONE stderr line `error: ...` naming the flag, key or file, and no traceback.
+
+One training run (stage coe, 1 step of the `tiny` config) is shared by the module. Error cases that fail
+before the model is loaded cost ~1-3 s each; the few that need the loaded model (unreadable media, prompt
+too long, missing encoder entry) ~7 s.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import make_tiny_shards, saved_smollm2_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+ABSL_INFO = re.compile(r"^I\d{4} \d\d:\d\d:\d\d")  # absl's prefix: I1125 07:21:24.838946 ...
+
+
+def cli(env, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "empatheia_jax.cli", *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def ok(p: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return p
+
+
+def stderr_lines(text: str) -> list[str]:
+    """Non-empty stderr lines; tqdm redraws with carriage returns, so those split lines too."""
+    return [line for line in re.split(r"[\r\n]", text) if line.strip()]
+
+
+def assert_quiet(stderr: str) -> None:
+    lines = stderr_lines(stderr)
+    noisy = [line for line in lines if ABSL_INFO.match(line) or "INFO" in line]
+    assert not noisy, f"{len(noisy)} INFO lines, e.g. {noisy[:3]}"
+
+
+def assert_user_error(p: subprocess.CompletedProcess, *names: str) -> str:
+    """Exit 2, one stderr line `error: ...` naming every one of `names`, no traceback, nothing on stdout."""
+    lines = stderr_lines(p.stderr)
+    assert p.returncode == 2, (p.returncode, p.stderr[-4000:])
+    assert "Traceback" not in p.stderr, p.stderr[-4000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    for name in names:
+        assert str(name) in lines[0], (name, lines[0])
+    assert p.stdout == ""
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One tiny trained run
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> str:
+    return saved_smollm2_tokenizer(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    return make_tiny_shards(tmp_path_factory.mktemp("cli_data"))
+
+
+@pytest.fixture(scope="module")
+def media(shards) -> Path:
+    return shards.parent / "raw" / "media"
+
+
+@pytest.fixture(scope="module")
+def trained(tok, shards, cli_env, tmp_path_factory):
+    """(workdir, the train process): stage coe, one step; the model has every head (untrained but CS/SD)."""
+    workdir = tmp_path_factory.mktemp("cli_run") / "coe"
+    p = ok(cli(cli_env, "train", "--config", REPO / "configs" / "tiny.py", f"--config.model.tokenizer={tok}",
+               f"--config.data.shards={shards}", f"--workdir={workdir}", "--config.stage=coe",
+               "--config.schedule.coe.steps=1", "--config.optim.warmup_steps=0"))
+    return workdir, p
+
+
+@pytest.fixture(scope="module")
+def chat_inputs(media, tmp_path_factory) -> dict:
+    """A turn with speech and video after a two-utterance history (the first with media, the second none)."""
+    history = tmp_path_factory.mktemp("chat_in") / "history.json"
+    history.write_text(json.dumps([
+        {"role": "speaker", "utterance": "My dog died.", "audio": str(media / "diatest0utt0_5.wav"),
+         "video": str(media / "diatest0utt0_5.mp4")},
+        {"role": "listener", "utterance": "Oh no, tell me more."},
+    ]))
+    return {"text": "I feel so alone today.", "audio": str(media / "diatest1utt2_7.wav"),
+            "video": str(media / "diatest1utt2_7.mp4"), "history": str(history), "max_new_tokens": 3}
+
+
+# The library calls the CLI must equal, made in a Python process of the same environment as the CLI's (one CPU
+# device, XLA optimisation off, the session's compilation cache): equal programs, so the values can be
+# compared exactly where XLA is deterministic, and the pytest process never builds the model.
+REFERENCE = """
+import json, sys
+import numpy as np
+from empatheia_jax import chat, evaluate, trainer
+
+workdir, shards, out, inputs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+model, tokenizer, config, meta = trainer.load_trained(workdir)
+columns = {"trained": evaluate.evaluate(
+    model, tokenizer, shards, "test", batch_size=4, max_len=int(config.data.max_len), generate_text=False,
+    pipeline_overrides={"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)},
+    progress=False)}
+columns["baseline"] = evaluate.baselines(shards, "test", train_split=config.data.train_split,
+                                         max_speech_len=model.config.max_speech_len,
+                                         max_video_len=model.config.max_video_len)
+columns["chance"] = evaluate.chance_levels(model.config)
+n = inputs["max_new_tokens"]
+encoder = chat.encoder_from_manifest(meta["encoder"])
+r = chat.respond(model, tokenizer, text=inputs["text"], audio=inputs["audio"], video=inputs["video"],
+                 history=chat.load_history(inputs["history"]), encoder=encoder, max_new_tokens=n,
+                 max_len=int(config.data.max_len) + n + 2 * model.config.n_signal + 2)
+np.savez(out + ".npz", input_ids=r.input_ids, emotion_probs=r.emotion_probs, **r.features)
+json.dump({"eval": columns, "table": evaluate.format_table(columns), "text": r.text, "reply": r.reply,
+           "emotion": r.emotion, "features": sorted(r.features)}, open(out + ".json", "w"))
+"""
+
+
+@pytest.fixture(scope="module")
+def reference(trained, shards, chat_inputs, cli_env, tmp_path_factory) -> tuple[dict, dict]:
+    """(json, arrays) of `evaluate.evaluate/baselines/chance_levels` and `chat.respond` on the trained run."""
+    out = tmp_path_factory.mktemp("reference") / "ref"
+    p = subprocess.run([sys.executable, "-c", REFERENCE, trained[0], shards, out, json.dumps(chat_inputs)],
+                       env=cli_env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-4000:]
+    with np.load(f"{out}.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    return json.loads(Path(f"{out}.json").read_text()), arrays
+
+
+def test_train_prints_its_result_and_no_library_info(trained):
+    workdir, p = trained
+    assert p.stdout.startswith(f"completed: step 1 in {workdir}")
+    assert "eval/emp = " in p.stdout
+    assert_quiet(p.stderr)
+    assert "train coe" in p.stderr  # the progress bar still shows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# eval and chat end to end
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_eval_prints_the_table_and_its_json_equals_the_library(trained, reference, cli_env, tmp_path):
+    out = tmp_path / "nested" / "metrics.json"  # a missing parent folder is created
+    p = ok(cli(cli_env, "eval", "--ckpt", trained[0], "--split", "test", "--nogenerate", "--batch_size", 4,
+               "--json", out))
+    assert_quiet(p.stderr)
+    got, want = json.loads(out.read_text()), reference[0]["eval"]
+    assert list(got) == ["trained", "baseline", "chance"]
+    assert "emotion_acc_cls" in want["trained"] and "eval_loss" in want["trained"]
+    for column in want:  # same programs (same XLA flags, the shared compilation cache): bit-identical
+        assert got[column].keys() == want[column].keys(), column
+        for k, v in want[column].items():
+            assert got[column][k] == v, (column, k, got[column][k], v)
+    assert p.stdout.strip() == reference[0]["table"].strip()  # the printed table is the library's
+    assert "| emotion_acc_cls" in p.stdout and "| speech_content_l2" in p.stdout
+
+
+def test_chat_writes_features_equal_to_respond(trained, reference, chat_inputs, cli_env, tmp_path):
+    out = tmp_path / "reply"
+    p = ok(cli(cli_env, "chat", "--ckpt", trained[0], "--text", chat_inputs["text"], "--audio",
+               chat_inputs["audio"], "--video", chat_inputs["video"], "--history", chat_inputs["history"],
+               "--max_new_tokens", chat_inputs["max_new_tokens"], "--out", out))
+    assert_quiet(p.stderr)
+    assert f"features -> {out}.npz" in p.stdout and "Reply:" in p.stdout
+    js = json.loads(Path(f"{out}.json").read_text())
+    with np.load(f"{out}.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    want, want_arrays = reference
+    assert js["text"] == want["text"] and js["reply"] == want["reply"] and js["emotion"] == want["emotion"]
+    # the same prompt, media features and decode
+    np.testing.assert_array_equal(arrays["input_ids"], want_arrays["input_ids"])
+    assert want["features"] == ["speech_content", "speech_style", "video_content", "video_style"]
+    for k in [*want["features"], "emotion_probs"]:  # bit-identical, as for eval
+        assert arrays[k].dtype == np.float32 and arrays[k].shape == want_arrays[k].shape, k
+        np.testing.assert_array_equal(arrays[k], want_arrays[k], err_msg=k)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Logging
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_logs_configure_hides_library_info_unless_verbose(cli_env, verbose):
+    """Under absl (as in `empatheia`: absl's handler on the root logger at INFO) and for absl's own logger."""
+    code = f"""
+import logging, sys
+from absl import app, logging as absl_logging
+from empatheia_jax import logs
+
+def main(argv):
+    logs.configure(verbose={verbose})
+    logging.getLogger("orbax.checkpoint").info("orbax-info")
+    absl_logging.info("absl-info")
+    logging.getLogger("jax._src.x").warning("jax-warning")
+    logging.getLogger("empatheia_jax.trainer").info("ours-info")
+
+app.run(main, argv=["x"])
+"""
+    p = subprocess.run([sys.executable, "-c", code], env=cli_env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = stderr_lines(p.stderr)
+    assert "ours-info" in lines  # our own messages: plain, always shown
+    assert any("jax-warning" in line for line in lines)
+    shown = [w for w in ("orbax-info", "absl-info") if w in p.stderr]
+    assert shown == (["orbax-info", "absl-info"] if verbose else [])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# User errors: exit 2, one line, no traceback
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_flag_errors_are_one_line(trained, cli_env, tmp_path):
+    ckpt = trained[0]
+    assert_user_error(cli(cli_env, "eval", "--ckpt", ckpt, "--bogus=1"), "Unknown command line flag 'bogus'")
+    assert_user_error(cli(cli_env, "eval", "--ckpt", ckpt, "--batch_size=abc"), "--batch_size=abc")
+    assert_user_error(cli(cli_env, "chat", "--ckpt", ckpt, "--text", "hi", "--max_new_tokens=0"),
+                      "--max_new_tokens=0")
+    assert_user_error(cli(cli_env, "eval"), "eval needs --ckpt")
+    assert_user_error(cli(cli_env, "frobnicate"), "unknown command 'frobnicate'")
+    config = REPO / "configs" / "tiny.py"
+    line = assert_user_error(cli(cli_env, "train", "--config", config, "--config.optim.lrr=1",
+                                 f"--workdir={tmp_path / 'w'}"), "--config.optim.lrr=1", "config.optim")
+    assert "did you mean lr" in line
+    assert_user_error(cli(cli_env, "train", "--config", tmp_path / "nope.py", f"--workdir={tmp_path / 'w'}"),
+                      f"--config {tmp_path / 'nope.py'}: no such file")
+    # --verbose is a flag of every command (here with an error that comes before any library logs)
+    assert_user_error(cli(cli_env, "chat", "--ckpt", ckpt, "--text", "hi", "--audio", tmp_path / "no.wav",
+                          "--verbose"), f"--audio {tmp_path / 'no.wav'}")
+
+
+def test_config_error_is_one_line_naming_every_key(tok, shards, cli_env, tmp_path):
+    p = cli(cli_env, "train", "--config", REPO / "configs" / "tiny.py", f"--config.model.tokenizer={tok}",
+            f"--config.data.shards={shards}", f"--workdir={tmp_path / 'bad'}", "--config.optim.lr=-0.5",
+            "--config.optim.b2=3")
+    assert_user_error(p, "config.optim.lr=-0.5: must be > 0", "config.optim.b2=3.0")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_missing_or_incomplete_checkpoint(trained, cli_env, tmp_path):
+    assert_user_error(cli(cli_env, "eval", "--ckpt", tmp_path / "nothere"),
+                      f"--ckpt {tmp_path / 'nothere'}: no such file or directory")
+    interrupted = tmp_path / "run" / "checkpoints" / "3.orbax-checkpoint-tmp-1"
+    interrupted.mkdir(parents=True)  # what a write killed before its commit leaves
+    assert_user_error(cli(cli_env, "chat", "--ckpt", tmp_path / "run", "--text", "hi"),
+                      f"--ckpt {tmp_path / 'run' / 'checkpoints'}", "interrupted")
+    assert_user_error(cli(cli_env, "eval", "--ckpt", trained[0], "--step", 7), "no complete step 7")
+
+
+def test_missing_or_corrupt_shards(trained, shards, cli_env, tmp_path):
+    """An explicit --shards is checked before the model loads (manifest, split, shard files' footers)."""
+    ckpt = trained[0]
+    assert_user_error(cli(cli_env, "eval", "--ckpt", ckpt, "--shards", tmp_path / "none"),
+                      f"shards folder {tmp_path / 'none'} does not exist")
+    broken = tmp_path / "shards"
+    shutil.copytree(shards, broken)
+    shard = next((broken / "test").glob("*.array_record"))
+    shard.write_bytes(shard.read_bytes()[:100])  # a truncated copy
+    assert_user_error(cli(cli_env, "eval", "--ckpt", ckpt, "--shards", broken), str(shard))
+    (broken / "manifest.json").write_text("{not json")
+    assert_user_error(cli(cli_env, "eval", "--ckpt", ckpt, "--shards", broken),
+                      f"{broken / 'manifest.json'}: invalid JSON")
+
+
+def test_bad_history_file_fails_before_the_model_loads(trained, media, cli_env, tmp_path):
+    ckpt = trained[0]
+    bad_json = tmp_path / "h1.json"
+    bad_json.write_text("[{")
+    assert_user_error(cli(cli_env, "chat", "--ckpt", ckpt, "--text", "hi", "--history", bad_json),
+                      f"history file {bad_json}: invalid JSON")
+    missing = tmp_path / "h2.json"
+    wav = str(media / "diatest0utt0_5.wav")
+    entry = {"role": "speaker", "utterance": "x", "audio": wav, "video": "gone.mp4"}
+    missing.write_text(json.dumps([entry]))
+    assert_user_error(cli(cli_env, "chat", "--ckpt", ckpt, "--text", "hi", "--history", missing),
+                      f"{missing}: entry 0: video file {tmp_path / 'gone.mp4'} does not exist")
+
+
+def test_unreadable_media_is_named(trained, media, cli_env, tmp_path):
+    """A valid file of the wrong kind (a .wav given as --video): the encoder's failure names the file."""
+    wav = media / "diatest0utt0_5.wav"
+    assert_user_error(cli(cli_env, "chat", "--ckpt", trained[0], "--text", "hi", "--video", wav,
+                          "--max_new_tokens", 2, "--out", tmp_path / "reply"),
+                      f"cannot read video file {wav}")
+
+
+def test_too_long_prompt_names_the_text_and_the_limit(trained, cli_env, tmp_path):
+    assert_user_error(cli(cli_env, "chat", "--ckpt", trained[0], "--text", "so sad " * 200,
+                          "--max_new_tokens", 2, "--out", tmp_path / "reply"),
+                      "--text", "config.data.max_len")
+
+
+def test_checkpoint_without_encoder_entry_is_an_error(trained, cli_env, tmp_path):
+    """chat's encoder comes from the checkpoint's manifest; none recorded is an error, not a guess."""
+    copy = tmp_path / "run"
+    shutil.copytree(trained[0], copy)
+    meta_file = next((copy / "checkpoints").glob("*/meta/metadata"))
+    meta = json.loads(meta_file.read_text())
+    assert meta.pop("encoder")["name"] == "lite"
+    meta_file.write_text(json.dumps(meta))
+    assert_user_error(cli(cli_env, "chat", "--ckpt", copy, "--text", "hi", "--max_new_tokens", 2,
+                          "--out", tmp_path / "reply"), f"--ckpt {copy}", "no 'encoder' entry")
