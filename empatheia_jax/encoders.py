@@ -281,7 +281,9 @@ def _chunks(n: int, k: int) -> list[slice]:
 
 
 # ----------------------------------------------------------------------------------------------
-# numpy DSP (librosa-compatible definitions; importing librosa costs seconds per process, these cost ms)
+# numpy DSP: librosa's definitions (librosa.filters.mel, librosa.stft, librosa.yin of librosa >= 0.11),
+# held to librosa by tests/test_encoders.py. Not librosa itself: its first call costs seconds per process
+# (scipy.signal, numba compilation), paid by every test process and every prepare/targets pool worker.
 
 
 def _hz_to_mel(f: np.ndarray | float) -> np.ndarray:
@@ -332,38 +334,41 @@ def stft_power(frames: np.ndarray) -> np.ndarray:
 def yin(
     y: np.ndarray, sr: int, fmin: float, fmax: float, hop: int, threshold: float = 0.1
 ) -> tuple[np.ndarray, np.ndarray]:
-    """YIN f0 per centred frame (de Cheveigne & Kawahara 2002), vectorised; returns (f0 Hz, aperiodicity).
+    """YIN f0 per centred frame, vectorised; returns (f0 Hz, aperiodicity).
 
-    Aperiodicity is the cumulative-mean-normalised difference at the chosen lag (low = clearly voiced).
+    Exactly `librosa.yin(y, fmin=, fmax=, sr=, frame_length=2*ceil(sr/fmin)+2, hop_length=hop,
+    trough_threshold=threshold, center=True, pad_mode="constant")` of librosa >= 0.11: its difference
+    function d(k) = 2 (r(0) - r(k)) - sum_{m<k} y(m)^2 over the whole frame (0.11 dropped 0.10's
+    integration window, which lite v1 followed), the cumulative-mean normalisation, the first trough below
+    `threshold` (else the global minimum, with librosa's edge conventions) and its parabolic refinement.
+    tests/test_encoders.py holds it to librosa within 1e-6 relative (the troughs are differences of
+    near-equal sums, which another FFT size rounds differently). The frame is two periods of fmin, as
+    librosa advises. Aperiodicity (ours) is the normalised difference at the chosen lag (low = voiced).
     """
-    min_p = max(2, int(math.floor(sr / fmax)))
+    min_p = int(math.floor(sr / fmax))
     max_p = int(math.ceil(sr / fmin))
-    w = max_p + 1  # integration window
-    length = w + max_p + 1
+    length = 2 * max_p + 2
     frames = frame_signal(y.astype(np.float64), length, hop)
-    nfft = 1 << int(math.ceil(math.log2(length + w)))
-    r = np.fft.irfft(np.conj(np.fft.rfft(frames[:, :w], nfft)) * np.fft.rfft(frames, nfft), nfft)[
-        :, : max_p + 2
-    ]
-    cs = np.concatenate([np.zeros((len(frames), 1)), np.cumsum(frames**2, axis=1)], axis=1)
-    lags = np.arange(max_p + 2)
-    e_tau = cs[:, lags + w] - cs[:, lags]
-    d = np.maximum(r[:, :1] + e_tau - 2 * r, 0.0)
-    d[:, 0] = 0.0
-    cum = np.cumsum(d[:, 1:], axis=1)
-    cmnd = np.ones_like(d)
-    cmnd[:, 1:] = d[:, 1:] * lags[1:] / np.maximum(cum, 1e-12)
-    seg = cmnd[:, min_p : max_p + 1]
+    nfft = 1 << int(math.ceil(math.log2(2 * length - 1)))  # linear (not circular) autocorrelation
+    spec = np.fft.rfft(frames, nfft)
+    r = np.fft.irfft(spec.real**2 + spec.imag**2, nfft)[:, : max_p + 1]
+    energy = np.cumsum(frames[:, :max_p] ** 2, axis=1)  # energy[:, k-1] = sum_{m<k} y(m)^2
+    d = 2 * (r[:, :1] - r[:, 1:]) - energy  # d[:, k-1] = d(k), k = 1..max_p
+    mean = np.cumsum(d, axis=1) / np.arange(1, max_p + 1)
+    seg = d[:, min_p - 1 :] / (mean[:, min_p - 1 :] + np.finfo(np.float64).tiny)  # lags min_p..max_p
     trough = np.zeros_like(seg, dtype=bool)
     trough[:, 1:-1] = (seg[:, 1:-1] < seg[:, :-2]) & (seg[:, 1:-1] <= seg[:, 2:])
+    trough[:, 0] = seg[:, 0] < seg[:, 1]
+    trough[:, -1] = seg[:, -1] < seg[:, -2]  # librosa.util.localmin pads by the edge value
     good = trough & (seg < threshold)
-    tau = np.where(good.any(axis=1), good.argmax(axis=1), seg.argmin(axis=1)) + min_p
+    idx = np.where(good.any(axis=1), good.argmax(axis=1), seg.argmin(axis=1))
     rows = np.arange(len(frames))
-    a, b, c = cmnd[rows, tau - 1], cmnd[rows, tau], cmnd[rows, np.minimum(tau + 1, max_p + 1)]
-    den = a - 2 * b + c
-    shift = np.where(np.abs(den) > 1e-12, 0.5 * (a - c) / np.where(den == 0, 1, den), 0.0)
-    shift = np.clip(shift, -1, 1)
-    return sr / (tau + shift), b
+    inner = np.clip(idx, 1, seg.shape[1] - 2)
+    a = seg[rows, inner + 1] + seg[rows, inner - 1] - 2 * seg[rows, inner]
+    b = (seg[rows, inner + 1] - seg[rows, inner - 1]) / 2
+    edge = (idx == 0) | (idx == seg.shape[1] - 1) | (np.abs(b) >= np.abs(a))  # no shift (librosa's rule)
+    shift = np.where(edge, 0.0, -b / np.where(edge, 1.0, a))
+    return sr / (min_p + idx + shift), seg[rows, idx]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -416,7 +421,7 @@ class LiteEncoder(Encoder):
     """
 
     modalities = ("audio", "video")
-    VERSION = 1
+    VERSION = 2  # 2: YIN = librosa 0.11's (whole-frame difference function); 1 had 0.10's integration window
 
     def __init__(
         self,

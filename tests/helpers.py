@@ -1,17 +1,26 @@
-"""Shared test utilities: tiny HF models, a tiny tokenizer, the SmolLM2 GGUF and its cached conversion.
+"""Shared test utilities: tiny HF models, a tiny tokenizer, the SmolLM2 GGUF and its cached conversion,
+and `require` / `skip_or_fail` (a missing dependency skips on a developer box and fails under CI).
 
 Cache: converting the SmolLM2 GGUF takes ~30 s on 2 cores, so the converted folder is kept across test
-sessions under `$EMPATHEIA_JAX_CACHE` (default `~/.cache/empatheia_jax`), in a sub-folder keyed by the
-GGUF's size and mtime (a new wheel gives a new key). A folder without its COMPLETE marker is never used.
-Delete the folder to force a fresh conversion.
+sessions under `$EMPATHEIA_JAX_CACHE` (default `~/.cache/empatheia_jax`), in a sub-folder
+`smollm2-{converted_key()}`: the GGUF's size and mtime (a new wheel gives a new key) plus a hash of the
+converter's own code (`CONVERTER_SOURCES`, the files whose code decides what `convert` writes) and of the
+versions of the packages that dequantize the GGUF (`CONVERTER_PACKAGES`). A converter change is therefore
+re-tested on the real model instead of being served the folder the old code wrote. A folder without its
+COMPLETE marker is never used. Folders of older keys are not deleted (another checkout may still use
+them; each is ~0.5 GB): delete `smollm2-*` there to reclaim space or to force a fresh conversion.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib
 import importlib.util
 import os
 from pathlib import Path
+from types import ModuleType
+from typing import NoReturn, overload
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -36,6 +45,49 @@ def gguf_key() -> str:
     return f"{st.st_size}-{st.st_mtime_ns}"
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+# What `converters.hf_to_flax.convert` runs on the GGUF path: the converter (hf_to_flax), the HF -> flax
+# tensor-name table (hf_names), the folder format and its writer (checkpoint_io.save_checkpoint), the model
+# the tensors are loaded into (llama: empty_model's structure, init_added_rows, LlamaConfig.to_dict in
+# config.json) and lora (save_checkpoint's LoRA check). checkpoint_io also imports sharding, but only
+# load_checkpoint(mesh=) calls it, after the cache: tests/test_helpers.py checks that this list and that
+# exclusion still cover the converter's project imports.
+CONVERTER_SOURCES = (
+    "converters/hf_to_flax.py",
+    "converters/hf_names.py",
+    "empatheia_jax/checkpoint_io.py",
+    "empatheia_jax/models/llama.py",
+    "empatheia_jax/models/lora.py",
+)
+# transformers + gguf dequantize the GGUF into a torch model (hf_to_flax._load_gguf): their code decides the
+# values as much as ours does.
+CONVERTER_PACKAGES = ("transformers", "gguf", "torch")
+
+
+def converter_fingerprint() -> str:
+    """sha256 over CONVERTER_SOURCES (name and bytes, so a renamed or moved file counts too) and the
+    installed versions of CONVERTER_PACKAGES; 16 hex digits are plenty to tell versions apart."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    h = hashlib.sha256()
+    for rel in CONVERTER_SOURCES:
+        h.update(f"{rel}\0".encode())
+        h.update((REPO / rel).read_bytes())
+        h.update(b"\0")
+    for pkg in CONVERTER_PACKAGES:
+        try:
+            h.update(f"{pkg}=={version(pkg)}\0".encode())
+        except PackageNotFoundError:
+            h.update(f"{pkg} missing\0".encode())
+    return h.hexdigest()[:16]
+
+
+def converted_key() -> str:
+    """The converted folder's cache key: which GGUF, converted by which code (see the module docstring)."""
+    return f"{gguf_key()}-{converter_fingerprint()}"
+
+
 @functools.cache
 def smollm2_checkpoint() -> Path:
     """The converted SmolLM2 folder (float32), converted once and cached (see module docstring)."""
@@ -44,7 +96,7 @@ def smollm2_checkpoint() -> Path:
     from converters.hf_to_flax import convert
     from empatheia_jax.checkpoint_io import is_complete
 
-    out = cache_root() / f"smollm2-{gguf_key()}"
+    out = cache_root() / f"smollm2-{converted_key()}"
     # One converter at a time: pytest-xdist workers (and concurrent sessions) share the cache folder, and
     # a second converter would overwrite the first one's half-written folder.
     with FileLock(str(out) + ".lock"):
@@ -111,14 +163,39 @@ def tiny_tokenizer():
     )
 
 
-def missing_real_data(message: str) -> None:
-    """Skips a real-data test on a developer box without ../shared, but FAILS under CI (CI=true), where
-    shared/ always lies beside the clone: the real check must never be skipped silently there."""
+def under_ci() -> bool:
+    """The CI runner sets CI (GitHub Actions, GitLab, ... set CI=true); "", "0" and "false" mean a developer
+    box that happens to export it."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def skip_or_fail(message: str) -> NoReturn:
+    """Skips on a developer box, but FAILS under CI: there every test dependency is installed (the `test`
+    extra) and conftest sets up the 8 fake devices, so a missing one is a broken runner, and a skip would let
+    it pass with the check never run. Usable at module level (a whole file's dependency)."""
     import pytest
 
-    if os.environ.get("CI"):
-        pytest.fail(f"{message} (CI must run the real-data checks)")
-    pytest.skip(message)
+    if under_ci():
+        pytest.fail(f"{message} (CI=true: this must run there, not skip)", pytrace=False)
+    pytest.skip(message, allow_module_level=True)
+
+
+@overload
+def require(what: str, why: str) -> ModuleType: ...
+@overload
+def require(what: bool, why: str) -> None: ...
+def require(what: str | bool, why: str) -> ModuleType | None:
+    """`require("torch", why)` imports and returns the module; `require(condition, why)` checks a condition.
+    Either way, what is missing goes through `skip_or_fail` (skip here, fail under CI), never a silent
+    `pytest.importorskip`."""
+    if isinstance(what, str):
+        try:
+            return importlib.import_module(what)
+        except ImportError as e:
+            skip_or_fail(f"needs {what} ({why}): {e}")
+    if not what:
+        skip_or_fail(why)
+    return None
 
 
 def saved_smollm2_tokenizer(tmp_path_factory) -> str:

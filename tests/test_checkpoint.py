@@ -22,6 +22,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import skip_or_fail
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from empatheia_jax.checkpoint import (
@@ -219,7 +220,7 @@ def test_keep_best_max_mode_and_steps_without_metrics(tmp_path):
 
 def test_restore_into_sharded_target(tmp_path):
     if len(jax.devices()) != 8:
-        pytest.skip("needs the 8 fake CPU devices that tests/conftest.py sets up")
+        skip_or_fail(f"needs the 8 fake CPU devices tests/conftest.py sets up, found {len(jax.devices())}")
     mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "fsdp"))
     model, opt = trained(width=16)
     params, opt_state = states(model, opt)

@@ -5,13 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import soundfile as sf
+from helpers import require
 
 from empatheia_jax.encoders import (
     AUDIO_SCALAR_NAMES,
     VIDEO_SCALAR_NAMES,
     LiteEncoder,
     available_encoders,
+    frame_signal,
     get_encoder,
+    mel_filterbank,
+    stft_power,
+    yin,
 )
 
 SR = 16000
@@ -133,12 +138,92 @@ def test_lite_video_carries_mouth_motion_and_colour(media, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
+# the numpy DSP against librosa (the lite encoder and the stand-in targets use these, not librosa: see
+# the comment above `encoders._hz_to_mel`; these tests are what makes them librosa's definitions)
+
+
+@pytest.fixture(scope="module")
+def librosa():
+    return require("librosa", "the reference for the lite encoder's DSP")
+
+
+def dsp_signals() -> dict[str, np.ndarray]:
+    """Pitched (steady, gliding, harmonic-rich, onset after silence) and unpitched signals, float64."""
+    rng = np.random.default_rng(0)
+    t = np.arange(SR) / SR
+    return {
+        "tone": tone(110.0).astype(np.float64),
+        "high tone": tone(260.0, seconds=0.5).astype(np.float64),
+        "glide": 0.3 * np.sin(2 * np.pi * (120 * t + 100 * t**2)),
+        "vowel": sum(0.3 / k * np.sin(2 * np.pi * 150 * k * t[:8000] + k) for k in range(1, 8)),
+        "silence then tone": np.concatenate([np.zeros(3000), 0.3 * np.sin(2 * np.pi * 110 * t[:5000])]),
+        "noise": 0.1 * rng.standard_normal(8000),
+    }
+
+
+@pytest.mark.parametrize(
+    "sr,n_fft,n_mels,fmin,fmax",
+    [(16000, 512, 40, 50.0, 8000.0), (16000, 1280, 40, 50.0, 8000.0), (22050, 1024, 80, 0.0, 8000.0)],
+    ids=["lite", "standin-targets", "other"],
+)
+def test_mel_filterbank_is_librosas(librosa, sr, n_fft, n_mels, fmin, fmax):
+    ours = mel_filterbank(sr, n_fft, n_mels, fmin, fmax)
+    ref = librosa.filters.mel(sr=sr, n_fft=n_fft, n_mels=n_mels, fmin=fmin, fmax=fmax)  # slaney, float32
+    assert ours.dtype == ref.dtype == np.float32
+    np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-7 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("n_fft,hop", [(512, 160), (1280, 640)], ids=["lite", "standin-targets"])
+def test_stft_power_is_librosas(librosa, n_fft, hop):
+    for name, y in dsp_signals().items():
+        ours = stft_power(frame_signal(y, n_fft, hop))
+        # librosa >= 0.11 pads centred frames with zeros (pad_mode="constant"), as frame_signal does
+        ref = np.abs(librosa.stft(y, n_fft=n_fft, hop_length=hop, window="hann", center=True)).T ** 2
+        assert ours.shape == ref.shape, name
+        # our Hann window is float32 (the lite audio is): 1e-7 relative rounding, amplified in spectral nulls
+        np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-7 * ref.max(), err_msg=name)
+
+
+def test_yin_is_librosas(librosa):
+    e = LiteEncoder()
+    frame_length = 2 * int(np.ceil(SR / e.fmin)) + 2
+    for name, y in dsp_signals().items():
+        f0, aperiodicity = yin(y, SR, e.fmin, e.fmax, e.hop)
+        ref = librosa.yin(y, fmin=e.fmin, fmax=e.fmax, sr=SR, frame_length=frame_length, hop_length=e.hop,
+                          trough_threshold=0.1, center=True, pad_mode="constant")
+        assert f0.shape == ref.shape, name
+        np.testing.assert_allclose(f0, ref, rtol=1e-6, err_msg=name)
+        assert ((aperiodicity >= 0) & (aperiodicity <= 2.5)).all(), name
+    # ... the pitch is right where there is one, and the aperiodicity separates it from noise at the lite
+    # encoder's voicing threshold (0.35)
+    f0, aperiodicity = yin(dsp_signals()["tone"], SR, e.fmin, e.fmax, e.hop)
+    voiced = aperiodicity < 0.35
+    cents = 1200 * np.abs(np.log2(f0[voiced] / 110.0))
+    assert voiced.mean() > 0.95 and np.median(cents) < 15 and cents.max() < 40  # 8.5 and 30 cents here
+    assert (yin(dsp_signals()["noise"], SR, e.fmin, e.fmax, e.hop)[1] > 0.5).all()
+
+
+def test_lite_log_mel_is_librosas(librosa, media):
+    """End to end: the lite audio tracks equal the same definitions computed by librosa."""
+    e = LiteEncoder()
+    y, _ = sf.read(media / "low.wav", dtype="float32")
+    tracks = e.audio_frames((y, SR))
+    power = np.abs(librosa.stft(y, n_fft=e.n_fft, hop_length=e.hop, window="hann", center=True)) ** 2
+    mel = librosa.filters.mel(sr=SR, n_fft=e.n_fft, n_mels=e.n_mels, fmin=50.0, fmax=SR / 2) @ power
+    np.testing.assert_allclose(tracks["logmel"], ((np.log(1e-5 + mel) + 4.0) / 4.0).T, atol=2e-5)
+    frame_length = 2 * int(np.ceil(SR / e.fmin)) + 2
+    ref_f0 = librosa.yin(y.astype(np.float64), fmin=e.fmin, fmax=e.fmax, sr=SR, frame_length=frame_length,
+                         hop_length=e.hop, center=True, pad_mode="constant")
+    np.testing.assert_allclose(tracks["f0"], ref_f0, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
 # transformers encoders against a direct forward pass
 
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    torch = pytest.importorskip("torch")
+    torch = require("torch", "the transformers encoders' reference forward pass")
     from transformers import CLIPVisionConfig, CLIPVisionModel, HubertConfig, HubertModel
 
     d = tmp_path_factory.mktemp("models")

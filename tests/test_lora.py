@@ -14,12 +14,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import require, tiny_hf_model
 
-torch = pytest.importorskip("torch")
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
-
-from helpers import tiny_hf_model  # noqa: E402
+torch = require("torch", "the PyTorch reference")
+peft = require("peft", "the LoRA reference and the adapter export")
+transformers = require("transformers", "the HF reference models")
 
 from converters import export_hf  # noqa: E402
 from converters.export_hf import ExportError, export_merged, export_peft  # noqa: E402

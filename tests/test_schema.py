@@ -10,6 +10,7 @@ import wave
 
 import numpy as np
 import pytest
+from helpers import require
 
 from empatheia_jax import schema
 from empatheia_jax.schema import (
@@ -207,7 +208,7 @@ def _write_wav(path: str) -> None:
 
 
 def _write_mp4(path: str) -> None:
-    av = pytest.importorskip("av")
+    av = require("av", "writes the test mp4")
     with av.open(path, "w") as c:
         s = c.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=25)
         s.width, s.height, s.pix_fmt = 16, 16, "yuv420p"

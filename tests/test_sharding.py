@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import skip_or_fail
 
 from empatheia_jax import sharding
 from empatheia_jax.models.llama import Llama, LlamaConfig
@@ -45,7 +46,7 @@ def factory() -> Llama:
 @pytest.fixture(scope="module")
 def mesh():
     if len(jax.devices()) != 8:
-        pytest.skip("needs the 8 fake CPU devices that tests/conftest.py sets up")
+        skip_or_fail(f"needs the 8 fake CPU devices tests/conftest.py sets up, found {len(jax.devices())}")
     return sharding.make_mesh(2, 2, 2)
 
 
