@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import jax
@@ -338,19 +339,6 @@ def test_schedule_warms_up_then_decays(tok, shards):
 # ----------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cli_env(tmp_path_factory):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0 "
-        "--xla_llvm_disable_expensive_passes=true"
-    )
-    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    return env
-
-
 def cli_args(tok, shards, workdir, *extra):
     return [
         sys.executable,
@@ -403,20 +391,40 @@ def data_trace(workdir: Path) -> dict[int, list[int]]:
     return steps
 
 
+def complete_steps(workdir: Path) -> list[int]:
+    """Steps with a complete checkpoint (orbax renames `<step>.orbax-checkpoint-tmp*` once all is written)."""
+    root = workdir / "checkpoints"
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
+
+
+def train_steps(workdir: Path) -> list[int]:
+    """The steps metrics.jsonl logged train metrics for, in file order (a resumed run appends its own)."""
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines if '"train/' in line]
+
+
+RESUME_STEPS = 6
+# The kill step is drawn, not hand-picked, from a seeded generator: reproducible, yet not a step chosen to
+# make the test pass. Kills at 3 or 4 land after the first checkpoint (step 2) and before the end.
+KILL_AT = random.Random(20240611).choice((3, 4))
+
+
 def test_resume_after_sigkill_is_bit_identical(tok, shards, tmp_path, cli_env):
+    """A run SIGKILLed after a complete checkpoint resumes FROM it (not from step 0: deterministic training
+    would hide a restart) and ends bit-identical to an uninterrupted run, having seen the same records."""
     extra = [
         "--config.stage=overall",
-        "--config.schedule.overall.steps=8",
+        f"--config.schedule.overall.steps={RESUME_STEPS}",
         "--config.schedule.overall.sd_warmup_steps=3",  # before step 0: redone, not resumed
         "--config.checkpoint.every=2",
         "--config.train.trace_data=True",
         "--config.checkpoint.async_save=True",
     ]
     straight = tmp_path / "straight"
-    run_cli(cli_args(tok, shards, straight, *extra), cli_env)
+    first = run_cli(cli_args(tok, shards, straight, *extra), cli_env)
+    assert "resuming from step" not in first.stderr
 
     killed = tmp_path / "killed"
-    kill_at = random.Random().randint(3, 6)
     proc = subprocess.Popen(
         cli_args(tok, shards, killed, *extra),
         env=cli_env,
@@ -425,22 +433,33 @@ def test_resume_after_sigkill_is_bit_identical(tok, shards, tmp_path, cli_env):
         stderr=subprocess.PIPE,
         text=True,
     )
-    wait_for_step(proc, killed, kill_at)
+    wait_for_step(proc, killed, KILL_AT)
+    deadline = time.time() + 120
+    while not complete_steps(killed):  # an async save may still be finishing
+        assert proc.poll() is None and time.time() < deadline, "no complete checkpoint before the kill"
+        time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    logged = [json.loads(x)["step"] for x in (killed / "metrics.jsonl").read_text().splitlines()]
-    assert max(logged) < 8, "the run finished before it could be killed"
-    run_cli(cli_args(tok, shards, killed, *extra), cli_env)
+    resume_from = complete_steps(killed)[-1]
+    logged = train_steps(killed)
+    assert max(logged) < RESUME_STEPS, "the run finished before it could be killed"
+    assert 2 <= resume_from <= max(logged), (resume_from, logged)
+    resumed = run_cli(cli_args(tok, shards, killed, *extra), cli_env)
 
-    a, b = final_state(straight, 8), final_state(killed, 8)
+    # The resumed run says where it starts, and its own records start right after that checkpoint.
+    assert f"resuming from step {resume_from} (workdir {killed})" in resumed.stderr, resumed.stderr[-3000:]
+    after = train_steps(killed)[len(logged):]
+    assert after == list(range(resume_from + 1, RESUME_STEPS + 1)), (resume_from, after)
+    trace_steps = [json.loads(x)["step"] for x in (killed / "data_trace.jsonl").read_text().splitlines()]
+    assert trace_steps[len(trace_steps) - len(after):] == list(range(resume_from, RESUME_STEPS))
+
+    a, b = final_state(straight, RESUME_STEPS), final_state(killed, RESUME_STEPS)
     assert a.keys() == b.keys() and len(a) > 10
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=str(k))
     ta, tb = data_trace(straight), data_trace(killed)
-    assert sorted(ta) == sorted(tb) == list(range(8))
+    assert sorted(ta) == sorted(tb) == list(range(RESUME_STEPS))
     assert ta == tb  # the same records at every step: none repeated, none skipped
-    lines = (killed / "data_trace.jsonl").read_text().splitlines()
-    assert len(lines) > 8  # the resumed run re-did the steps after its last checkpoint
 
 
 def test_sigterm_checkpoints_and_exits_zero(tok, shards, tmp_path, cli_env):
@@ -515,3 +534,252 @@ def test_bf16_compute_keeps_fp32_masters_and_loss(tok, shards, built):
         np.testing.assert_allclose(got[k], ref[k], rtol=1e-2, err_msg=k)
     assert all(d.dtype == np.float32 and np.isfinite(d).all() for d in delta.values())
     assert delta.keys() == ref_delta.keys()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Remat, the NaN policies inside the real loop, loading a trained run
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _flat(state: nnx.State) -> dict[str, np.ndarray]:
+    """{"a/b/0/c": host copy}: the step donates its inputs, so the values are copied before it runs."""
+    return {"/".join(map(str, p)): np.array(jax.device_get(v.get_value()), copy=True)
+            for p, v in nnx.to_flat_state(state)}
+
+
+def test_remat_full_and_dots_give_the_loss_and_gradients_of_none(tok, shards, built):
+    """model.llm.remat (the 7B config uses "full") only trades memory for recomputation: the stage loss,
+    its metrics and the gradients of a train step equal remat "none" (fp32). The jaxpr shows each policy
+    really ran, so a remat setting that was silently ignored would not pass as equal."""
+    _, stage, _, host = built
+    manifest = json.loads((Path(shards) / "manifest.json").read_text())
+    batch = {k: jnp.asarray(v[:4]) for k, v in host.items()}
+    keys = trainer.example_keys(jax.random.key(7), (4,))
+    grad_fn = jax.value_and_grad(stages.make_loss_fn(stage, losses.LossWeights()), has_aux=True)
+    jitted = jax.jit(grad_fn, static_argnums=1, compiler_options=FAST)
+    got = {}
+    for remat in ("none", "full", "dots"):
+        cfg = tiny_config(tok, shards, stage="overall", **{"model.llm.remat": remat})
+        model, _ = trainer.build_model(cfg, manifest)
+        assert model.config.llm.remat == remat
+        opt = stages.make_optimizer(model, stage, optax.sgd(1.0))
+        graphs, params, frozen, _ = stages.split_for_step(model, opt, stage)
+        jaxpr = str(jitted.trace(params, graphs.model, frozen, batch, keys).jaxpr)
+        # One rematerialised block per decoder layer, under the configured policy.
+        policies = re.findall(r"\b(?:remat2|checkpoint)\[[^\]]*?policy=(\S+)", jaxpr, flags=re.S)
+        want = {"none": [], "full": ["None"] * 2, "dots": ["DotsSaveable(only_if_no_batch_dims=True)"] * 2}
+        assert policies == want[remat], (remat, policies)
+        (total, metrics), grads = jitted(params, graphs.model, frozen, batch, keys)
+        got[remat] = float(total), {k: float(v) for k, v in metrics.items()}, _flat(grads)
+    ref_total, ref_metrics, ref_grads = got["none"]
+    assert np.isfinite(ref_total)
+    assert sum(np.abs(g).max() > 0 for g in ref_grads.values()) > len(ref_grads) // 2
+    for remat in ("full", "dots"):
+        total, metrics, grads = got[remat]
+        np.testing.assert_allclose(total, ref_total, rtol=1e-6, err_msg=remat)
+        for k, v in ref_metrics.items():
+            np.testing.assert_allclose(metrics[k], v, rtol=1e-6, atol=1e-7, err_msg=f"{remat} {k}")
+        assert grads.keys() == ref_grads.keys()
+        for k, g in ref_grads.items():
+            err, scale = np.abs(grads[k] - g).max(), np.abs(g).max()
+            assert err <= 1e-5 * scale + 1e-9, (remat, k, err, scale)
+
+
+class StepRecorder:
+    """Instruments a real `trainer.train` loop from outside. Non-finite losses at the chosen steps: the host
+    batch of every step gets a `nan_step` flag column (`trainer.step_batch` is called once per step, in
+    order), and the stage's loss function (`stages.make_loss_fn`, test-only wrapper) turns the total into
+    NaN where the flag is set: `total + NaN` (`grad_nan=False`: the gradient stays finite, the case an
+    isfinite(grad) guard alone would miss) or `total * NaN` (gradients NaN too). It also records each
+    step's trainable parameters and optimizer state before and after (`trainer.jit_step` wrapped). The
+    loop, the jitted step and the NaN policy run unchanged."""
+
+    def __init__(self, mp: pytest.MonkeyPatch, bad: Collection[int] = (), grad_nan: bool = False):
+        self.bad, self.calls, self.steps = set(bad), 0, []
+        real_step_batch, real_jit_step = trainer.step_batch, trainer.jit_step
+        real_loss_fn = stages.make_loss_fn
+
+        def step_batch(host_batch, mesh, grad_accum):
+            flag = np.full(host_batch["input_ids"].shape[:1], self.calls in self.bad, np.int32)
+            self.calls += 1
+            return real_step_batch({**host_batch, "nan_step": flag}, mesh, grad_accum)
+
+        def make_loss_fn(stage, weights=None):
+            loss_fn = real_loss_fn(stage, weights)
+
+            def poisoned(params, graphdef, frozen, batch, rng, *, counts=None):
+                total, metrics = loss_fn(params, graphdef, frozen, batch, rng, counts=counts)
+                nan = jnp.where(jnp.any(batch["nan_step"] > 0), jnp.nan, 1.0 if grad_nan else 0.0)
+                total = total * nan if grad_nan else total + nan
+                return total, {**metrics, "total": total}
+
+            return poisoned
+
+        mp.setattr(trainer, "step_batch", step_batch)
+        mp.setattr(stages, "make_loss_fn", make_loss_fn)
+
+        def jit_step(*args, **kwargs):
+            step = real_jit_step(*args, **kwargs)
+
+            def run(graphs, params, frozen, opt_state, batch, key):
+                before = _flat(params), _flat(opt_state)
+                new_params, new_opt_state, metrics = step(graphs, params, frozen, opt_state, batch, key)
+                self.steps.append({
+                    "before": before, "after": (_flat(new_params), _flat(new_opt_state)),
+                    "nonfinite": float(metrics["nonfinite"]), "total": float(metrics["total"])})
+                return new_params, new_opt_state, metrics
+
+            return run
+
+        mp.setattr(trainer, "jit_step", jit_step)
+
+    def assert_skips_leave_the_state_untouched(self) -> None:
+        """Bad steps: parameters and optimizer state bit-identical after; good steps: the parameters move."""
+        assert [s["nonfinite"] for s in self.steps] == [float(i in self.bad) for i in range(len(self.steps))]
+        for i, s in enumerate(self.steps):
+            for part, before, after in zip(("params", "opt_state"), s["before"], s["after"], strict=True):
+                assert before.keys() == after.keys()
+                same = [np.array_equal(before[k], after[k]) for k in before]
+                if i in self.bad:
+                    assert all(same), (i, part, [k for k, ok in zip(before, same, strict=True) if not ok])
+                elif part == "params":
+                    assert not all(same), i
+
+
+def ckpt_params(workdir: Path, step: int) -> dict[str, np.ndarray]:
+    return {"/".join(k[1:]): v for k, v in final_state(workdir, step).items() if k[0] == "params"}
+
+
+def test_nan_policy_skip_counts_and_max_consecutive_stops_after_n_not_n_minus_1(tok, shards, tmp_path):
+    """nan_policy=skip, max_consecutive_nonfinite=3, non-finite losses at steps 1, 2 (N-1 in a row: the run
+    goes on and step 3 resets the streak) and 4, 5, 6 (N in a row: NonFiniteLossError at step 6). Skipped
+    steps leave parameters and optimizer state bit-identical and are counted (metrics.jsonl, checkpoint
+    meta); the stop checkpoints the last good state (after step 3) at step 7."""
+    cfg = tiny_config(tok, shards, stage="coe", **{
+        "schedule.coe.steps": 8, "train.nan_policy": "skip", "train.max_consecutive_nonfinite": 3,
+        "checkpoint.every": 100, "optim.warmup_steps": 0})  # lr > 0 from step 0: a good step moves
+    workdir = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        rec = StepRecorder(mp, bad={1, 2, 4, 5, 6})
+        with pytest.raises(trainer.NonFiniteLossError, match=r"at step 6 \(records \[") as e:
+            trainer.train(cfg, workdir)
+    assert "checkpointed at step 7" in str(e.value)
+    assert len(rec.steps) == 7  # not stopped after 1-2 (N-1 in a row), stopped at the third of 4-6
+    assert all(np.isnan(rec.steps[i]["total"]) for i in rec.bad) and np.isfinite(rec.steps[3]["total"])
+    rec.assert_skips_leave_the_state_untouched()
+    logged = {}
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "train/nonfinite_skipped" in r:
+            logged[r["step"]] = r["train/nonfinite_skipped"]
+    assert logged == {1: 0, 2: 1, 3: 2, 4: 2, 5: 3, 6: 4}  # step = steps done; step 7 raised before logging
+    assert complete_steps(workdir) == [7]
+    from empatheia_jax.checkpoint import read_meta
+
+    assert read_meta(workdir / "checkpoints", 7)[1]["nonfinite_skipped"] == 5
+    saved, last_good = ckpt_params(workdir, 7), rec.steps[3]["after"][0]
+    assert last_good and set(last_good) <= set(saved)
+    for k, v in last_good.items():
+        np.testing.assert_array_equal(saved[k], v, err_msg=k)
+
+
+def test_nan_policy_stop_exits_1_through_the_cli_and_keeps_the_last_good_state(
+    tok, shards, tmp_path, capsys
+):
+    """nan_policy=stop through the CLI's train command (`cli._run`, in this process, flags set directly): the
+    first non-finite step (1) ends the run with NonFiniteLossError -> exit status 1 and a message naming
+    the step and its records; the state after step 0 is checkpointed at step 2 (the bad batch counts as
+    consumed)."""
+    from empatheia_jax import cli
+
+    workdir = tmp_path / "stop"
+    cfg = tiny_config(tok, shards, stage="coe", **{
+        "schedule.coe.steps": 4, "train.nan_policy": "stop", "checkpoint.every": 100,
+        "optim.warmup_steps": 0})
+    if not cli.FLAGS.is_parsed():
+        cli.FLAGS(["empatheia"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cli.FLAGS["config"], "value", cfg)
+        mp.setattr(cli.FLAGS["workdir"], "value", str(workdir))
+        rec = StepRecorder(mp, bad={1}, grad_nan=True)
+        with pytest.raises(SystemExit) as e:
+            cli._run("train", [])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "error: non-finite loss/gradient at step 1 (records [" in err and "checkpointed at step 2" in err
+    assert len(rec.steps) == 2
+    rec.assert_skips_leave_the_state_untouched()
+    assert complete_steps(workdir) == [2]
+    from empatheia_jax.checkpoint import read_meta
+
+    assert read_meta(workdir / "checkpoints", 2)[1]["nonfinite_skipped"] == 1
+    saved = ckpt_params(workdir, 2)
+    for k, v in rec.steps[0]["after"][0].items():
+        np.testing.assert_array_equal(saved[k], v, err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def overall_run(tok, shards, tmp_path_factory):
+    """A finished 2-step overall run (every group trained, SD calibrated), checkpoints at steps 1 and 2,
+    with the trained parameters after every step recorded from the loop itself."""
+    cfg = tiny_config(tok, shards, stage="overall", **{
+        "schedule.overall.steps": 2, "schedule.overall.sd_warmup_steps": 0, "train.calibration_batches": 1,
+        "checkpoint.every": 1})
+    workdir = tmp_path_factory.mktemp("overall_run")
+    with pytest.MonkeyPatch.context() as mp:
+        rec = StepRecorder(mp)
+        result = trainer.train(cfg, workdir)
+    assert result.status == "completed" and complete_steps(workdir) == [1, 2]
+    return cfg, workdir, result, rec
+
+
+def test_load_trained_restores_the_trained_parameters_and_outputs(overall_run):
+    """load_trained(workdir) = the parameters the loop ended with, bit for bit, and the same eval loss as
+    the run's own final eval; step=1 (or the step folder) = the parameters after step 0."""
+    cfg, workdir, result, rec = overall_run
+    model, tokenizer, config, meta = trainer.load_trained(workdir)
+    assert meta["stage"]["name"] == "overall" and config.schedule.overall.steps == 2
+    loaded = _flat(nnx.state(model, nnx.Param))
+    final = rec.steps[-1]["after"][0]
+    assert final and set(final) <= set(loaded)
+    for k, v in final.items():
+        np.testing.assert_array_equal(loaded[k], v, err_msg=k)
+
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    sharding.shard_model(model, mesh)
+    stage = config_lib.resolve_stage(config)
+    got = trainer.evaluate_loss(config, stage, model, tokenizer, mesh, max_batches=config.train.eval_batches)
+    assert {f"eval/{k}": v for k, v in got.items()} == result.eval_metrics
+
+    first = rec.steps[0]["after"][0]
+    assert any(not np.array_equal(first[k], final[k]) for k in final)
+    for path in (workdir, workdir / "checkpoints" / "1"):
+        one = _flat(nnx.state(trainer.load_trained(path, step=1 if path == workdir else None)[0], nnx.Param))
+        for k, v in first.items():
+            np.testing.assert_array_equal(one[k], v, err_msg=f"{path} {k}")
+
+
+def test_load_trained_untrained_model_and_bad_step_or_path(overall_run, shards, tmp_path):
+    """restore=False: the run's model as built before training (same random backbone, LoRA B = 0, fresh
+    CS/SD heads, bit for bit a new `build_model`), not the trained one. A missing step or path is an error
+    naming it."""
+    cfg, workdir, _, rec = overall_run
+    fresh = _flat(nnx.state(trainer.load_trained(workdir, restore=False)[0], nnx.Param))
+    built_now, _ = trainer.build_model(cfg, json.loads((Path(shards) / "manifest.json").read_text()))
+    want = _flat(nnx.state(built_now, nnx.Param))
+    assert fresh.keys() == want.keys()
+    for k, v in want.items():
+        np.testing.assert_array_equal(fresh[k], v, err_msg=k)
+    lora_b = [k for k in fresh if k.endswith("lora_b")]
+    assert lora_b and all(not fresh[k].any() for k in lora_b)
+    trained = rec.steps[-1]["after"][0]
+    assert any(trained[k].any() for k in lora_b)
+    for head in ("content_sync/", "style_dis/"):
+        moved = [k for k in trained if k.startswith(head) and not np.array_equal(trained[k], fresh[k])]
+        assert moved, head
+
+    with pytest.raises((ValueError, FileNotFoundError), match="99"):
+        trainer.load_trained(workdir, step=99)
+    missing = tmp_path / "no_such_run"
+    with pytest.raises((ValueError, FileNotFoundError), match=str(missing)):
+        trainer.load_trained(missing)

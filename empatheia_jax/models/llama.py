@@ -440,8 +440,12 @@ class Llama(nnx.Module):
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.keys[i], cache.values[i])
             if cfg.remat != "none":
-                fn = nnx.remat(lambda lyr, *a: lyr(*a), policy=_REMAT_POLICIES[cfg.remat])
-                x, new_kv = fn(layer, x, positions, inv_freq, mask, kv, index)
+                # A pure function of the layer's state: nnx.remat(layer) writes the layer's Variables back
+                # from inside the checkpoint trace, which fails under jax.grad (TraceContextError).
+                layer_def, layer_state = nnx.split(layer)
+                fn = jax.checkpoint(lambda st, *a, _d=layer_def: nnx.merge(_d, st)(*a),
+                                    policy=_REMAT_POLICIES[cfg.remat])
+                x, new_kv = fn(layer_state, x, positions, inv_freq, mask, kv, index)
             else:
                 x, new_kv = layer(x, positions, inv_freq, mask, kv, index)
             if new_kv is not None:
