@@ -16,6 +16,9 @@ index-copies them into the table), so the base only needs enough rows: load with
 
 A PEFT adapter never carries the base weights: it assumes only LoRA (and the added rows) changed since
 conversion, which is what every training stage guarantees. Use `--merged` when anything else trained.
+
+A trained Empatheia (backbone + projections + CS/SD heads) is exported by `converters.export_empatheia`,
+which writes these same files beside its heads through `write_peft` / `write_merged`.
 """
 
 from __future__ import annotations
@@ -26,15 +29,17 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from safetensors.numpy import save_file
 
 from converters.hf_names import hf_tensors, param_names
-from empatheia_jax.models.llama import Llama
+from empatheia_jax.models.llama import Llama, LlamaConfig
 from empatheia_jax.models.lora import ATTENTION_TARGETS, LoraConfig, LoRALinear, lora_config_of
 
 PEFT_PREFIX = "base_model.model."
@@ -52,7 +57,13 @@ class ExportError(ValueError):
 # ----------------------------------------------------------------------------------------------------------
 
 
-class _AtomicDir:
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """Refuses to replace a non-empty OUT unless asked; callers with expensive loading call it up front."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise ExportError(f"{out} exists and is not empty (pass overwrite=True / --overwrite)")
+
+
+class AtomicDir:
     """Writes into `OUT.tmp-*` beside OUT and renames it onto OUT on success; removes it on failure."""
 
     def __init__(self, out_dir: str | os.PathLike, overwrite: bool):
@@ -60,8 +71,7 @@ class _AtomicDir:
         self.overwrite = overwrite
 
     def __enter__(self) -> Path:
-        if self.out.exists() and any(self.out.iterdir()) and not self.overwrite:
-            raise ExportError(f"{self.out} exists and is not empty (pass overwrite=True / --overwrite)")
+        check_out_dir(self.out, self.overwrite)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f"{self.out.name}.tmp-", dir=self.out.parent))
         return self.tmp
@@ -116,8 +126,12 @@ def peft_adapter_config(
     }
 
 
-def peft_tensors(model: Llama, lora_cfg: LoraConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """(PEFT key, array) for every adapter tensor: lora_A.weight [r, in], lora_B.weight [out, r]."""
+def peft_variables(model: Llama, lora_cfg: LoraConfig) -> Iterator[tuple[str, nnx.Variable, bool]]:
+    """(PEFT key, our variable, transposed?) for every adapter tensor.
+
+    The one table between PEFT's names and ours: `peft_tensors` (export) and `load_peft_tensors` (import)
+    both read it, so the two directions cannot drift apart.
+    """
     for i, layer in enumerate(model.layers):
         for target in lora_cfg.targets:
             parent = _parent_name(target)
@@ -125,15 +139,81 @@ def peft_tensors(model: Llama, lora_cfg: LoraConfig) -> Iterator[tuple[str, np.n
             if not isinstance(module, LoRALinear):
                 raise ExportError(f"layers[{i}].{parent}.{target} has no LoRA although the config targets it")
             key = f"{PEFT_PREFIX}model.layers.{i}.{parent}.{target}"
-            yield f"{key}.lora_A.weight", np.asarray(module.lora.lora_a[...], np.float32).T
-            yield f"{key}.lora_B.weight", np.asarray(module.lora.lora_b[...], np.float32).T
+            yield f"{key}.lora_A.weight", module.lora.lora_a, True  # ours [in, r], PEFT [r, in]
+            yield f"{key}.lora_B.weight", module.lora.lora_b, True  # ours [r, out], PEFT [out, r]
     cfg = model.config
     if cfg.extra_vocab:
-        yield (f"{PEFT_PREFIX}model.embed_tokens.token_adapter.trainable_tokens_delta",
-               np.asarray(model.embed_extra[...], np.float32))
+        delta = "token_adapter.trainable_tokens_delta"
+        yield f"{PEFT_PREFIX}model.embed_tokens.{delta}", model.embed_extra, False  # [extra, d] both
         if not cfg.tie_word_embeddings:
-            yield (f"{PEFT_PREFIX}lm_head.token_adapter.trainable_tokens_delta",
-                   np.asarray(model.lm_head_extra[...], np.float32).T)
+            yield f"{PEFT_PREFIX}lm_head.{delta}", model.lm_head_extra, True  # ours [d, extra]
+
+
+def peft_tensors(model: Llama, lora_cfg: LoraConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """(PEFT key, array) for every adapter tensor: lora_A.weight [r, in], lora_B.weight [out, r]."""
+    for key, var, transpose in peft_variables(model, lora_cfg):
+        value = np.asarray(var[...], np.float32)
+        yield key, (value.T if transpose else value)
+
+
+def load_peft_tensors(
+    model: Llama, lora_cfg: LoraConfig, tensors: Mapping[str, np.ndarray], where: str = "adapter"
+) -> None:
+    """Writes an adapter's tensors (PEFT names and layouts) into `model`'s LoRA and added-row parameters.
+
+    Every key the model expects must be there and nothing else, with the right shape: a partial load
+    would leave parameters silently at their previous values.
+    """
+    table = list(peft_variables(model, lora_cfg))
+    expected = {key for key, _, _ in table}
+    missing = sorted(expected - set(tensors))
+    unexpected = sorted(set(tensors) - expected)
+    if missing or unexpected:
+        raise ExportError(f"{where} does not fit the model: missing {missing[:5]} ({len(missing)}), "
+                          f"unexpected {unexpected[:5]} ({len(unexpected)})")
+    for key, var, transpose in table:
+        stored = np.asarray(tensors[key])
+        value = stored.T if transpose else stored
+        if value.shape != var.shape:
+            raise ExportError(f"{where}: tensor {key!r} has shape {stored.shape}, the model expects "
+                              f"{var.shape[::-1] if transpose else var.shape}")
+        var[...] = jnp.asarray(value, var.dtype)
+
+
+def peft_token_indices(cfg: LlamaConfig) -> Any:
+    """PEFT's `trainable_token_indices` for the added rows (None without any): a list for tied embeddings,
+    one list per table otherwise."""
+    if not cfg.extra_vocab:
+        return None
+    rows = list(range(cfg.vocab_size, cfg.total_vocab))
+    return rows if cfg.tie_word_embeddings else {"embed_tokens": rows, "lm_head": rows}
+
+
+def checked_lora_config(model: Llama, lora_cfg: LoraConfig | None) -> LoraConfig:
+    """The adapter config to export: `lora_cfg` (or the model's own when None), refused when they differ."""
+    found = lora_config_of(model)
+    if found is None:
+        raise ExportError("the model has no LoRA adapter to export as PEFT; "
+                          "use --merged for a full checkpoint")
+    lora_cfg = lora_cfg or found
+    ours = (found.rank, found.scale, set(found.targets))
+    if (lora_cfg.rank, lora_cfg.scale, set(lora_cfg.targets)) != ours:
+        raise ExportError(f"lora config {lora_cfg} does not match the model's adapter {found}")
+    return lora_cfg
+
+
+def write_peft(
+    model: Llama, lora_cfg: LoraConfig, out: Path, base_model_name_or_path: str | None, tokenizer: Any = None
+) -> None:
+    """Writes the adapter files into an existing (temporary) folder; `export_peft` and the Empatheia export
+    wrap it in their own atomic folder."""
+    # Contiguous copies: safetensors.numpy writes the raw buffer and ignores the strides of a transpose.
+    tensors = {k: np.ascontiguousarray(v) for k, v in peft_tensors(model, lora_cfg)}
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata=SAFETENSORS_METADATA)
+    adapter_cfg = peft_adapter_config(lora_cfg, base_model_name_or_path, peft_token_indices(model.config))
+    (out / "adapter_config.json").write_text(json.dumps(adapter_cfg, indent=2) + "\n")
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, out, model.config)
 
 
 def export_peft(
@@ -151,27 +231,9 @@ def export_peft(
     `trainable_token_indices` (see the module docstring for how to load them); the tokenizer, when given,
     is saved beside the adapter because its added tokens are part of what the adapter means.
     """
-    found = lora_config_of(model)
-    if found is None:
-        raise ExportError("the model has no LoRA adapter to export as PEFT; "
-                          "use --merged for a full checkpoint")
-    lora_cfg = lora_cfg or found
-    ours = (found.rank, found.scale, set(found.targets))
-    if (lora_cfg.rank, lora_cfg.scale, set(lora_cfg.targets)) != ours:
-        raise ExportError(f"lora config {lora_cfg} does not match the model's adapter {found}")
-    cfg = model.config
-    token_indices: Any = None
-    if cfg.extra_vocab:
-        rows = list(range(cfg.vocab_size, cfg.total_vocab))
-        token_indices = rows if cfg.tie_word_embeddings else {"embed_tokens": rows, "lm_head": rows}
-    # Contiguous copies: safetensors.numpy writes the raw buffer and ignores the strides of a transpose.
-    tensors = {k: np.ascontiguousarray(v) for k, v in peft_tensors(model, lora_cfg)}
-    with _AtomicDir(out_dir, overwrite) as tmp:
-        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata=SAFETENSORS_METADATA)
-        adapter_cfg = peft_adapter_config(lora_cfg, base_model_name_or_path, token_indices)
-        (tmp / "adapter_config.json").write_text(json.dumps(adapter_cfg, indent=2) + "\n")
-        if tokenizer is not None:
-            _save_tokenizer(tokenizer, tmp, cfg)
+    lora_cfg = checked_lora_config(model, lora_cfg)
+    with AtomicDir(out_dir, overwrite) as tmp:
+        write_peft(model, lora_cfg, tmp, base_model_name_or_path, tokenizer)
     return Path(out_dir)
 
 
@@ -200,7 +262,8 @@ def merged_hf_tensors(model: Llama) -> Iterator[tuple[str, np.ndarray]]:
         yield hf_name, value
 
 
-def _save_tokenizer(tokenizer: Any, out: Path, cfg) -> None:
+def save_tokenizer(tokenizer: Any, out: Path, cfg: LlamaConfig) -> None:
+    """`save_pretrained` into `out`, refusing a tokenizer with more tokens than the model has rows."""
     if len(tokenizer) > cfg.total_vocab:
         raise ExportError(
             f"tokenizer has {len(tokenizer)} tokens but the model only {cfg.total_vocab} rows; "
@@ -209,8 +272,14 @@ def _save_tokenizer(tokenizer: Any, out: Path, cfg) -> None:
     tokenizer.save_pretrained(str(out))
 
 
-def _write_sharded(tensors: Iterator[tuple[str, np.ndarray]], out: Path, max_shard_bytes: int) -> None:
-    """model.safetensors, or model-0000i-of-0000n.safetensors + index when larger than one shard."""
+def write_sharded(
+    tensors: Iterator[tuple[str, np.ndarray]], out: Path, max_shard_bytes: int, *, always_index: bool = False
+) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + index when larger than one shard.
+
+    `always_index` writes the index for a single shard too: a folder holding other safetensors files
+    (the Empatheia export's heads) then still says which files are the model's.
+    """
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     total = 0
@@ -233,15 +302,39 @@ def _write_sharded(tensors: Iterator[tuple[str, np.ndarray]], out: Path, max_sha
         size += nbytes
         total += nbytes
     flush()
-    if len(parts) == 1:
-        parts[0].rename(out / "model.safetensors")
-        return
     n = len(parts)
-    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    if n == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     for part, name in zip(parts, names, strict=True):
         part.rename(out / name)
-    index = {"metadata": {"total_size": total}, "weight_map": {k: names[v] for k, v in weight_map.items()}}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if n > 1 or always_index:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {k: names[v] for k, v in weight_map.items()}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_merged(
+    model: Llama,
+    tokenizer: Any,
+    out: Path,
+    *,
+    dtype: str = "float32",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    always_index: bool = False,
+) -> None:
+    """Writes the merged HF checkpoint files into an existing (temporary) folder (see `export_merged`)."""
+    if dtype not in _NP_DTYPES:
+        raise ExportError(f"dtype={dtype!r} not in {sorted(_NP_DTYPES)}")
+    np_dtype = _NP_DTYPES[dtype]
+    hf_config = model.config.to_hf()
+    hf_config["dtype"] = dtype
+    tensors = ((k, v.astype(np_dtype)) for k, v in merged_hf_tensors(model))
+    write_sharded(tensors, out, max_shard_bytes, always_index=always_index)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, out, model.config)
 
 
 def export_merged(
@@ -257,17 +350,10 @@ def export_merged(
 
     Tied models write no `lm_head.weight` (transformers re-ties it from `tie_word_embeddings`).
     """
-    if dtype not in _NP_DTYPES:
+    if dtype not in _NP_DTYPES:  # before the output folder is touched
         raise ExportError(f"dtype={dtype!r} not in {sorted(_NP_DTYPES)}")
-    np_dtype = _NP_DTYPES[dtype]
-    hf_config = model.config.to_hf()
-    hf_config["dtype"] = dtype
-    tensors = ((k, v.astype(np_dtype)) for k, v in merged_hf_tensors(model))
-    with _AtomicDir(out_dir, overwrite) as tmp:
-        _write_sharded(tensors, tmp, max_shard_bytes)
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        if tokenizer is not None:
-            _save_tokenizer(tokenizer, tmp, model.config)
+    with AtomicDir(out_dir, overwrite) as tmp:
+        write_merged(model, tokenizer, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes)
     return Path(out_dir)
 
 

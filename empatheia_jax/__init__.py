@@ -4,6 +4,9 @@ Public API (names are a contract):
 
     model, tokenizer = empatheia_jax.load_model("work/smollm2")      # a converted checkpoint folder
     logits = model(input_ids)                                         # float32 [B, T, V]
+    model, tokenizer, config, meta = empatheia_jax.load_trained("work/run")  # a trained Empatheia:
+        # a training workdir, its checkpoints folder, one step folder, or an export folder
+        # (`converters.export_empatheia.export_trained`); step=N picks a step
     replies = empatheia_jax.generate(model, tokenizer, prompts, max_new_tokens=64)
     ids = empatheia_jax.generate_ids(model, tokenizer, prompts, max_new_tokens=64)
 
@@ -21,8 +24,9 @@ if TYPE_CHECKING:
 
     from empatheia_jax.generation import generate, generate_ids, generate_tokens
     from empatheia_jax.models.llama import Llama
+    from empatheia_jax.trainer import load_trained
 
-__all__ = ["load_model", "generate", "generate_ids", "generate_tokens"]
+__all__ = ["load_model", "load_trained", "generate", "generate_ids", "generate_tokens"]
 
 
 def load_model(path: str | os.PathLike, *, mesh: Mesh | None = None) -> tuple[Llama, Any]:
@@ -37,4 +41,8 @@ def __getattr__(name: str):
         from empatheia_jax import generation
 
         return getattr(generation, name)
+    if name == "load_trained":
+        from empatheia_jax.trainer import load_trained
+
+        return load_trained
     raise AttributeError(f"module 'empatheia_jax' has no attribute {name!r}")

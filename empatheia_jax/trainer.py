@@ -701,7 +701,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
         nnx.update(optimizer, restored.opt_state)
         data_iter.set_state(own_data_state(restored.data_state))
         start, nonfinite_skipped = restored.step, int(restored.meta.get("nonfinite_skipped", 0))
-        log.info("resumed %s from step %d", workdir, start)
+        # A resume must be told apart from a restart (both end bit-identical): say where it starts.
+        log.info("resuming from step %d (workdir %s)", start, workdir)
     elif config.init_from:
         src_dir, src_step = resolve_checkpoint(checkpoints_of(config.init_from))
         with TrainCheckpointer(src_dir, create=False, async_save=False) as src:
@@ -879,14 +880,30 @@ def checkpoints_of(path: str | Path) -> Path:
     return path / CHECKPOINT_DIR if (path / CHECKPOINT_DIR).is_dir() else path
 
 
+def untrained_model(config: ml_collections.ConfigDict, meta: Mapping[str, Any]) -> Empatheia:
+    """The run's model before its first step: its backbone (the converted folder, or the random one rebuilt
+    from the run's seed and shards), fresh heads, LoRA B = 0. Shared by training checkpoints and exports."""
+    if not meta["backbone"]:
+        return build_model(config, load_manifest(config.data.shards))[0]
+    model = Empatheia(EmpatheiaConfig.from_dict(meta["model_config"]), rngs=nnx.Rngs(config.seed + 1))
+    llm, _ = load_checkpoint(meta["backbone"])
+    copy_backbone(llm, model.llm)
+    return model
+
+
 def load_trained(
     path: str | Path, *, step: int | None = None, restore: bool = True
 ) -> tuple[Empatheia, Any, ml_collections.ConfigDict, dict[str, Any]]:
-    """(model, tokenizer, config, meta) from a training workdir, its checkpoints folder or one step folder.
+    """(model, tokenizer, config, meta) from a training workdir, its checkpoints folder, one step folder, or
+    an export folder (`converters.export_empatheia`, recognised by its `empatheia_config.json`).
 
     restore=False gives the run's model untrained (same config and backbone, fresh heads, LoRA B = 0): the
     "untrained" column of `empatheia eval`.
     """
+    from converters.export_empatheia import is_export, load_exported
+
+    if is_export(path):
+        return load_exported(path, step=step, restore=restore)
     directory, found = resolve_checkpoint(checkpoints_of(path))
     step = found if step is None else step
     _, meta = read_meta(directory, step)
@@ -894,16 +911,15 @@ def load_trained(
     cfg = EmpatheiaConfig.from_dict(meta["model_config"])
     tokenizer = load_tokenizer(config.model.tokenizer or meta["backbone"])
     extend_tokenizer(tokenizer, cfg.n_signal)
-    model = Empatheia(cfg, rngs=nnx.Rngs(config.seed + 1))
+    if not restore:
+        return untrained_model(config, meta), tokenizer, config, meta
     if meta["backbone"]:
-        llm, _ = load_checkpoint(meta["backbone"])
-        copy_backbone(llm, model.llm)
-    elif not restore:
-        model = build_model(config, load_manifest(config.data.shards))[0]  # the run's own random backbone
-    if restore:
-        with TrainCheckpointer(directory, create=False, async_save=False) as ckpt:
-            restored = ckpt.restore(step, params=saved_state(model, meta["include_backbone"]))
-        nnx.update(model, restored.params)
+        model = untrained_model(config, meta)
+    else:  # every parameter is in the checkpoint
+        model = Empatheia(cfg, rngs=nnx.Rngs(config.seed + 1))
+    with TrainCheckpointer(directory, create=False, async_save=False) as ckpt:
+        restored = ckpt.restore(step, params=saved_state(model, meta["include_backbone"]))
+    nnx.update(model, restored.params)
     return model, tokenizer, config, meta
 
 
@@ -919,4 +935,5 @@ __all__ = [
     "saved_state",
     "step_batch",
     "train",
+    "untrained_model",
 ]

@@ -1,0 +1,354 @@
+"""Exports a trained Empatheia (a training workdir / checkpoint) as one self-describing folder; loads it.
+
+    export_trained(ckpt, out, *, step=None, mode="peft", overwrite=False) -> out
+    load_exported(out) -> (model, tokenizer, config, meta)      # = trainer.load_trained(out)
+
+Why a folder of its own: a training checkpoint holds only what the run could change (the frozen backbone is
+re-read from `model.backbone`) in orbax's layout, which nothing outside this project reads. The export is
+the hand-over format: the backbone part in HF's own formats (so `peft` / `transformers` load it without
+this code) and the rest (input projections, CS, SD) as plain safetensors, plus everything needed to rebuild
+the exact model.
+
+OUT/ (written under OUT.tmp-* and renamed onto OUT when complete; `empatheia_config.json` is written last):
+
+    empatheia_config.json       format, format_version, mode, step, model_config (EmpatheiaConfig.to_dict()),
+                                config (the run's resolved config), stage, encoder (the shards' encoder
+                                entry), backbone (the converted backbone folder, absolute), backbone_source
+                                (that folder's HF source), include_backbone, nonfinite_skipped, exported_from
+    heads.safetensors           every parameter outside the backbone, float32, named by its nnx state path
+                                ("aud_proj.kernel", "content_sync.speech...", "style_dis.speech_in.shift")
+    tokenizer*                  the run's tokenizer, extended with <Aud>/<Vid>/<AUDi>/<VIDi>
+    mode "peft":
+      adapter_config.json       PEFT LoraConfig; trainable_token_indices = the added token ids
+      adapter_model.safetensors LoRA A/B + the added embedding / lm_head rows (PEFT's trainable_tokens_delta)
+    mode "merged":
+      config.json               HF LlamaConfig with the extended vocab_size
+      model*.safetensors        LoRA folded into the kernels, added rows appended to the vocab tables
+      model.safetensors.index.json   always written, so heads.safetensors is never taken for a model shard
+
+PEFT needs the base resized first: `base.resize_token_embeddings(len(tokenizer))`, then
+`PeftModel.from_pretrained(base, OUT)`; the added rows it loads are the trained rows themselves. A PEFT
+export is refused for a run whose backbone was random (nothing to apply it to) and for a merged export as
+source (its kernels are no longer the converted backbone's).
+
+Loading a "peft" export reads the base from `meta["backbone"]` (a converted folder, `backbone=` overrides
+it when the folder moved); a "merged" export is self-contained and loads with LoRA B = 0 (A as initialised):
+the adapter lives in the kernels. The model is built as `trainer.load_trained` builds it (for "peft" the
+run's `untrained_model`: base backbone, fresh heads), then every parameter outside the base is set from a
+file whose names and shapes are checked against the model first, so none is left at its initial value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+
+from converters.export_hf import (
+    SAFETENSORS_METADATA,
+    AtomicDir,
+    ExportError,
+    check_out_dir,
+    checked_lora_config,
+    load_peft_tensors,
+    write_merged,
+    write_peft,
+)
+from converters.hf_names import ConversionError, check_config_matches, load_hf_tensors
+from empatheia_jax.checkpoint import CheckpointError
+from empatheia_jax.checkpoint_io import read_config
+from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
+from empatheia_jax.models.llama import Llama
+from empatheia_jax.models.lora import lora_layers
+from empatheia_jax.templates import extend_tokenizer
+
+EXPORT_CONFIG = "empatheia_config.json"
+HEADS_FILE = "heads.safetensors"
+ADAPTER_FILE = "adapter_model.safetensors"
+FORMAT = "empatheia_jax.export"
+FORMAT_VERSION = 1
+MODES = ("peft", "merged")
+_EXPORT_KEYS = ("format", "format_version", "mode", "backbone_source", "exported_from")
+_RUN_KEYS = ("step", "model_config", "config", "stage", "encoder", "backbone", "include_backbone")
+_HF_VOCAB_TABLES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Heads: every parameter outside the backbone, by nnx state path
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _head_variables(model: Empatheia) -> dict[str, nnx.Variable]:
+    return {
+        ".".join(map(str, path)): var
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        if path[0] != "llm"
+    }
+
+
+def head_tensors(model: Empatheia) -> dict[str, np.ndarray]:
+    """{state path: float32 array} of the projections, CS and SD (float32: numpy has no bfloat16, and an
+    upcast loses nothing)."""
+    variables = _head_variables(model)
+    return {k: np.ascontiguousarray(np.asarray(v[...], np.float32)) for k, v in variables.items()}
+
+
+def load_head_tensors(model: Empatheia, tensors: dict[str, np.ndarray], where: str) -> None:
+    """Sets every head parameter from `tensors`; the name sets and shapes must match exactly."""
+    variables = _head_variables(model)
+    missing, unexpected = sorted(set(variables) - set(tensors)), sorted(set(tensors) - set(variables))
+    if missing or unexpected:
+        raise CheckpointError(f"{where} does not fit the model config: missing {missing[:5]} "
+                              f"({len(missing)}), unexpected {unexpected[:5]} ({len(unexpected)})")
+    for name, var in variables.items():
+        if tuple(tensors[name].shape) != tuple(var.shape):
+            raise CheckpointError(f"{where}: {name!r} has shape {tuple(tensors[name].shape)}, the model "
+                                  f"config implies {tuple(var.shape)}")
+        var[...] = jnp.asarray(tensors[name], var.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Export
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _is_within(inner: Path, outer: Path) -> bool:
+    inner, outer = inner.resolve(), outer.resolve()
+    return inner == outer or outer in inner.parents
+
+
+def _backbone_source(backbone: str) -> str | None:
+    """The HF source recorded by the converter, the adapter's `base_model_name_or_path` (None if unknown)."""
+    try:
+        return read_config(backbone)[2].get("source") or None
+    except CheckpointError:
+        return None
+
+
+def export_model(
+    model: Empatheia,
+    tokenizer: Any,
+    meta: dict[str, Any],
+    out: str | os.PathLike,
+    *,
+    mode: str = "peft",
+    overwrite: bool = False,
+) -> Path:
+    """Writes the export folder of an in-memory model (`export_trained` after loading, or a notebook);
+    `tokenizer`/`meta` are `trainer.load_trained`'s. See the module docstring for the layout."""
+    if mode not in MODES:
+        raise ExportError(f"mode={mode!r} is not one of {MODES}")
+    if tokenizer is None:
+        raise ExportError("no tokenizer: the export must carry the tokenizer with the added tokens")
+    out = Path(out)
+    backbone = str(meta.get("backbone") or "")
+    if mode == "peft":
+        if not backbone:
+            raise ExportError("the run trained on a random backbone (model.backbone=''): a PEFT adapter has "
+                              "no base to apply to; use mode='merged'")
+        if meta.get("mode") == "merged":
+            raise ExportError("the source is a merged export: its kernels hold the LoRA update, so they are "
+                              "no longer the converted backbone's and an adapter over that base would be "
+                              "wrong; use mode='merged'")
+    if backbone and Path(backbone).exists():
+        backbone = str(Path(backbone).absolute())
+    record = {k: v for k, v in meta.items() if k not in _EXPORT_KEYS}
+    record.update(
+        format=FORMAT,
+        format_version=FORMAT_VERSION,
+        mode=mode,
+        model_config=model.config.to_dict(),
+        backbone=backbone,
+        backbone_source=_backbone_source(backbone) if backbone else None,
+        exported_from=str(meta.get("exported_from") or ""),
+    )
+    missing = [k for k in _RUN_KEYS if k not in record]
+    if missing:
+        raise ExportError(f"meta lacks {missing}: pass the meta dict of trainer.load_trained")
+    llm = model.llm
+    with AtomicDir(out, overwrite) as tmp:
+        if mode == "peft":
+            write_peft(llm, checked_lora_config(llm, model.config.lora), tmp, record["backbone_source"],
+                       tokenizer)
+        else:
+            write_merged(llm, tokenizer, tmp, always_index=True)  # both save the tokenizer
+        save_file(head_tensors(model), str(tmp / HEADS_FILE), metadata=SAFETENSORS_METADATA)
+        # Last: a folder holding empatheia_config.json has every other file.
+        (tmp / EXPORT_CONFIG).write_text(json.dumps(record, indent=1) + "\n")
+    return out
+
+
+def export_trained(
+    ckpt: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    step: int | None = None,
+    mode: str = "peft",
+    overwrite: bool = False,
+) -> Path:
+    """Exports a training workdir, its checkpoints folder, one step folder or another export folder.
+
+    mode "peft": PEFT adapter (LoRA + added rows) over the converted backbone; "merged": a full HF
+    checkpoint. Both add heads.safetensors, empatheia_config.json and the tokenizer (module docstring).
+    Errors a caller can cause are raised before anything is loaded or written.
+    """
+    if mode not in MODES:
+        raise ExportError(f"mode={mode!r} is not one of {MODES}")
+    src, out = Path(ckpt), Path(out)
+    if not src.exists():
+        raise CheckpointError(f"no trained checkpoint at {src}: pass a training workdir, its checkpoints "
+                              "folder, one step folder in it, or an export folder")
+    if _is_within(src, out):
+        raise ExportError(f"out={out} would replace the checkpoint {src} that is being exported")
+    check_out_dir(out, overwrite)
+    from empatheia_jax.trainer import load_trained
+
+    model, tokenizer, _, meta = load_trained(src, step=step)
+    if not is_export(src):
+        meta = {**meta, "exported_from": str(src.absolute())}
+    return export_model(model, tokenizer, meta, out, mode=mode, overwrite=overwrite)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Load
+# ----------------------------------------------------------------------------------------------------------
+
+
+def is_export(path: str | os.PathLike) -> bool:
+    """True for a folder written by `export_trained` (it holds empatheia_config.json)."""
+    return (Path(path) / EXPORT_CONFIG).is_file()
+
+
+def read_export_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The export's empatheia_config.json, checked (format, version, mode, keys); errors name the file."""
+    path = Path(path)
+    file = path / EXPORT_CONFIG
+    if ".tmp-" in path.name:
+        raise CheckpointError(f"{path} is the temporary folder of an interrupted (or running) export")
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing: {path} is not an Empatheia export folder")
+    try:
+        meta = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{file}: format={meta.get('format') if isinstance(meta, dict) else None!r}, "
+                              f"expected {FORMAT!r}")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{file}: format_version={meta.get('format_version')!r}, this code reads "
+                              f"{FORMAT_VERSION}")
+    if meta.get("mode") not in MODES:
+        raise CheckpointError(f"{file}: mode={meta.get('mode')!r} is not one of {MODES}")
+    missing = [k for k in _RUN_KEYS if k not in meta]
+    if missing:
+        raise CheckpointError(f"{file} lacks {missing}")
+    return meta
+
+
+def _load_merged_backbone(llm: Llama, folder: Path) -> None:
+    """Fills `llm`'s base parameters and `*_extra` rows (not its LoRA) from a merged HF folder."""
+    from converters.hf_to_flax import _open_safetensors  # reads torch dtypes too; torch is a converter dep
+
+    cfg = llm.config
+    hf_file = folder / "config.json"
+    try:
+        check_config_matches(cfg.replace(vocab_size=cfg.total_vocab, extra_vocab=0),
+                             json.loads(hf_file.read_text()))
+    except (OSError, json.JSONDecodeError, ValueError) as e:
+        raise CheckpointError(f"{hf_file} does not describe the exported model: {e}") from e
+    added: dict[str, np.ndarray] = {}
+
+    def get_tensor(name: str) -> np.ndarray:
+        value = get(name)
+        if name in _HF_VOCAB_TABLES:  # [total_vocab, d]: base rows, then the added ones
+            added[name] = value[cfg.vocab_size:]
+            value = value[: cfg.vocab_size]
+        return value
+
+    try:
+        with _open_safetensors(folder) as (get, available):
+            load_hf_tensors(llm, get_tensor, available)
+    except ConversionError as e:
+        raise CheckpointError(f"merged weights in {folder}: {e}") from e
+    if cfg.extra_vocab:
+        llm.embed_extra[...] = jnp.asarray(added["model.embed_tokens.weight"], llm.embed_extra.dtype)
+        if not cfg.tie_word_embeddings:
+            llm.lm_head_extra[...] = jnp.asarray(added["lm_head.weight"].T, llm.lm_head_extra.dtype)
+
+
+def load_exported(
+    path: str | os.PathLike,
+    *,
+    step: int | None = None,
+    restore: bool = True,
+    backbone: str | os.PathLike | None = None,
+) -> tuple[Empatheia, Any, ml_collections.ConfigDict, dict[str, Any]]:
+    """(model, tokenizer, config, meta) from an export folder: `trainer.load_trained`'s contract.
+
+    `step`, when given, must be the exported step (an export holds one). `restore=False` gives the run's
+    untrained model (`trainer.untrained_model`). `backbone` replaces the recorded converted-backbone folder
+    (a "peft" export needs it) when it has moved.
+    """
+    from empatheia_jax.trainer import load_tokenizer, untrained_model
+
+    path = Path(path)
+    meta = read_export_meta(path)
+    if step is not None and int(step) != int(meta["step"]):
+        raise CheckpointError(f"{path} exports step {meta['step']}, not step {step}")
+    if backbone is not None:
+        meta["backbone"] = str(backbone)
+    config = ml_collections.ConfigDict(meta["config"])
+    cfg = EmpatheiaConfig.from_dict(meta["model_config"])
+    tokenizer = load_tokenizer(path)
+    ids = extend_tokenizer(tokenizer, cfg.n_signal)
+    if tuple(sorted(ids.values())) != tuple(cfg.added_ids) or len(tokenizer) > cfg.llm.total_vocab:
+        raise CheckpointError(f"the tokenizer in {path} does not match {path / EXPORT_CONFIG}: added token "
+                              f"ids {sorted(ids.values())} vs {list(cfg.added_ids)}")
+    if not restore:
+        return untrained_model(config, meta), tokenizer, config, meta
+    if meta["mode"] == "peft":
+        if not meta["backbone"]:
+            raise CheckpointError(f"{path / EXPORT_CONFIG} names no backbone for its PEFT adapter")
+        try:  # the run's own construction: base backbone, then every other parameter from the files
+            model = untrained_model(config, meta)
+        except ValueError as e:  # CheckpointError (missing folder) included: it names the folder
+            raise CheckpointError(f"the backbone {meta['backbone']} of the PEFT export {path} cannot be "
+                                  f"used (pass backbone= when it moved): {e}") from e
+        adapter = path / ADAPTER_FILE
+        try:
+            load_peft_tensors(model.llm, cfg.lora, load_file(str(adapter)), str(adapter))
+        except (OSError, SafetensorError, ExportError) as e:
+            raise CheckpointError(f"cannot load the adapter {adapter}: {e}") from e
+    else:
+        model = Empatheia(cfg, rngs=nnx.Rngs(config.seed + 1))
+        _load_merged_backbone(model.llm, path)
+        for layer in lora_layers(model.llm):  # the update is in the kernels: a zero adapter on top
+            layer.lora.lora_b[...] = jnp.zeros_like(layer.lora.lora_b[...])
+    try:
+        heads = load_file(str(path / HEADS_FILE))
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"cannot read {path / HEADS_FILE}: {e}") from e
+    load_head_tensors(model, heads, str(path / HEADS_FILE))
+    return model, tokenizer, config, meta
+
+
+__all__ = [
+    "EXPORT_CONFIG",
+    "FORMAT_VERSION",
+    "HEADS_FILE",
+    "MODES",
+    "export_model",
+    "export_trained",
+    "head_tensors",
+    "is_export",
+    "load_exported",
+    "read_export_meta",
+]
