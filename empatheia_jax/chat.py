@@ -391,6 +391,8 @@ def respond(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
+    repetition_penalty: float = 1.0,
+    no_repeat_ngram_size: int = 0,
     max_len: int = 1024,
     chat_format: str = "auto",
     compiler_options: Mapping[str, Any] | None = None,
@@ -399,7 +401,8 @@ def respond(
     `history` (`load_history` entries, oldest first). See the module docstring for the steps.
 
     encoder: the name (with `encoder_kwargs`) or an instance; it must be the encoder of the training shards
-    (`encoder_from_manifest(shards_dir)`). Greedy at temperature 0, else sampled with `seed`/`top_p`.
+    (`encoder_from_manifest(shards_dir)`). Greedy at temperature 0, else sampled with `seed`/`top_p`;
+    `repetition_penalty`/`no_repeat_ngram_size` are HF's, over the prompt and the reply (generation.py).
     Missing media raise `FileNotFoundError`, unreadable media and a latest utterance that cannot fit in
     `max_len` `ChatInputError` (`PromptTooLongError`), each naming the file or the limit.
     """
@@ -423,7 +426,8 @@ def respond(
     if cfg.has_media:
         embeds = ev.embed_prompts(model, ids, *feats, compiler_options=compiler_options)
     gen = generate_tokens(model.llm, [prompt.ids], max_new_tokens, temperature, top_p, seed=seed, eos_ids=eos,
-                          pad_token_id=pad, inputs_embeds=embeds)
+                          pad_token_id=pad, inputs_embeds=embeds, repetition_penalty=repetition_penalty,
+                          no_repeat_ngram_size=no_repeat_ngram_size)
     new = [int(t) for t in gen.new_tokens[0, : gen.num_new[0]]]
     raw = tokenizer.decode(new, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 

@@ -1,10 +1,12 @@
-"""`empatheia train | eval | chat`: the one console entry point.
+"""`empatheia train | eval | chat | export`: the one console entry point.
 
     empatheia train --config configs/smollm2_demo.py --config.stage=coe --workdir work/run/coe
     empatheia train --config configs/smollm2_demo.py --config.stage=ccl --config.init_from=work/run/coe ...
     empatheia eval  --ckpt work/run/overall --split test [--untrained] [--json metrics.json]
     empatheia chat  --ckpt work/run/overall --text "..." [--audio a.wav] [--video v.mp4] [--history h.json]
                     [--out reply]      # writes reply.npz (features, emotion, profile) and reply.json
+    empatheia export --ckpt work/run/overall --out work/export [--merged] [--overwrite]
+                    # PEFT adapter (default) or merged HF, + heads.safetensors; load_trained(DIR) reads it
 
 Flags are absl flags; `--config` is an ml-collections config file (`path.py[:arg]`) whose every field can be
 overridden (`--config.optim.lr=1e-4`; unknown fields are refused). Library logging (absl, orbax, jax, grain,
@@ -36,8 +38,9 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "train: ml-collections config file", lock_config=True
 )
 flags.DEFINE_string("workdir", None, "train: run folder (checkpoints, TensorBoard, metrics.jsonl)")
-flags.DEFINE_string("ckpt", None, "eval/chat: a training workdir, its checkpoints folder or one step folder")
-flags.DEFINE_integer("step", None, "eval/chat: checkpoint step (default: the latest)")
+flags.DEFINE_string("ckpt", None, "eval/chat/export: a training workdir, its checkpoints folder, one step "
+                    "folder or an export folder")
+flags.DEFINE_integer("step", None, "eval/chat/export: checkpoint step (default: the latest)")
 flags.DEFINE_string("split", "test", "eval: the split of the run's shards to evaluate")
 flags.DEFINE_string("shards", None, "eval: shards folder (default: the run's data.shards)")
 flags.DEFINE_bool("untrained", False, "eval: also evaluate the untrained model (same config, fresh heads)")
@@ -46,6 +49,10 @@ flags.DEFINE_integer("batch_size", 8, "eval: batch size", lower_bound=1)
 flags.DEFINE_integer("generate_batch_size", 0, "eval: batch size of the generation (0 = --batch_size)",
                      lower_bound=0)
 flags.DEFINE_integer("max_new_tokens", 160, "eval/chat: generation budget", lower_bound=1)
+flags.DEFINE_float("repetition_penalty", 1.0, "eval/chat: HF's repetition penalty (1.0 = off)",
+                   lower_bound=1e-6)
+flags.DEFINE_integer("no_repeat_ngram_size", 0, "eval/chat: HF's no_repeat_ngram_size (0 = off)",
+                     lower_bound=0)
 flags.DEFINE_string("json", None, "eval: also write the metrics table as JSON here")
 flags.DEFINE_string("text", None, "chat: the speaker's latest utterance")
 flags.DEFINE_string("audio", None, "chat: its speech (.wav)")
@@ -53,7 +60,10 @@ flags.DEFINE_string("video", None, "chat: its talking-face video (.mp4)")
 flags.DEFINE_string(
     "history", None, "chat: earlier utterances, a JSON list of {role, utterance, audio?, video?}"
 )
-flags.DEFINE_string("out", None, "chat: output path stem (default: ./chat_reply)")
+flags.DEFINE_string("out", None, "chat: output path stem (default: ./chat_reply); export: the folder")
+flags.DEFINE_bool("merged", False, "export: LoRA merged into a full HF checkpoint (default: a PEFT adapter)")
+flags.DEFINE_bool("peft", False, "export: a PEFT adapter on the converted backbone (the default)")
+flags.DEFINE_bool("overwrite", False, "export: replace an existing --out folder")
 flags.DEFINE_bool("verbose", False, "library logging (absl, orbax, jax, grain, transformers) at INFO")
 
 
@@ -108,6 +118,8 @@ def _eval() -> int:
         max_new_tokens=FLAGS.max_new_tokens,
         generate_text=FLAGS.generate,
         generate_batch_size=FLAGS.generate_batch_size or None,
+        repetition_penalty=FLAGS.repetition_penalty,
+        no_repeat_ngram_size=FLAGS.no_repeat_ngram_size,
         pipeline_overrides={"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)},
     )
     columns = {"trained": evaluate.evaluate(model, tokenizer, shards, FLAGS.split, **kwargs)}
@@ -162,6 +174,8 @@ def _chat() -> int:
             history=history,
             encoder=encoder,
             max_new_tokens=FLAGS.max_new_tokens,
+            repetition_penalty=FLAGS.repetition_penalty,
+            no_repeat_ngram_size=FLAGS.no_repeat_ngram_size,
             # The prompt gets the training budget; the reply (and its signal tokens) come on top of it.
             max_len=int(config.data.max_len) + FLAGS.max_new_tokens + 2 * model.config.n_signal + 2,
         )
@@ -176,14 +190,28 @@ def _chat() -> int:
     return 0
 
 
+def _export() -> int:
+    from converters.export_empatheia import export_trained
+
+    if not FLAGS.ckpt or not FLAGS.out:
+        raise app.UsageError("export needs --ckpt and --out")
+    if FLAGS.peft and FLAGS.merged:
+        raise app.UsageError("export takes --peft or --merged, not both")
+    out = export_trained(FLAGS.ckpt, FLAGS.out, step=FLAGS.step, mode="merged" if FLAGS.merged else "peft",
+                         overwrite=FLAGS.overwrite)
+    print(f"exported ({'merged HF' if FLAGS.merged else 'PEFT adapter'} + heads) -> {out}")
+    return 0
+
+
 # The sub-commands: name -> function returning the exit status. A new one adds its function here (its flags
 # are defined above, with the command name at the start of their help).
-COMMANDS: dict[str, Callable[[], int]] = {"train": _train, "eval": _eval, "chat": _chat}
+COMMANDS: dict[str, Callable[[], int]] = {"train": _train, "eval": _eval, "chat": _chat, "export": _export}
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input, not a bug: one `error:` line and exit 2. Imported only when an
     exception is being matched (the modules import jax)."""
+    from converters.export_hf import ExportError
     from empatheia_jax.chat import ChatInputError, EncoderManifestError
     from empatheia_jax.checkpoint import CheckpointError
     from empatheia_jax.checkpoint_io import CheckpointError as ConvertedCheckpointError
@@ -193,7 +221,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     return (
         ConfigError, CheckpointError, ConvertedCheckpointError, ShardsError, ShardRecordError, ChatInputError,
-        EncoderManifestError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
+        EncoderManifestError, ExportError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+        PermissionError,
     )
 
 

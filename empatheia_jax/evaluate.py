@@ -502,6 +502,8 @@ def generate_predictions(
     batch_size: int = 8,
     max_len: int = 1024,
     max_new_tokens: int = 160,
+    repetition_penalty: float = 1.0,
+    no_repeat_ngram_size: int = 0,
     pipeline_overrides: Mapping[str, Any] | None = None,
     max_examples: int | None = None,
     progress: bool = True,
@@ -560,7 +562,9 @@ def generate_predictions(
                 vf, vm = _pad_rows([e["vid_feats"] for e in rows], pcfg.max_vid, builder.video_dim)
                 embeds = embed_prompts(model, ids, af, am, vf, vm, compiler_options=compiler_options)
             gen = generate_tokens(model.llm, prompts, max_new_tokens, eos_ids=eos,
-                                  pad_token_id=builder.pad_id, inputs_embeds=embeds)
+                                  pad_token_id=builder.pad_id, inputs_embeds=embeds,
+                                  repetition_penalty=repetition_penalty,
+                                  no_repeat_ngram_size=no_repeat_ngram_size)
             for r, e in enumerate(chunk):
                 new = gen.new_tokens[r, : gen.num_new[r]].tolist()
                 text = tokenizer.decode(new, skip_special_tokens=False)
@@ -603,6 +607,8 @@ def evaluate(
     max_new_tokens: int = 160,
     generate_text: bool = True,
     generate_batch_size: int | None = None,
+    repetition_penalty: float = 1.0,
+    no_repeat_ngram_size: int = 0,
     pipeline_overrides: Mapping[str, Any] | None = None,
     weights: losses.LossWeights | None = None,
     max_examples: int | None = None,
@@ -618,7 +624,8 @@ def evaluate(
     num_generated (Pipeline baseline: also age/gender/timbre_acc_text). `generate_batch_size` (default
     `batch_size`) batches the generation apart from the teacher-forced pass: decoding holds a KV cache, not
     [B, T, vocab] logits, so it affords more rows per step, and each decode step reads every weight once
-    whatever the batch. `predictions_path` writes one JSON
+    whatever the batch. `repetition_penalty`/`no_repeat_ngram_size` are HF's (generation.generate_tokens).
+    `predictions_path` writes one JSON
     line per generation. `max_examples` evaluates the first N records only. `compiler_options` go to the
     jitted forward passes (tests turn XLA optimisation off).
     """
@@ -627,6 +634,8 @@ def evaluate(
     result = teacher_forced_metrics(model, tokenizer, shards_dir, split, weights=weights, **common)
     if generate_text:
         preds = generate_predictions(model, tokenizer, shards_dir, split, max_new_tokens=max_new_tokens,
+                                     repetition_penalty=repetition_penalty,
+                                     no_repeat_ngram_size=no_repeat_ngram_size,
                                      **{**common, "batch_size": generate_batch_size or batch_size})
         result.update(text_metrics(preds))
         if predictions_path is not None:

@@ -1,4 +1,4 @@
-"""`empatheia train | eval | chat` as a newcomer runs them: real subprocesses on one tiny trained run.
+"""`empatheia train | eval | chat | export` as a newcomer runs them: real subprocesses on one tiny run.
 
 - eval prints the metrics table and writes --json equal to `evaluate.evaluate/baselines/chance_levels` called
   in Python on the same checkpoint; chat writes OUT.npz/OUT.json equal to `chat.respond` in Python (both
@@ -129,8 +129,16 @@ r = chat.respond(model, tokenizer, text=inputs["text"], audio=inputs["audio"], v
                  history=chat.load_history(inputs["history"]), encoder=encoder, max_new_tokens=n,
                  max_len=int(config.data.max_len) + n + 2 * model.config.n_signal + 2)
 np.savez(out + ".npz", input_ids=r.input_ids, emotion_probs=r.emotion_probs, **r.features)
+c = chat.respond(model, tokenizer, text=inputs["text"], encoder=encoder, max_new_tokens=12,
+                 repetition_penalty=0.05, no_repeat_ngram_size=2,
+                 max_len=int(config.data.max_len) + 12 + 2 * model.config.n_signal + 2)
+np.savez(out + "_controls.npz", input_ids=c.input_ids, **c.features)
+plain = chat.respond(model, tokenizer, text=inputs["text"], encoder=encoder, max_new_tokens=12,
+                     max_len=int(config.data.max_len) + 12 + 2 * model.config.n_signal + 2)
 json.dump({"eval": columns, "table": evaluate.format_table(columns), "text": r.text, "reply": r.reply,
-           "emotion": r.emotion, "features": sorted(r.features)}, open(out + ".json", "w"))
+           "emotion": r.emotion, "features": sorted(r.features), "controls_text": c.text,
+           "plain_text": plain.text},
+          open(out + ".json", "w"))
 """
 
 
@@ -143,6 +151,8 @@ def reference(trained, shards, chat_inputs, cli_env, tmp_path_factory) -> tuple[
     assert p.returncode == 0, p.stderr[-4000:]
     with np.load(f"{out}.npz") as z:
         arrays = {k: z[k] for k in z.files}
+    with np.load(f"{out}_controls.npz") as z:
+        arrays.update({f"controls_{k}": z[k] for k in z.files})
     return json.loads(Path(f"{out}.json").read_text()), arrays
 
 
@@ -193,6 +203,34 @@ def test_chat_writes_features_equal_to_respond(trained, reference, chat_inputs, 
     for k in [*want["features"], "emotion_probs"]:  # bit-identical, as for eval
         assert arrays[k].dtype == np.float32 and arrays[k].shape == want_arrays[k].shape, k
         np.testing.assert_array_equal(arrays[k], want_arrays[k], err_msg=k)
+
+
+def test_export_then_chat_from_the_export_with_repetition_controls(trained, reference, chat_inputs, cli_env,
+                                                                   tmp_path):
+    """`empatheia export` writes a folder that `chat --ckpt` reads like the run itself, and chat's
+    --repetition_penalty/--no_repeat_ngram_size reach the decode (equal to `chat.respond` with them; a penalty
+    below 1 favours seen tokens, so the tiny model's reply surely changes)."""
+    out = tmp_path / "export"
+    p = ok(cli(cli_env, "export", "--ckpt", trained[0], "--out", out, "--merged"))
+    assert_quiet(p.stderr)
+    assert f"-> {out}" in p.stdout and (out / "empatheia_config.json").is_file()
+    reply = tmp_path / "reply"
+    ok(cli(cli_env, "chat", "--ckpt", out, "--text", chat_inputs["text"], "--max_new_tokens", 12,
+           "--repetition_penalty", 0.05, "--no_repeat_ngram_size", 2, "--out", reply))
+    want, want_arrays = reference
+    assert want["controls_text"] != want["plain_text"], "the controls must change this reply to be tested"
+    assert json.loads(Path(f"{reply}.json").read_text())["text"] == want["controls_text"]
+    with np.load(f"{reply}.npz") as z:
+        np.testing.assert_array_equal(z["input_ids"], want_arrays["controls_input_ids"])
+        for k in want["features"]:  # merged LoRA: equal up to float rounding (tests/test_export_empatheia.py)
+            np.testing.assert_allclose(z[k], want_arrays[f"controls_{k}"], atol=1e-4, err_msg=k)
+    # Bad use: both formats, an existing folder, a PEFT adapter for a random backbone, a bad control.
+    assert_user_error(cli(cli_env, "export", "--ckpt", trained[0], "--out", tmp_path / "x", "--peft",
+                          "--merged"), "--peft or --merged")
+    assert_user_error(cli(cli_env, "export", "--ckpt", trained[0], "--out", out, "--merged"), str(out))
+    assert_user_error(cli(cli_env, "export", "--ckpt", trained[0], "--out", tmp_path / "y"), "random")
+    assert_user_error(cli(cli_env, "chat", "--ckpt", out, "--text", "hi", "--no_repeat_ngram_size=-1"),
+                      "no_repeat_ngram_size")
 
 
 # ----------------------------------------------------------------------------------------------------------
