@@ -276,10 +276,19 @@ def load_checkpoint(dir: str | os.PathLike, *, mesh: Mesh | None = None) -> tupl
     return model, _load_tokenizer(path)
 
 
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """The HF tokenizer saved in a folder: a converted checkpoint, an export or an HF model folder.
+
+    A converted checkpoint's config.json is ours, not an HF config: AutoTokenizer would parse it as one
+    (and warn about its `rope_scaling` key on every load), so it is given an empty config instead.
+    """
+    from transformers import AutoTokenizer, PretrainedConfig
+
+    kw = {"config": PretrainedConfig()} if is_complete(path) else {}
+    return AutoTokenizer.from_pretrained(os.fspath(path), **kw)
+
+
 def _load_tokenizer(path: Path) -> Any:
     if not (path / "tokenizer_config.json").is_file() and not (path / "tokenizer.json").is_file():
         return None
-    from transformers import AutoTokenizer, PretrainedConfig
-
-    # config=: our config.json is not an HF config; stop AutoTokenizer from parsing it as one.
-    return AutoTokenizer.from_pretrained(str(path), config=PretrainedConfig())
+    return load_tokenizer(path)

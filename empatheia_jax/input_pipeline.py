@@ -266,9 +266,9 @@ def _open_reader(path: str) -> Any:
 def load_tokenizer(tokenizer: Any) -> Any:
     """An HF tokenizer object, or one loaded from a folder (a converted checkpoint holds one)."""
     if isinstance(tokenizer, str | os.PathLike):
-        from transformers import AutoTokenizer
+        from empatheia_jax.checkpoint_io import load_tokenizer as from_folder
 
-        return AutoTokenizer.from_pretrained(os.fspath(tokenizer))
+        return from_folder(tokenizer)
     return tokenizer
 
 

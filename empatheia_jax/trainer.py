@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from empatheia_jax import config as config_lib
 from empatheia_jax import losses, sharding, stages
 from empatheia_jax.checkpoint import PreemptionWatcher, TrainCheckpointer, read_meta, resolve_checkpoint
-from empatheia_jax.checkpoint_io import load_checkpoint
+from empatheia_jax.checkpoint_io import load_checkpoint, load_tokenizer
 from empatheia_jax.evaluate import pipeline_config_fields
 from empatheia_jax.input_pipeline import TOKEN_KEYS, InputPipeline, make_dataset, make_global_batch
 from empatheia_jax.models.empatheia import (
@@ -152,12 +152,6 @@ def own_data_state(state: dict) -> dict:
             )
         return states[jax.process_index()]
     return state
-
-
-def load_tokenizer(path: str | Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def model_config_overrides(config: ml_collections.ConfigDict, manifest: Mapping[str, Any]) -> dict[str, Any]:

@@ -128,5 +128,9 @@ out.write_text(json.dumps(entries, indent=1))
 print(hist[-1]["utterance"], media(hist[-1], "wav"), media(hist[-1], "mp4"), sep="\n")
 EOF_TURN
 mapfile -t TURN < "$RUN/chat_args.txt"
+# HF's no_repeat_ngram_size=4 (generation.py): greedy decoding of the 10-step demo model otherwise repeats one
+# sentence until the budget runs out. 4, not 3: the CoE template itself repeats ", the emotion" across steps.
+echo "(greedy decoding with no_repeat_ngram_size=${CHAT_NO_REPEAT_NGRAM:-4}; CHAT_NO_REPEAT_NGRAM=0 turns it off)"
 "$PY" -m empatheia_jax.cli chat --ckpt "$RUN/overall" --history "$RUN/chat_history.json" \
-    --text "${TURN[0]}" --audio "${TURN[1]}" --video "${TURN[2]}" --out "$RUN/chat_reply" ${V[@]+"${V[@]}"}
+    --text "${TURN[0]}" --audio "${TURN[1]}" --video "${TURN[2]}" --out "$RUN/chat_reply" \
+    --no_repeat_ngram_size "${CHAT_NO_REPEAT_NGRAM:-4}" ${V[@]+"${V[@]}"}

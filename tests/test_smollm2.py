@@ -92,3 +92,20 @@ def test_greedy_generate_matches_transformers(smollm2, reference):
     np.testing.assert_array_equal(ids, ref["generated"])
     text = empatheia_jax.generate(model, tokenizer, [prompt], max_new_tokens=NEW_TOKENS)[0]
     assert text == tokenizer.decode(ref["generated"], skip_special_tokens=True) and text.strip()
+
+
+def test_every_tokenizer_loader_reads_the_converted_folder_quietly(smollm2):
+    """The converted folder's config.json is ours, not an HF config: the training, pipeline and load_model
+    paths all read its tokenizer without transformers parsing that file (which printed a rope_scaling
+    FutureWarning into every demo stage)."""
+    import warnings
+
+    from empatheia_jax.input_pipeline import load_tokenizer as pipeline_tokenizer
+    from empatheia_jax.trainer import load_tokenizer as trainer_tokenizer
+
+    folder = smollm2_checkpoint()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = [trainer_tokenizer(folder), pipeline_tokenizer(str(folder))]
+    for tok in loaded:
+        assert tok.get_vocab() == smollm2[1].get_vocab() and tok.chat_template == smollm2[1].chat_template
