@@ -64,7 +64,7 @@ from converters.export_hf import (
 )
 from converters.hf_names import ConversionError, check_config_matches, load_hf_tensors
 from empatheia_jax.checkpoint import CheckpointError
-from empatheia_jax.checkpoint_io import read_config
+from empatheia_jax.checkpoint_io import read_config, read_json
 from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
 from empatheia_jax.models.llama import Llama
 from empatheia_jax.models.lora import lora_layers
@@ -233,12 +233,7 @@ def read_export_meta(path: str | os.PathLike) -> dict[str, Any]:
     file = path / EXPORT_CONFIG
     if ".tmp-" in path.name:
         raise CheckpointError(f"{path} is the temporary folder of an interrupted (or running) export")
-    if not file.is_file():
-        raise CheckpointError(f"{file} is missing: {path} is not an Empatheia export folder")
-    try:
-        meta = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file} is not valid JSON: {e}") from e
+    meta = read_json(file, CheckpointError, f"{path} is not an Empatheia export folder")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{file}: format={meta.get('format') if isinstance(meta, dict) else None!r}, "
                               f"expected {FORMAT!r}")

@@ -24,7 +24,7 @@ import numpy as np
 
 from converters.hf_names import ConversionError, load_hf_tensors
 from empatheia_jax import logs
-from empatheia_jax.checkpoint_io import empty_model, save_checkpoint
+from empatheia_jax.checkpoint_io import empty_model, read_json, save_checkpoint
 from empatheia_jax.models.llama import Llama, LlamaConfig, init_added_rows
 
 DTYPES = ("float32", "bfloat16")
@@ -185,12 +185,7 @@ def _existing(src: Path) -> Path:
 
 def _read_hf_config(folder: Path) -> LlamaConfig:
     path = folder / "config.json"
-    if not path.is_file():
-        raise ConversionError(f"{path} is missing: an HF model folder needs config.json")
-    try:
-        hf = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConversionError(f"{path} is not valid JSON: {e}") from e
+    hf = read_json(path, ConversionError, "an HF model folder needs config.json")
     return _config_from_hf(hf, str(path))
 
 

@@ -159,15 +159,21 @@ def is_complete(dir: str | os.PathLike) -> bool:
     return (Path(dir) / COMPLETE).is_file()
 
 
+def read_json(path: Path, error: type[Exception], missing: str) -> Any:
+    """A folder's JSON file (config.json, an export's config): a missing or malformed file raises the
+    caller's `error` naming the file; `missing` says what its absence means."""
+    if not path.is_file():
+        raise error(f"{path} is missing: {missing}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise error(f"{path} is not valid JSON: {e}") from e
+
+
 def read_config(dir: str | os.PathLike) -> tuple[LlamaConfig, LoraConfig | None, dict]:
     """Parses DIR/config.json into (LlamaConfig, LoraConfig | None, the raw dict); errors name the file."""
     path = Path(dir) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{path} is missing: not a converted checkpoint folder")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+    raw = read_json(path, CheckpointError, "not a converted checkpoint folder")
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path} must hold a JSON object, got {type(raw).__name__}")
     version = raw.get("format_version", FORMAT_VERSION)
