@@ -111,7 +111,6 @@ def _eval() -> int:
     if not FLAGS.shards and not Path(shards).is_dir():
         raise FileNotFoundError(f"shards folder {shards} (the run's config.data.shards) does not exist; "
                                 "pass --shards")
-    evaluate.check_split(shards, FLAGS.split)  # before any compiling
     kwargs = dict(
         batch_size=FLAGS.batch_size,
         max_len=int(config.data.max_len),
