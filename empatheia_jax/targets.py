@@ -41,7 +41,9 @@ TARGET_KINDS: dict[str, tuple[int, int]] = {
     "speech_style": (1, 256),
     "video_style": (1, 256),
 }
-SOURCES = ("styletts2", "dreamtalk", "stand-in")
+SOURCES = ("styletts2", "kokoro", "dreamtalk", "stand-in")
+"""Who made a target: StyleTTS2 (the user's checkpoint), Kokoro-82M (the embedded StyleTTS2-family model,
+converters/kokoro.py), DreamTalk, or the sample's stand-in functions."""
 STAND_IN = "stand-in"
 META = "meta.json"
 VIDEO_FPS = 25

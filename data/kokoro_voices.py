@@ -1,0 +1,118 @@
+"""Which Kokoro voice speaks an utterance: a fixed map from (age, gender, timbre) and emotion to a style vector.
+
+The gold speech_style target of an utterance IS this vector (Kokoro's graph has no style encoder, so a style
+target cannot be measured from audio; it is chosen, and the gold speech is synthesized with it). The map
+works on labels only, so it applies to any AvaMERG-format data, not just the sample.
+
+How the vector is built (docs/design.md "Speech out"; measured in tests/test_kokoro.py):
+- Each shipped voice pack ([510, 256], one row per input length) is reduced to its mean row.
+- Gender and age pick a blend of those voices. The wheel has four female voices whose mean F0 on an English
+  sentence ranges 230-324 Hz (gongitsune < nezumi < alpha < tebukuro) and one male voice (kumo, 94 Hz), so
+  female ages blend neighbouring voices and male ages move kumo along two directions:
+  - PITCH = (tebukuro - kumo) restricted to the last 128 dims (the prosodic style the F0 predictor reads):
+    +0.3 of it lifts kumo's F0 from 94 to ~146 Hz with the timbre kept (resemblyzer cosine 0.87 to kumo);
+  - TIMBRE = (tebukuro - kumo) restricted to the first 128 dims (the decoder's acoustic style): moves the
+    speaker embedding with F0 nearly unchanged.
+- Timbre low/mid/high moves along TIMBRE (-/0/+) with a small PITCH step.
+- Emotion adds a PITCH offset and sets the speaking rate (`speed`): happy/surprised/fear high and fast, sad
+  low and slow, and so on (`EMOTION_VOICE`). The listener's "empathetic" style is calm: slightly low, speed 1.
+
+The speed is not part of the 256-d target: the bridge synthesizes Empatheia's reply (the listener) at the
+listener's speed, 1.0.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from data.speech_synth import LISTENER_STYLE, STYLES, check_profile
+
+MAP_VERSION = "1"  # bump when any table below changes: targets and gold speech record it
+
+
+@dataclass(frozen=True)
+class EmotionVoice:
+    pitch: float  # offset along PITCH
+    speed: float
+
+
+EMOTION_VOICE: dict[str, EmotionVoice] = {
+    "happy": EmotionVoice(pitch=0.12, speed=1.12),
+    "surprised": EmotionVoice(pitch=0.22, speed=1.05),
+    "angry": EmotionVoice(pitch=0.06, speed=1.2),
+    "fear": EmotionVoice(pitch=0.16, speed=1.25),
+    "sad": EmotionVoice(pitch=-0.16, speed=0.8),
+    "disgusted": EmotionVoice(pitch=-0.08, speed=0.9),
+    "contempt": EmotionVoice(pitch=-0.1, speed=0.95),
+    "neutral": EmotionVoice(pitch=0.0, speed=1.0),
+    LISTENER_STYLE: EmotionVoice(pitch=-0.04, speed=1.0),
+}
+
+# Female ages: a blend of the shipped female voices (weights sum to 1) and a PITCH offset.
+FEMALE_AGE = {
+    "child": ({"jf_tebukuro": 0.8, "jf_alpha": 0.2}, 0.05),
+    "young": ({"jf_alpha": 0.6, "jf_nezumi": 0.4}, 0.0),
+    "middle-aged": ({"jf_nezumi": 0.5, "jf_gongitsune": 0.5}, -0.04),
+    "elderly": ({"jf_gongitsune": 1.0}, -0.12),
+}
+# Male ages: kumo moved along PITCH and TIMBRE.
+MALE_AGE = {
+    "child": (0.55, 0.4),
+    "young": (0.1, 0.05),
+    "middle-aged": (0.0, 0.0),
+    "elderly": (-0.1, -0.2),
+}
+TIMBRE = {"low": (-0.06, -0.3), "mid": (0.0, 0.0), "high": (0.06, 0.3)}  # (PITCH, TIMBRE) offsets
+
+
+@dataclass(frozen=True)
+class Voice:
+    """A voice to synthesize with: the style vector (the speech_style target), the speed, and how it was made."""
+
+    style: np.ndarray
+    speed: float
+    recipe: dict[str, Any] = field(default_factory=dict)
+
+
+@functools.cache
+def _bases() -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    from converters.kokoro import voice_packs
+
+    means = {name: pack.mean(axis=0).astype(np.float64) for name, pack in voice_packs().items()}
+    d = means["jf_tebukuro"] - means["jm_kumo"]
+    pitch = np.concatenate([np.zeros(128), d[128:]])
+    timbre = np.concatenate([d[:128], np.zeros(128)])
+    return means, pitch, timbre
+
+
+def voice(profile: dict[str, Any], style: str) -> Voice:
+    """The voice of a speaker with this profile ({age, gender, timbre}) speaking in `style` (an emotion of
+    EMOTIONS_7, "neutral" or the listener's "empathetic"); ValueError names a bad field."""
+    age, gender, timbre = check_profile(profile)
+    if style not in EMOTION_VOICE:
+        raise ValueError(f"style {style!r} is not one of {STYLES}")
+    means, pitch_dir, timbre_dir = _bases()
+    if gender == "female":
+        blend, p = FEMALE_AGE[age]
+        t = 0.0
+    else:
+        blend, (p, t) = {"jm_kumo": 1.0}, MALE_AGE[age]
+    tp, tt = TIMBRE[timbre]
+    emo = EMOTION_VOICE[style]
+    p, t = p + tp + emo.pitch, t + tt
+    vec = sum(w * means[name] for name, w in blend.items()) + p * pitch_dir + t * timbre_dir
+    recipe = {"blend": blend, "pitch": round(p, 6), "timbre": round(t, 6), "speed": emo.speed,
+              "map_version": MAP_VERSION}
+    return Voice(style=vec.astype(np.float32), speed=emo.speed, recipe=recipe)
+
+
+def utterance_style(role: str, emotion: str | None) -> str:
+    """The style an utterance is spoken in: the dialogue's emotion class for the speaker, the listener's
+    calm style for the listener (the same rule data/make_sample.py renders media with)."""
+    if role == "listener":
+        return LISTENER_STYLE
+    return emotion or "neutral"
