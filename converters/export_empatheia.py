@@ -13,8 +13,9 @@ OUT/ (written under OUT.tmp-* and renamed onto OUT when complete; `empatheia_con
 
     empatheia_config.json       format, format_version, mode, step, model_config (EmpatheiaConfig.to_dict()),
                                 config (the run's resolved config), stage, encoder (the shards' encoder
-                                entry), backbone (the converted backbone folder, absolute), backbone_source
-                                (that folder's HF source), include_backbone, nonfinite_skipped, exported_from
+                                entry), targets (the shards' target kinds and sources), backbone (the
+                                converted backbone folder, absolute), backbone_source (that folder's HF
+                                source), include_backbone, nonfinite_skipped, exported_from
     heads.safetensors           every parameter outside the backbone, float32, named by its nnx state path
                                 ("aud_proj.kernel", "content_sync.speech...", "style_dis.speech_in.shift")
     tokenizer*                  the run's tokenizer, extended with <Aud>/<Vid>/<AUDi>/<VIDi>

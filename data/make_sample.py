@@ -6,6 +6,9 @@ Output (the raw-data contract of docs/design.md):
     DIR/{train,valid,test}.json        lists of AvaMERG dialogue objects
     DIR/media/{utterance_id}.wav       16 kHz mono int16 speech (espeak-ng, data/speech_synth.py)
     DIR/media/{utterance_id}.mp4       25 fps 128x128 h264 talking face (data/face_render.py)
+    DIR/gold_speech/{utterance_id}.wav 24 kHz mono int16 Kokoro-82M speech of the responses of the
+                                       --gold-speech splits (default: test), spoken from exactly the
+                                       utterance's speech targets (data/kokoro_voices.py)
     DIR/sample_meta.json               seed, N, generator version, splits, per-dialogue flags
 
 Why it looks like this:
@@ -20,6 +23,12 @@ Why it looks like this:
   utterance left empty becomes a neutral filler. Their media still carry the emotion, so on those
   dialogues the emotion is evident from speech and face, not from words: multimodal input must
   matter. The gold `speaker_emotion` label is kept.
+- Two voices per response, on purpose. The media the model hears are espeak-ng (cheap: the 200-dialogue
+  sample's 4,100 s of speech take 16 s on 2 cores); Kokoro at a real-time factor of ~0.5 per core would
+  need ~17 minutes for all of it, more than `make demo` has. So Kokoro speaks what needs a waveform from
+  the generator: the gold speech of the responses whose speech the evaluation compares (`--gold-speech`,
+  default the test split; `all` for every split). The speech *targets* of every utterance are real Kokoro
+  features regardless (converters/styletts2_targets.py, encoder only).
 - Every byte is a function of (corpus, N, seed, generator version): rebuilding gives identical
   files, in parallel or not.
 """
@@ -49,11 +58,13 @@ from empatheia_jax.schema import (
     EmotionMap,
     dialogue_utterances,
     media_dir_of,
+    response_utterance_id,
     split_json_path,
     validate_dialogues,
 )
 
-GENERATOR_VERSION = "1"
+GENERATOR_VERSION = "2"  # 2: Kokoro gold speech of the responses (gold_speech/)
+GOLD_SPEECH_DIR = "gold_speech"
 SPLITS = ("train", "valid", "test")
 DEFAULT_ED_CSV_NAME = "empathetic_dialogues_validation.csv"
 MAX_UTTERANCE_WORDS = 60  # longer ED utterances (rare, some are merged raw lines) are not drawn
@@ -318,24 +329,36 @@ def render_utterance(job: tuple[str, str, dict, str, str, int]) -> tuple[str, in
     return uid, len(wav), frames
 
 
-def _run_jobs(jobs: list, workers: int, progress: bool) -> list[tuple[str, int, int]]:
+def speak_gold(job: tuple[str, str, dict, str, str]) -> tuple[str, dict]:
+    """Worker: write `{uid}.wav` of the gold speech (Kokoro, 24 kHz); returns (uid, voice recipe)."""
+    from converters.kokoro import SAMPLE_RATE
+    from data.kokoro_voices import gold_speech
+    from data.speech_synth import write_wav
+
+    uid, text, profile, style, gold_dir = job
+    wav, v = gold_speech(text, profile, style)
+    write_wav(os.path.join(gold_dir, uid + ".wav"), wav, SAMPLE_RATE)
+    return uid, {"style": style, **v.recipe, "samples": len(wav)}
+
+
+def _run_jobs(jobs: list, workers: int, progress: bool, fn=render_utterance, desc: str = "media") -> list:
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(jobs), desc="media", unit=" utt", mininterval=0.5)
+        bar = tqdm(total=len(jobs), desc=desc, unit=" utt", mininterval=0.5)
     results = []
     try:
         if workers <= 1:
             for job in jobs:
-                results.append(render_utterance(job))
+                results.append(fn(job))
                 if bar:
                     bar.update()
         else:
             # spawn, not fork: the caller may have imported jax (threads), which fork can deadlock.
             ctx = multiprocessing.get_context("spawn")
             with ctx.Pool(workers) as pool:
-                for r in pool.imap(render_utterance, jobs, chunksize=4):
+                for r in pool.imap(fn, jobs, chunksize=4):
                     results.append(r)
                     if bar:
                         bar.update()
@@ -368,11 +391,13 @@ def _prepare_out(out: Path) -> Path:
 
 def build_sample(out: str | os.PathLike, n: int, seed: int, *, ed_csv: str | os.PathLike | None = None,
                  corpus: list[dict[str, Any]] | None = None, masked_fraction: float = DEFAULT_MASKED_FRACTION,
-                 workers: int | None = None, size: int = 128, progress: bool = False) -> dict[str, Any]:
+                 workers: int | None = None, size: int = 128, progress: bool = False,
+                 gold_speech: tuple[str, ...] | list[str] = ("test",)) -> dict[str, Any]:
     """Build the sample into `out` (replacing an earlier sample there) and return its meta dict.
 
     `corpus` (AvaMERG dialogues) skips reading the csv; otherwise `ed_csv` is resolved with
-    `resolve_ed_csv` and converted by `data.import_ed.convert_ed_csv`.
+    `resolve_ed_csv` and converted by `data.import_ed.convert_ed_csv`. `gold_speech`: the splits whose
+    responses get Kokoro gold speech in `gold_speech/`.
     """
     from data.speech_synth import EMOTION_PROSODY, FRAME_RATE, SAMPLE_RATE
 
@@ -380,6 +405,9 @@ def build_sample(out: str | os.PathLike, n: int, seed: int, *, ed_csv: str | os.
         raise ValueError("--dialogues must be >= 1")
     if not 0.0 <= masked_fraction <= 1.0:
         raise ValueError("masked_fraction must be in [0, 1]")
+    bad = sorted(set(gold_speech) - set(SPLITS))
+    if bad:
+        raise ValueError(f"--gold-speech: unknown split(s) {bad}; expected a subset of {SPLITS}")
     emap = EmotionMap.load("avamerg7")
     source: dict[str, Any] = {"kind": "corpus"}
     if corpus is None:
@@ -399,7 +427,8 @@ def build_sample(out: str | os.PathLike, n: int, seed: int, *, ed_csv: str | os.
         media.mkdir()
         per_split: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
         info: dict[str, dict[str, Any]] = {}
-        jobs = []
+        jobs, gold_jobs = [], {}
+        gold_dir = tmp / GOLD_SPEECH_DIR
         for obj, split, is_masked in zip(chosen, splits, masked, strict=True):
             removed = 0
             if is_masked:
@@ -416,6 +445,11 @@ def build_sample(out: str | os.PathLike, n: int, seed: int, *, ed_csv: str | os.
                 profile = d.profile_of(role).to_json()
                 jobs.append((uid, text, profile, style, str(media), size))
                 uids.append(uid)
+            if split in gold_speech:
+                listener = d.profile_of("listener").to_json()
+                for j, turn in enumerate(d.turns):
+                    uid = response_utterance_id(d, j)
+                    gold_jobs.setdefault(uid, (uid, turn.response, listener, LISTENER_STYLE, str(gold_dir)))
             info[d.conversation_id] = {"split": split, "emotion": emotion, "speaker_emotion": word,
                                        "text_masked": is_masked, "sentences_removed": removed,
                                        "utterances": uids}
@@ -424,6 +458,19 @@ def build_sample(out: str | os.PathLike, n: int, seed: int, *, ed_csv: str | os.
         for uid, samples, frames in results:
             if samples * FRAME_RATE != frames * SAMPLE_RATE:
                 raise RuntimeError(f"{uid}: audio ({samples} samples) and video ({frames} frames) disagree")
+        gold_info: dict[str, Any] = {"splits": [s for s in SPLITS if s in gold_speech], "utterances": {}}
+        if gold_jobs:
+            from converters import kokoro
+            from data import kokoro_voices
+
+            gold_dir.mkdir()
+            for cut in ("encoder", "synthesizer"):  # built once here, not raced by the workers
+                kokoro.cut_model(cut)
+            recipes = _run_jobs(list(gold_jobs.values()), workers, progress, speak_gold,
+                                "gold speech (Kokoro)")
+            gold_info.update(generator="Kokoro-82M int8 ONNX", model_sha256=kokoro.MODEL_SHA256,
+                             voice_map_version=kokoro_voices.MAP_VERSION, sample_rate=kokoro.SAMPLE_RATE,
+                             audio="wav mono int16", utterances=dict(sorted(recipes)))
         problems = []
         for s in SPLITS:
             problems += validate_dialogues(per_split[s], source=f"{s}.json", media_dir=str(media),
@@ -441,6 +488,10 @@ def build_sample(out: str | os.PathLike, n: int, seed: int, *, ed_csv: str | os.
             "media": {"sample_rate": SAMPLE_RATE, "audio": "wav mono int16", "fps": FRAME_RATE,
                       "video": f"mp4 h264 yuv420p {size}x{size}", "listener_style": LISTENER_STYLE,
                       "prosody": {k: vars(v) for k, v in EMOTION_PROSODY.items()}},
+            "gold_speech": gold_info,
+            "targets": {"speech": "real: Kokoro-82M features of every utterance "
+                                  "(python -m converters.styletts2_targets --backend kokoro)",
+                        "video": "stand-in (python -m empatheia_jax.targets standin); DreamTalk is not here"},
             "splits": {s: [o["conversation_id"] for o in per_split[s]] for s in SPLITS},
             "num_utterances": len(jobs),
             "media_seconds": round(sum(r[1] for r in results) / SAMPLE_RATE, 2),
@@ -456,6 +507,15 @@ def build_sample(out: str | os.PathLike, n: int, seed: int, *, ed_csv: str | os.
     return meta
 
 
+def _gold_splits(arg: str) -> tuple[str, ...]:
+    arg = arg.strip().lower()
+    if arg == "all":
+        return SPLITS
+    if arg in ("", "none"):
+        return ()
+    return tuple(s.strip() for s in arg.split(",") if s.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m data.make_sample", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output folder (an earlier sample there is replaced)")
@@ -466,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--masked-fraction", type=float, default=DEFAULT_MASKED_FRACTION,
                     help="fraction of dialogues whose text is emotion-masked (default 0.3)")
     ap.add_argument("--workers", type=int, default=None, help="render processes (default min(2, cpus))")
+    ap.add_argument("--gold-speech", default="test",
+                    help="comma-separated splits whose responses get Kokoro gold speech ('all', 'none'; "
+                         "default test: what `empatheia eval` compares generated speech with)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument("--verbose", action="store_true",
                     help="library logging (absl, jax, transformers, ...) at INFO instead of WARNING")
@@ -475,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         meta = build_sample(args.out, args.dialogues, args.seed, ed_csv=args.ed_csv,
                             masked_fraction=args.masked_fraction, workers=args.workers,
-                            progress=not args.quiet)
+                            progress=not args.quiet, gold_speech=_gold_splits(args.gold_speech))
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

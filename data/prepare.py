@@ -46,7 +46,13 @@ from empatheia_jax.shard_format import (
     shard_filename,
     verify_shards,
 )
-from empatheia_jax.targets import TargetReader, make_standin_targets
+from empatheia_jax.targets import (
+    STAND_IN,
+    TARGET_KINDS,
+    TargetReader,
+    make_standin_targets,
+    read_targets_meta,
+)
 
 __all__ = [
     "InvalidInputError",
@@ -400,7 +406,16 @@ def prepare(
         if targets is None:
             raise ValueError("--make-standin-targets needs --targets DIR to write them to")
         valid = [d for ds in data.splits.values() for d in ds]  # skipped dialogues may lack media
-        make_standin_targets(raw, targets, dialogues=valid, workers=workers, progress=progress)
+        # Stand-ins only fill the kinds no generator has exported into TARGETS (never replace real ones).
+        real = {k: v.get("source") for k, v in read_targets_meta(Path(targets)).items()
+                if isinstance(v, dict) and v.get("source") != STAND_IN}
+        missing = [k for k in TARGET_KINDS if k not in real]
+        if real:
+            log(f"targets already exported by a generator, kept: "
+                f"{', '.join(f'{k} ({s})' for k, s in real.items())}")
+        if missing:
+            make_standin_targets(raw, targets, dialogues=valid, workers=workers, progress=progress,
+                                 kinds=missing)
     reader = TargetReader(targets) if targets is not None else None
     if reader is not None:
         for kind, info in reader.summary().items():
@@ -500,6 +515,8 @@ def prepare(
         tsum = {
             "dir": str(Path(targets).resolve()),
             "stand_in": any(v["stand_in"] for v in reader.summary().values()),
+            "stand_in_kinds": sorted(k for k, v in reader.summary().items() if v["stand_in"]),
+            "real_kinds": sorted(k for k, v in reader.summary().items() if not v["stand_in"]),
             "kinds": reader.summary(),
             "coverage": coverage,
         }
@@ -537,7 +554,9 @@ def prepare(
     }
     _write_json_atomic(out / MANIFEST, manifest)
     if tsum and tsum["stand_in"]:
-        log("NOTE: targets are STAND-INS (source=stand-in), recorded as such in manifest.json")
+        real = ", ".join(tsum["real_kinds"]) or "none"
+        log(f"NOTE: targets {', '.join(tsum['stand_in_kinds'])} are STAND-INS (source=stand-in), "
+            f"real: {real}; recorded as such in manifest.json")
     log(
         f"wrote {total_records} records ({n_utts} utterances encoded with {enc.name}) to {out} "
         f"in {seconds:.1f}s "

@@ -334,3 +334,14 @@ def write_wav(path: str | os.PathLike, wav: np.ndarray, sample_rate: int = SAMPL
         w.setsampwidth(2)
         w.setframerate(sample_rate)
         w.writeframes(np.asarray(wav, dtype="<i2").tobytes())
+
+
+def read_wav(path: str | os.PathLike) -> tuple[int, np.ndarray]:
+    """(sample rate, int16 samples) of a mono int16 PCM wav, the format `write_wav` writes."""
+    import wave
+
+    with wave.open(str(path), "rb") as w:
+        if w.getnchannels() != 1 or w.getsampwidth() != 2:
+            raise ValueError(f"{path}: expected mono 16-bit PCM, got {w.getnchannels()} channel(s) of "
+                             f"{8 * w.getsampwidth()} bit")
+        return w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.int16)

@@ -42,7 +42,7 @@ from empatheia_jax import schema, shard_format
 from empatheia_jax import templates as tpl
 from empatheia_jax.generation import bucket, eos_token_ids, generate_tokens, left_pad
 from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
-from empatheia_jax.targets import standin_units
+from empatheia_jax.targets import STAND_IN, content_rows
 
 OUTPUT_FORMAT = "empatheia-chat/1"
 _HISTORY_KEYS = ("role", "utterance", "audio", "video")
@@ -98,11 +98,13 @@ class ChatResult:
     response_mask: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
     prompt_length: int = 0
     notes: list[str] = dataclasses.field(default_factory=list)
+    speech_targets: str = STAND_IN
 
     @property
-    def speech_content_units(self) -> int:
-        """T_ph of a stand-in speech_content target for the reply (`targets.standin_units`)."""
-        return len(standin_units(self.reply))
+    def speech_content_units(self) -> int | None:
+        """T_ph of the reply: the speech_content rows a generator reads (`targets.content_rows` of the
+        source of the speech targets the model was trained on; None where it cannot be counted)."""
+        return content_rows(self.reply, self.speech_targets)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -396,6 +398,7 @@ def respond(
     max_len: int = 1024,
     chat_format: str = "auto",
     compiler_options: Mapping[str, Any] | None = None,
+    speech_targets: str = STAND_IN,
 ) -> ChatResult:
     """The model's reply to `text` (the speaker's latest utterance; `audio`/`video` its media files) after
     `history` (`load_history` entries, oldest first). See the module docstring for the steps.
@@ -405,6 +408,8 @@ def respond(
     `repetition_penalty`/`no_repeat_ngram_size` are HF's, over the prompt and the reply (generation.py).
     Missing media raise `FileNotFoundError`, unreadable media and a latest utterance that cannot fit in
     `max_len` `ChatInputError` (`PromptTooLongError`), each naming the file or the limit.
+    speech_targets: the source of the speech targets the model was trained on (checkpoint meta "targets");
+    it decides how many speech_content rows the reply has (`ChatResult.speech_content_units`).
     """
     if not isinstance(text, str):
         raise TypeError(f"text must be a string, got {type(text).__name__}")
@@ -512,6 +517,7 @@ def respond(
         response_mask=np.concatenate([np.zeros(int(keep.sum()), np.int32), response]),
         prompt_length=len(prompt.ids),
         notes=notes,
+        speech_targets=speech_targets,
     )
 
 
@@ -577,6 +583,7 @@ def write_outputs(result: ChatResult, out: str | os.PathLike) -> tuple[Path, Pat
         "profile_classes": {k: list(v) for k, v in vocabs.items()},
         "signal_tokens_forced": result.signal_tokens_forced,
         "speech_content_units": result.speech_content_units,
+        "speech_targets": result.speech_targets,
         "prompt_length": result.prompt_length,
         "notes": list(result.notes),
         "features": {k: list(np.shape(v)) for k, v in result.features.items()},

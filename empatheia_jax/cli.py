@@ -54,12 +54,18 @@ flags.DEFINE_float("repetition_penalty", 1.0, "eval/chat: HF's repetition penalt
 flags.DEFINE_integer("no_repeat_ngram_size", 0, "eval/chat: HF's no_repeat_ngram_size (0 = off)",
                      lower_bound=0)
 flags.DEFINE_string("json", None, "eval: also write the metrics table as JSON here")
+flags.DEFINE_integer("speech_examples", 16, "eval: test replies spoken by Kokoro for the speech rows (MCD, "
+                     "speaker similarity, F0, duration); 0 = no speech rows", lower_bound=0)
+flags.DEFINE_string("gold_speech", None, "eval: folder of gold speech wavs (default: RAW/gold_speech of the "
+                    "shards' manifest)")
 flags.DEFINE_string("text", None, "chat: the speaker's latest utterance")
 flags.DEFINE_string("audio", None, "chat: its speech (.wav)")
 flags.DEFINE_string("video", None, "chat: its talking-face video (.mp4)")
 flags.DEFINE_string(
     "history", None, "chat: earlier utterances, a JSON list of {role, utterance, audio?, video?}"
 )
+flags.DEFINE_bool("speak", False, "chat: also speak the reply with Kokoro-82M from the predicted C^s/S^s "
+                  "(OUT.wav; the checkpoint must be trained on Kokoro speech targets)")
 flags.DEFINE_string("out", None, "chat: output path stem (default: ./chat_reply); export: the folder")
 flags.DEFINE_bool("merged", False, "export: LoRA merged into a full HF checkpoint (default: a PEFT adapter)")
 flags.DEFINE_bool("peft", False, "export: a PEFT adapter on the converted backbone (the default)")
@@ -100,7 +106,7 @@ def _train() -> int:
 
 
 def _eval() -> int:
-    from empatheia_jax import evaluate
+    from empatheia_jax import evaluate, speech_eval
 
     if not FLAGS.ckpt:
         raise app.UsageError("eval needs --ckpt")
@@ -121,10 +127,21 @@ def _eval() -> int:
         no_repeat_ngram_size=FLAGS.no_repeat_ngram_size,
         pipeline_overrides={"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)},
     )
+    manifest = evaluate.check_split(shards, FLAGS.split)
+    speech = None
+    if FLAGS.speech_examples and model.config.has_cs and model.config.has_sd:
+        try:
+            speech = speech_eval.SpeechEval(shards, FLAGS.split, train_split=config.data.train_split,
+                                            gold_dir=FLAGS.gold_speech, examples=FLAGS.speech_examples)
+        except speech_eval.SpeechEvalUnavailable as e:
+            if FLAGS.gold_speech:  # asked for explicitly: a user error
+                raise
+            print(f"note: no speech rows: {e}", file=sys.stderr)
+    kwargs["speech"] = speech
     columns = {"trained": evaluate.evaluate(model, tokenizer, shards, FLAGS.split, **kwargs)}
     if FLAGS.untrained:
         fresh, tok, _, _ = _load_trained(restore=False)
-        columns["untrained"] = evaluate.evaluate(fresh, tok, shards, FLAGS.split, **kwargs)
+        columns["untrained"] = evaluate.evaluate(fresh, tok, shards, FLAGS.split, name="untrained", **kwargs)
     columns["baseline"] = evaluate.baselines(
         shards,
         FLAGS.split,
@@ -132,17 +149,22 @@ def _eval() -> int:
         max_speech_len=model.config.max_speech_len,
         max_video_len=model.config.max_video_len,
     )
+    if speech is not None:
+        columns.update(speech.reference_columns())
     columns["chance"] = evaluate.chance_levels(model.config)
     print(evaluate.format_table(columns))
+    targets = speech_eval.describe_targets(manifest)
+    print(targets)
     if FLAGS.json:
         Path(FLAGS.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(FLAGS.json).write_text(json.dumps(columns, indent=1))
+        Path(FLAGS.json).write_text(json.dumps({**columns, "targets": targets}, indent=1))
     return 0
 
 
 def _chat() -> int:
     from empatheia_jax import chat
     from empatheia_jax.checkpoint import CheckpointError
+    from empatheia_jax.targets import STAND_IN
 
     if not FLAGS.ckpt or FLAGS.text is None:
         raise app.UsageError("chat needs --ckpt and --text")
@@ -163,6 +185,11 @@ def _chat() -> int:
         encoder = chat.encoder_from_manifest(meta["encoder"])
     except chat.EncoderManifestError as e:
         raise CheckpointError(f"{where}: {e}") from e
+    speech_targets = (meta.get("targets") or {}).get("speech_content", {}).get("source", STAND_IN)
+    if FLAGS.speak:  # before generating: a checkpoint that cannot speak fails now, not after a minute
+        from converters.synthesize import speech_rows
+
+        speech_rows({"speech_targets": speech_targets, "speech_content_units": 3}, 3, where)
     try:
         result = chat.respond(
             model,
@@ -177,6 +204,7 @@ def _chat() -> int:
             no_repeat_ngram_size=FLAGS.no_repeat_ngram_size,
             # The prompt gets the training budget; the reply (and its signal tokens) come on top of it.
             max_len=int(config.data.max_len) + FLAGS.max_new_tokens + 2 * model.config.n_signal + 2,
+            speech_targets=speech_targets,
         )
     except chat.PromptTooLongError as e:
         raise chat.ChatInputError(
@@ -186,6 +214,13 @@ def _chat() -> int:
     print(chat.format_result(result))
     npz, js = chat.write_outputs(result, FLAGS.out or "chat_reply")
     print(f"features -> {npz}\ntext -> {js}")
+    if FLAGS.speak:
+        from converters.synthesize import synthesize_reply
+
+        wav, seconds, notes = synthesize_reply(npz, npz.with_suffix(".wav"))
+        for n in notes:
+            print(f"note: {n}")
+        print(f"speech ({seconds:.2f} s, Kokoro-82M, {result.speech_content_units} phoneme rows) -> {wav}")
     return 0
 
 
@@ -211,16 +246,20 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input, not a bug: one `error:` line and exit 2. Imported only when an
     exception is being matched (the modules import jax)."""
     from converters.export_hf import ExportError
+    from converters.kokoro import KokoroAssetError
+    from converters.synthesize import SpeechBridgeError
     from empatheia_jax.chat import ChatInputError, EncoderManifestError
     from empatheia_jax.checkpoint import CheckpointError
     from empatheia_jax.checkpoint_io import CheckpointError as ConvertedCheckpointError
     from empatheia_jax.config import ConfigError
     from empatheia_jax.evaluate import ShardsError
     from empatheia_jax.shard_format import ShardRecordError
+    from empatheia_jax.speech_eval import SpeechEvalUnavailable
 
     return (
         ConfigError, CheckpointError, ConvertedCheckpointError, ShardsError, ShardRecordError, ChatInputError,
-        EncoderManifestError, ExportError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+        EncoderManifestError, ExportError, SpeechBridgeError, KokoroAssetError, SpeechEvalUnavailable,
+        FileNotFoundError, NotADirectoryError, IsADirectoryError,
         PermissionError,
     )
 

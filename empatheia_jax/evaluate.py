@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from empatheia_jax import input_pipeline as ip
-from empatheia_jax import losses, schema, shard_format, stages
+from empatheia_jax import losses, schema, shard_format, speech_eval, stages
 from empatheia_jax import templates as tpl
 from empatheia_jax.generation import eos_token_ids, generate_tokens, left_pad
 from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
@@ -52,12 +52,12 @@ CLASS_METRICS = ("emotion_acc_cls", "age_acc", "gender_acc", "timbre_acc")
 FEATURE_METRICS = ("speech_content_l2", "video_content_l2", "speech_style_l2", "video_style_l2",
                    "speech_content_cos", "video_content_cos", "speech_style_cos", "video_style_cos")
 COUNT_METRICS = ("num_examples", "num_generated", "skipped_examples")
-METRICS = (*TEXT_METRICS[:1], *CLASS_METRICS, *FEATURE_METRICS, *TEXT_METRICS[1:], *LOSS_METRICS,
-           *COUNT_METRICS)
+METRICS = (*TEXT_METRICS[:1], *CLASS_METRICS, *FEATURE_METRICS, *speech_eval.SPEECH_METRICS,
+           *TEXT_METRICS[1:], *LOSS_METRICS, *COUNT_METRICS)
 HIGHER_IS_BETTER = frozenset({*CLASS_METRICS, *TEXT_METRICS, "speech_content_cos", "video_content_cos",
-                              "speech_style_cos", "video_style_cos"})
+                              "speech_style_cos", "video_style_cos", *speech_eval.HIGHER_IS_BETTER})
 LOWER_IS_BETTER = frozenset({*LOSS_METRICS, "speech_content_l2", "video_content_l2", "speech_style_l2",
-                             "video_style_l2"})
+                             "video_style_l2", *speech_eval.LOWER_IS_BETTER})
 
 LABELS = ("emotion", "age", "gender", "timbre")
 _ACC_NAME = {"emotion": "emotion_acc_cls", "age": "age_acc", "gender": "gender_acc", "timbre": "timbre_acc"}
@@ -390,8 +390,12 @@ def teacher_forced_metrics(
     max_examples: int | None = None,
     progress: bool = True,
     compiler_options: Mapping[str, Any] | None = None,
+    collect: dict[int, dict[str, np.ndarray]] | None = None,
 ) -> dict[str, float]:
     """Loss terms, SD classifier accuracies and C/S feature metrics over `split`, teacher-forced.
+
+    `collect` (a dict) receives, per record index, the predicted speech_content rows over the gold reply
+    (as many as its target has) and speech_style: what the speech evaluation (speech_eval.py) synthesizes.
 
     Loss terms are the model's own (`Empatheia.loss` under `eval_stage`), aggregated over the split by their
     item counts (tokens for emp/signal_ce, valid rows for ccl_*, examples with the target for sal_*, labelled
@@ -426,6 +430,14 @@ def teacher_forced_metrics(
         for k in LABELS:
             batch[k] = np.where(real, batch[k], -1)
         metrics, out = jax.device_get(step(graphdef, state, {k: jnp.asarray(v) for k, v in batch.items()}))
+        if collect is not None and "speech_content" in out and "speech_style" in out:
+            for b in np.flatnonzero(real):
+                rows = int(batch["speech_content_mask"][b].sum())
+                collect[int(batch["record_index"][b])] = {
+                    "speech_content": np.asarray(out["speech_content"][b, :rows], np.float32),
+                    "speech_style": np.asarray(out["speech_style"][b], np.float32),
+                    "has_style": bool(batch["style_mask"][b, 0]),
+                }
         n = int(real.sum())
         n_real += n
         _add_loss_terms(means, metrics, batch, out, n, reported)
@@ -615,6 +627,8 @@ def evaluate(
     predictions_path: str | os.PathLike | None = None,
     progress: bool = True,
     compiler_options: Mapping[str, Any] | None = None,
+    speech: speech_eval.SpeechEval | None = None,
+    name: str = "trained",
 ) -> dict[str, float]:
     """All metrics of `model` on `split` of `shards_dir` (see the module docstring for the definitions).
 
@@ -627,11 +641,17 @@ def evaluate(
     whatever the batch. `repetition_penalty`/`no_repeat_ngram_size` are HF's (generation.generate_tokens).
     `predictions_path` writes one JSON
     line per generation. `max_examples` evaluates the first N records only. `compiler_options` go to the
-    jitted forward passes (tests turn XLA optimisation off).
+    jitted forward passes (tests turn XLA optimisation off). `speech` (a `speech_eval.SpeechEval` of these
+    shards) adds the speech rows: the predicted C^s/S^s spoken by Kokoro against the gold speech (`name`
+    labels the progress bars).
     """
     common = dict(batch_size=batch_size, max_len=max_len, pipeline_overrides=pipeline_overrides,
                   max_examples=max_examples, progress=progress, compiler_options=compiler_options)
-    result = teacher_forced_metrics(model, tokenizer, shards_dir, split, weights=weights, **common)
+    collected: dict[int, dict[str, np.ndarray]] | None = {} if speech is not None else None
+    result = teacher_forced_metrics(model, tokenizer, shards_dir, split, weights=weights, collect=collected,
+                                    **common)
+    if speech is not None and collected:
+        result.update(speech.model_rows(name, collected))
     if generate_text:
         preds = generate_predictions(model, tokenizer, shards_dir, split, max_new_tokens=max_new_tokens,
                                      repetition_penalty=repetition_penalty,

@@ -74,7 +74,7 @@ def _meta_lock(directory: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _read_meta(directory: Path) -> dict[str, Any]:
+def read_targets_meta(directory: Path) -> dict[str, Any]:
     p = directory / META
     if not p.exists():
         return {}
@@ -196,7 +196,7 @@ class TargetWriter:
         n = len(self._tmp_files)
         names = [shard_name(self.kind, i, n) for i in range(n)]
         with _meta_lock(self.dir):
-            meta = _read_meta(self.dir)
+            meta = read_targets_meta(self.dir)
             if self.kind in meta:  # readers must not see old meta with new files during the swap
                 del meta[self.kind]
                 _write_json_atomic(self.dir / META, meta)
@@ -237,7 +237,7 @@ class TargetReader:
                 f"{meta_path} does not exist: {self.dir} is not a target folder, or a target write was "
                 "interrupted before it committed (meta.json is written last)"
             )
-        self.meta = _read_meta(self.dir)
+        self.meta = read_targets_meta(self.dir)
         for kind, entry in self.meta.items():
             self._check_entry(meta_path, kind, entry)
         self._handles: dict[str, list[Any]] = {}
@@ -397,6 +397,21 @@ def standin_units(text: str) -> str:
     return s or " "
 
 
+def content_rows(text: str, source: str) -> int | None:
+    """How many speech_content rows a generator reads for `text`: the T_ph of a target of that source.
+
+    Kokoro: one row per phoneme plus the two boundary pads (converters/kokoro.py); stand-in: one per
+    `standin_units` character; None where we cannot count them (a StyleTTS2 checkpoint's own text cleaner).
+    """
+    if source == STAND_IN:
+        return len(standin_units(text))
+    if source == "kokoro":
+        from converters import kokoro
+
+        return kokoro.content_length(kokoro.phonemize(text))
+    return None
+
+
 def _projection(seed: int, name: str, out_dim: int, in_dim: int) -> np.ndarray:
     tag = sum((i + 1) * ord(c) for i, c in enumerate(name))
     rng = np.random.default_rng([seed, tag, out_dim, in_dim])
@@ -484,11 +499,13 @@ def _standin_init(seed: int) -> None:
     _WORKER = StandinTargets(seed)
 
 
-def _standin_one(job: tuple[str, str, str, str]) -> tuple[str, dict[str, np.ndarray] | None, str | None]:
-    utt_id, text, wav, mp4 = job
+def _standin_one(job: tuple[str, str, str, str, tuple[str, ...]]
+                 ) -> tuple[str, dict[str, np.ndarray] | None, str | None]:
+    utt_id, text, wav, mp4, kinds = job
     assert _WORKER is not None
     try:
-        return utt_id, _WORKER.compute(text, wav, mp4), None
+        return utt_id, {k: getattr(_WORKER, k)(text if k == "speech_content" else mp4 if k == "video_style"
+                                               else wav) for k in kinds}, None
     except Exception as e:  # noqa: BLE001 - collected and reported with the utterance id
         return utt_id, None, f"{utt_id}: {e}"
 
@@ -533,17 +550,22 @@ def make_standin_targets(
     shard_size: int = 512,
     workers: int = 1,
     progress: bool = True,
+    kinds: Iterable[str] | None = None,
 ) -> dict[str, int]:
-    """Compute stand-in targets of all four kinds for every utterance of RAW; returns counts per kind.
+    """Compute stand-in targets of `kinds` (default all four) for every utterance of RAW; counts per kind.
 
     Every utterance must have its media; failures are collected and raised together (nothing is
     committed then). Uses a process pool when ``workers > 1``.
     """
     from tqdm import tqdm
 
+    kinds = list(TARGET_KINDS if kinds is None else kinds)
+    unknown = sorted(set(kinds) - set(TARGET_KINDS))
+    if unknown:
+        raise ValueError(f"unknown target kind(s) {unknown}; expected some of {sorted(TARGET_KINDS)}")
     jobs = standin_jobs(raw, splits, dialogues)
     print(
-        f"[targets] computing STAND-IN targets ({', '.join(TARGET_KINDS)}) for {len(jobs)} utterances of "
+        f"[targets] computing STAND-IN targets ({', '.join(kinds)}) for {len(jobs)} utterances of "
         f"{raw} -> {out}; these are NOT StyleTTS2/DreamTalk features",
         file=sys.stderr,
     )
@@ -561,22 +583,22 @@ def make_standin_targets(
                     out, k, STAND_IN, TARGET_KINDS[k][1], shard_size, {**extra, "method": STANDIN_METHOD[k]}
                 )
             )
-            for k in TARGET_KINDS
+            for k in kinds
         }
         if workers > 1:
             import multiprocessing as mp
 
             pool = stack.enter_context(mp.get_context("spawn").Pool(workers, _standin_init, (seed,)))
-            results = pool.imap(_standin_one, jobs, chunksize=8)
+            results = pool.imap(_standin_one, [(*j, tuple(kinds)) for j in jobs], chunksize=8)
         else:
             _standin_init(seed)
-            results = map(_standin_one, jobs)
+            results = map(_standin_one, [(*j, tuple(kinds)) for j in jobs])
         for uid, arrays, err in tqdm(results, total=len(jobs), desc="stand-in targets", disable=not progress):
             if err:
                 errors.append(err)
                 continue
-            for k, a in arrays.items():
-                writers[k].add(uid, a)
+            for k in kinds:
+                writers[k].add(uid, arrays[k])
         if errors:
             raise RuntimeError(
                 f"{len(errors)} utterance(s) failed; no targets written:\n" + "\n".join(errors)

@@ -673,6 +673,9 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
         "backbone": config.model.backbone,
         "include_backbone": include_backbone,
         "encoder": manifest.get("encoder"),
+        # {kind: {source, dim, ...}} of the shards' generator targets: the bridge to a generator needs the
+        # source (Kokoro features drive Kokoro; stand-ins drive nothing).
+        "targets": (manifest.get("targets") or {}).get("kinds", {}),
     }
 
     ckpt = TrainCheckpointer(

@@ -57,7 +57,7 @@ print(reply.strip())
 EOF
 
 # ---------------------------------------------------------------------------------------------------
-step 3 "build the AvaMERG-format sample (real ED dialogues, espeak-ng speech, procedural talking faces)"
+step 3 "build the AvaMERG-format sample (real ED dialogues, espeak-ng speech, procedural talking faces, Kokoro gold speech of the test replies)"
 if [[ -f "$WORK/sample/sample_meta.json" ]]; then
     echo "already built: $WORK/sample"
 else
@@ -65,14 +65,17 @@ else
 fi
 
 # ---------------------------------------------------------------------------------------------------
-step 4 "prepare shards: validate, lite features, STAND-IN generator targets (no StyleTTS2/DreamTalk here)"
+step 4 "prepare shards: validate, lite features, REAL Kokoro speech targets, STAND-IN video targets (no DreamTalk here)"
 if [[ -f "$WORK/shards/manifest.json" ]]; then
     echo "already prepared: $WORK/shards"
 else
+    # Speech targets are Kokoro-82M's own t_en ++ d_en and the style vector each voice is made of; prepare then
+    # fills only the kinds no generator exported (video) with stand-ins.
+    "$PY" -m converters.styletts2_targets --backend kokoro --raw "$WORK/sample" --out "$WORK/targets" --workers 2
     "$PY" -m data.prepare --raw "$WORK/sample" --out "$WORK/shards" --encoder lite \
         --targets "$WORK/targets" --make-standin-targets --split-by conversation --workers 2 ${V[@]+"${V[@]}"}
 fi
-"$PY" -c "import json,sys; m=json.load(open(sys.argv[1])); print('records per split:', {k: v['records'] for k, v in m['splits'].items()}, '| stand-in targets:', m['targets']['stand_in'])" "$WORK/shards/manifest.json"
+"$PY" -c "import json,sys; m=json.load(open(sys.argv[1])); t=m['targets']; print('records per split:', {k: v['records'] for k, v in m['splits'].items()}, '| real targets:', t.get('real_kinds'), '| stand-in targets:', t.get('stand_in_kinds'))" "$WORK/shards/manifest.json"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -85,6 +88,7 @@ bash launch/local.sh configs/smollm2_demo.py "$RUN" \
 step 6 "evaluate on the held-out test split: trained vs untrained vs majority/mean baselines"
 "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/overall" --split test --untrained \
     --max_new_tokens "${EVAL_NEW_TOKENS:-128}" --generate_batch_size 40 --json "$RUN/eval_test.json" \
+    --speech_examples "${EVAL_SPEECH_EXAMPLES:-12}" \
     ${V[@]+"${V[@]}"}
 # DEMO_STRICT=1 makes a missed accuracy target fail the demo (exit 1).
 "$PY" - "$RUN/eval_test.json" "${DEMO_STRICT:-0}" <<'EOF_CHECK'
@@ -107,7 +111,7 @@ sys.exit(1 if bad and strict else 0)
 EOF_CHECK
 
 # ---------------------------------------------------------------------------------------------------
-step 7 "chat: one held-out dialogue turn with its speech and video -> CoE, reply, features (.npz)"
+step 7 "chat: one held-out dialogue turn with its speech and video -> CoE, reply, features (.npz), speech (.wav)"
 "$PY" - "$WORK/sample" "$RUN/chat_history.json" > "$RUN/chat_args.txt" <<'EOF_TURN'
 import json, sys
 from pathlib import Path
@@ -133,4 +137,4 @@ mapfile -t TURN < "$RUN/chat_args.txt"
 echo "(greedy decoding with no_repeat_ngram_size=${CHAT_NO_REPEAT_NGRAM:-4}; CHAT_NO_REPEAT_NGRAM=0 turns it off)"
 "$PY" -m empatheia_jax.cli chat --ckpt "$RUN/overall" --history "$RUN/chat_history.json" \
     --text "${TURN[0]}" --audio "${TURN[1]}" --video "${TURN[2]}" --out "$RUN/chat_reply" \
-    --no_repeat_ngram_size "${CHAT_NO_REPEAT_NGRAM:-4}" ${V[@]+"${V[@]}"}
+    --no_repeat_ngram_size "${CHAT_NO_REPEAT_NGRAM:-4}" --speak ${V[@]+"${V[@]}"}

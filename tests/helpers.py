@@ -312,14 +312,17 @@ TINY_PROFILES = ((1, "young", "female", "high"), (3, "child", "male", "mid"), (5
                  (7, "middle-aged", "male", "mid"))
 
 
-def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2))) -> Path:
-    """Lite-encoder shards with stand-in targets for trainer/eval tests: ROOT/raw, ROOT/shards (returned).
+def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)), speech: str = "stand-in"
+                     ) -> Path:
+    """Lite-encoder shards for trainer/eval tests: ROOT/raw, ROOT/shards (returned).
 
     Dialogue i of a split has emotion TINY_EMOTIONS[i % 6], 1-2 turns, and rotating speaker/listener
-    profiles, so every label is present and every stage (text, media, targets) has data.
+    profiles, so every label is present and every stage (text, media, targets) has data. Targets are
+    stand-ins, except the speech targets with `speech="kokoro"`: Kokoro-82M's features, and the test
+    responses' gold speech in RAW/gold_speech as data/make_sample.py writes it (~10 s more).
     """
     from data import prepare as prep
-    from empatheia_jax.targets import make_standin_targets
+    from empatheia_jax.targets import TARGET_KINDS, make_standin_targets
 
     splits, n = {}, 0
     for split, count in counts:
@@ -330,7 +333,25 @@ def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)
             n += 1
         splits[split] = objs
     raw = make_raw(root / "raw", splits)
-    make_standin_targets(raw, raw / "targets", progress=False)
+    kinds = list(TARGET_KINDS)
+    if speech == "kokoro":
+        from converters.kokoro import SAMPLE_RATE
+        from converters.styletts2_targets import export_speech_targets
+        from data.kokoro_voices import gold_speech
+        from data.make_sample import GOLD_SPEECH_DIR
+        from data.speech_synth import LISTENER_STYLE, write_wav
+        from empatheia_jax import schema
+
+        export_speech_targets(raw, raw / "targets", progress=False)
+        kinds = ["video_content", "video_style"]
+        (raw / GOLD_SPEECH_DIR).mkdir()
+        for obj in splits["test"]:
+            d = schema.Dialogue.from_json(obj)
+            for j, turn in enumerate(d.turns):
+                wav, _ = gold_speech(turn.response, d.profile_of("listener").to_json(), LISTENER_STYLE)
+                uid = schema.response_utterance_id(d, j)
+                write_wav(raw / GOLD_SPEECH_DIR / f"{uid}.wav", wav, SAMPLE_RATE)
+    make_standin_targets(raw, raw / "targets", progress=False, kinds=kinds)
     out = root / "shards"
     prep.prepare(raw, out, targets=raw / "targets", records_per_shard=4, progress=False, command="tests")
     return out

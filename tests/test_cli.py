@@ -74,7 +74,7 @@ def tok(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> Path:
-    return make_tiny_shards(tmp_path_factory.mktemp("cli_data"))
+    return make_tiny_shards(tmp_path_factory.mktemp("cli_data"), speech="kokoro")
 
 
 @pytest.fixture(scope="module")
@@ -111,17 +111,20 @@ def chat_inputs(media, tmp_path_factory) -> dict:
 REFERENCE = """
 import json, sys
 import numpy as np
-from empatheia_jax import chat, evaluate, trainer
+from empatheia_jax import chat, evaluate, speech_eval, trainer
 
 workdir, shards, out, inputs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 model, tokenizer, config, meta = trainer.load_trained(workdir)
+speech = speech_eval.SpeechEval(shards, "test", train_split=config.data.train_split, examples=16,
+                                progress=False)
 columns = {"trained": evaluate.evaluate(
     model, tokenizer, shards, "test", batch_size=4, max_len=int(config.data.max_len), generate_text=False,
     pipeline_overrides={"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)},
-    progress=False)}
+    progress=False, speech=speech)}
 columns["baseline"] = evaluate.baselines(shards, "test", train_split=config.data.train_split,
                                          max_speech_len=model.config.max_speech_len,
                                          max_video_len=model.config.max_video_len)
+columns.update(speech.reference_columns())
 columns["chance"] = evaluate.chance_levels(model.config)
 n = inputs["max_new_tokens"]
 encoder = chat.encoder_from_manifest(meta["encoder"])
@@ -175,13 +178,21 @@ def test_eval_prints_the_table_and_its_json_equals_the_library(trained, referenc
                "--json", out))
     assert_quiet(p.stderr)
     got, want = json.loads(out.read_text()), reference[0]["eval"]
-    assert list(got) == ["trained", "baseline", "chance"]
+    assert list(got) == ["trained", "baseline", "mean_style", "pipeline_tts", "chance", "targets"]
+    targets = got.pop("targets")
+    assert targets == ("targets: speech_content=kokoro, video_content=stand-in (STAND-IN), "
+                       "speech_style=kokoro, video_style=stand-in (STAND-IN)")
     assert "emotion_acc_cls" in want["trained"] and "eval_loss" in want["trained"]
+    # the speech rows: every test reply spoken from the model's features and from the two references
+    for column in ("trained", "mean_style", "pipeline_tts"):
+        assert want[column]["speech_examples"] + want[column]["speech_unusable"] == 3, column
+        assert {"speech_mcd", "speech_spk_sim", "speech_gender_acc"} <= want[column].keys(), column
     for column in want:  # same programs (same XLA flags, the shared compilation cache): bit-identical
         assert got[column].keys() == want[column].keys(), column
         for k, v in want[column].items():
             assert got[column][k] == v, (column, k, got[column][k], v)
-    assert p.stdout.strip() == reference[0]["table"].strip()  # the printed table is the library's
+    # the printed table is the library's, then the line saying which targets are real
+    assert p.stdout.strip() == reference[0]["table"].strip() + "\n" + targets
     assert "| emotion_acc_cls" in p.stdout and "| speech_content_l2" in p.stdout
 
 
@@ -203,6 +214,30 @@ def test_chat_writes_features_equal_to_respond(trained, reference, chat_inputs, 
     for k in [*want["features"], "emotion_probs"]:  # bit-identical, as for eval
         assert arrays[k].dtype == np.float32 and arrays[k].shape == want_arrays[k].shape, k
         np.testing.assert_array_equal(arrays[k], want_arrays[k], err_msg=k)
+
+
+def test_chat_speak_writes_the_reply_spoken_from_its_features(trained, chat_inputs, cli_env, tmp_path):
+    """--speak: Kokoro speaks the first T predicted content rows (T = the reply's phoneme rows, capped at
+    max_speech_len) in the predicted style; the wav is exactly that synthesis, and not silence."""
+    from converters import kokoro
+    from data.kokoro_voices import to_pcm16
+    from data.speech_synth import read_wav
+    from empatheia_jax.targets import content_rows
+
+    out = tmp_path / "spoken"
+    p = ok(cli(cli_env, "chat", "--ckpt", trained[0], "--text", chat_inputs["text"], "--max_new_tokens", 6,
+               "--out", out, "--speak"))
+    assert_quiet(p.stderr)
+    js = json.loads(Path(f"{out}.json").read_text())
+    rows = js["speech_content_units"]
+    assert js["speech_targets"] == "kokoro" and rows == content_rows(js["reply"], "kokoro") >= 3
+    assert f"-> {out}.wav" in p.stdout
+    with np.load(f"{out}.npz") as z:
+        content, style = z["speech_content"], z["speech_style"]
+    sr, wav = read_wav(f"{out}.wav")
+    assert sr == kokoro.SAMPLE_RATE and len(wav) > 0.1 * sr
+    np.testing.assert_array_equal(wav, to_pcm16(kokoro.shared(1).synthesize(content[:rows], style)))
+    assert np.abs(wav).max() > 300  # not silence
 
 
 def test_export_then_chat_from_the_export_with_repetition_controls(trained, reference, chat_inputs, cli_env,

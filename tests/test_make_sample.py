@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data import make_sample
+from data import kokoro_voices, make_sample
 from data.face_render import _layout, _mouth_box, render_face_video, render_frames
-from data.speech_synth import FRAME_RATE, SAMPLE_RATE, speech_envelope, synthesize_speech
+from data.speech_synth import FRAME_RATE, SAMPLE_RATE, read_wav, speech_envelope, synthesize_speech
 from empatheia_jax.schema import Dialogue, EmotionMap, dialogue_utterances, validate_dialogues
 
 # (ED label, [speaker, listener, speaker, listener]); two conversations per class of the first four
@@ -286,3 +286,31 @@ def test_face_follows_speech_and_emotion(tmp_path):
     assert p1.read_bytes() == p2.read_bytes()
     with av.open(str(p1)) as c:
         assert sum(1 for _ in c.decode(video=0)) == len(env)
+
+
+def test_gold_speech_is_spoken_from_exactly_the_speech_targets(builds, tmp_path):
+    """The test split's responses have Kokoro gold speech, and re-synthesizing from the exported speech
+    targets (content rows and style vector) at the recorded speed gives those wav samples bit for bit."""
+    from converters import kokoro
+    from converters.styletts2_targets import export_speech_targets
+    from empatheia_jax.schema import response_utterance_id
+    from empatheia_jax.targets import TargetReader
+
+    root, (meta, _, _) = builds
+    d = root / "a"
+    gold = meta["gold_speech"]
+    assert gold["splits"] == ["test"] and gold["model_sha256"] == kokoro.MODEL_SHA256
+    test_dialogues = [Dialogue.from_json(o) for o in _dialogues(d, "test")]
+    responses = {response_utterance_id(x, j) for x in test_dialogues for j in range(len(x.turns))}
+    assert set(gold["utterances"]) == responses
+    assert {p.stem for p in (d / "gold_speech").iterdir()} == responses
+    export_speech_targets(d, tmp_path / "targets", splits=["test"], progress=False)
+    reader = TargetReader(tmp_path / "targets")
+    assert reader.meta["speech_style"]["source"] == "kokoro"
+    engine = kokoro.shared(1)
+    for uid, recipe in gold["utterances"].items():
+        sr, wav = read_wav(d / "gold_speech" / f"{uid}.wav")
+        assert sr == kokoro.SAMPLE_RATE and len(wav) == recipe["samples"] > sr // 2
+        content, style = reader.get("speech_content", uid), reader.get("speech_style", uid)
+        again = engine.synthesize(content, style, recipe["speed"])
+        np.testing.assert_array_equal(kokoro_voices.to_pcm16(again), wav)

@@ -1,0 +1,114 @@
+"""The speech bridge: Empatheia's predicted speech content C^s and style S^s -> a wav, through Kokoro-82M.
+
+Usage: python -m converters.synthesize --features reply.npz --out reply.wav [--rows N] [--speed 1.0]
+
+`reply.npz`/`reply.json` are what `empatheia chat` writes. The Content Synchronizer predicts a fixed
+number of rows (config.data.max_speech_len); the generator reads the first T of them, T = the reply's
+phoneme count plus Kokoro's two boundary pads (`targets.content_rows`), which chat records as
+`speech_content_units`. Durations come from Kokoro's own prosody predictor inside the synthesizer graph,
+fed the predicted d_en rows and the prosodic half of S^s, as in StyleTTS2 inference: Empatheia predicts no
+durations (the paper's CS targets are t_en and d_en only), and the predictor is what maps content and style
+to timing. `--speed` defaults to 1.0, the listener's speaking rate in the sample's voice map
+(data/kokoro_voices.py), since Empatheia speaks as the listener.
+
+Only checkpoints trained on Kokoro speech targets can be spoken here: stand-in targets are not generator
+features, and StyleTTS2 features belong to the user's StyleTTS2 checkpoint (a different model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from converters import kokoro
+
+
+class SpeechBridgeError(ValueError):
+    """Features that cannot drive Kokoro: wrong target source, shapes, or row count; names the file."""
+
+
+def speech_rows(meta: dict[str, Any], available: int, source: str = "features") -> tuple[int, list[str]]:
+    """(rows to read, notes) from chat's JSON (`speech_targets`, `speech_content_units`)."""
+    src = meta.get("speech_targets")
+    if src != "kokoro":
+        why = {
+            "stand-in": "stand-in speech targets (deterministic functions of the sample, not generator "
+                        "features); train on Kokoro targets (python -m converters.styletts2_targets "
+                        "--backend kokoro) to speak",
+            "styletts2": "StyleTTS2 features, which drive the StyleTTS2 checkpoint they were exported from, "
+                         "not Kokoro",
+        }.get(src, f"speech targets of source {src!r}")
+        raise SpeechBridgeError(f"{source}: the model was trained on {why}")
+    rows = meta.get("speech_content_units")
+    if not isinstance(rows, int) or rows < 3:
+        raise SpeechBridgeError(f"{source}: speech_content_units={rows!r}; need the reply's phoneme rows "
+                                "(>= 3)")
+    notes = []
+    if rows > available:
+        notes.append(f"the reply has {rows} phoneme rows but the model predicts {available} "
+                     f"(config.data.max_speech_len); the speech stops after {available}")
+        rows = available
+    return rows, notes
+
+
+def speak_features(content: np.ndarray, style: np.ndarray, rows: int, speed: float = 1.0) -> np.ndarray:
+    """Audio (float32, 24 kHz) from the first `rows` predicted content rows and the predicted style."""
+    content = np.asarray(content, np.float32)
+    if content.ndim != 2 or content.shape[1] != kokoro.CONTENT_DIM:
+        raise SpeechBridgeError(f"speech_content must be [rows, {kokoro.CONTENT_DIM}], "
+                                f"got {list(content.shape)}")
+    return kokoro.shared(1).synthesize(content[:rows], style, speed)
+
+
+def synthesize_reply(features: str | Path, out: str | Path, *, rows: int | None = None,
+                     speed: float = 1.0) -> tuple[Path, float, list[str]]:
+    """Speak chat's output `features` (OUT.npz or its stem) into the wav `out`; (path, seconds, notes)."""
+    from data.kokoro_voices import to_pcm16
+    from data.speech_synth import write_wav
+    from empatheia_jax.chat import read_outputs
+
+    stem = Path(features)
+    try:
+        arrays, meta = read_outputs(stem)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"--features {features}: {e.strerror or e}: {e.filename}") from e
+    for key in ("speech_content", "speech_style"):
+        if key not in arrays:
+            raise SpeechBridgeError(f"{features}: no {key!r} array (the model has no speech heads)")
+    content = arrays["speech_content"]
+    notes: list[str] = []
+    if rows is None:
+        rows, notes = speech_rows(meta, content.shape[0], str(features))
+    elif not 3 <= rows <= content.shape[0]:
+        raise SpeechBridgeError(f"--rows {rows}: must be in [3, {content.shape[0]}]")
+    audio = speak_features(content, arrays["speech_style"], rows, speed)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_wav(out, to_pcm16(audio), kokoro.SAMPLE_RATE)
+    return out, len(audio) / kokoro.SAMPLE_RATE, notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m converters.synthesize", description=__doc__.split("\n")[0])
+    ap.add_argument("--features", required=True, help="chat output (OUT.npz, OUT.json or the stem OUT)")
+    ap.add_argument("--out", required=True, help="wav to write (24 kHz mono int16)")
+    ap.add_argument("--rows", type=int, default=None, help="content rows to read (default: from the json)")
+    ap.add_argument("--speed", type=float, default=1.0, help="speaking rate (default 1.0, the listener's)")
+    args = ap.parse_args(argv)
+    try:
+        path, seconds, notes = synthesize_reply(args.features, args.out, rows=args.rows, speed=args.speed)
+    except (FileNotFoundError, ValueError, kokoro.KokoroAssetError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
+    print(f"speech ({seconds:.2f} s) -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

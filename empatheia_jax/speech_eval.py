@@ -1,0 +1,182 @@
+"""The speech rows of `empatheia eval`: Empatheia's C^s/S^s spoken by Kokoro-82M against the gold speech.
+
+What is compared (docs/design.md "Speech out"):
+- **The model** (trained / untrained columns): Kokoro(C^s, S^s) with C^s read over the GOLD reply (the
+  teacher-forced pass of evaluate.py, the rows its target has) and S^s from the signal tokens. Speaking
+  the gold reply's content keeps the words equal, so MCD against the gold speech is defined; the question is
+  how close the predicted features come to the ones the gold speech was made from.
+- **mean_style**: the gold content with the mean train speech_style: a TTS that gets the words perfectly
+  and has one average voice. Its gap to the model's speaker similarity is what style prediction buys.
+- **pipeline_tts**: the gold content in the voice the style map gives the majority train listener profile:
+  the paper's Pipeline baseline (an LLM's text through an off-the-shelf TTS with a fixed voice) with a
+  perfect LLM.
+- **Style accuracy** (speech_age_acc / _gender_acc / _timbre_acc): a nearest-centroid probe
+  (`speech_metrics.StyleClassifier`) fitted on the train split's GOLD speech_style targets with the
+  listener's profile labels, applied to each system's style vector over every test record with a style
+  target. Kokoro has no style encoder, so the probe reads the vector that drives the generator, the one
+  the gold voice was chosen as.
+
+Gold speech: `RAW/gold_speech/{response_utt_id}.wav` (24 kHz, data/make_sample.py), RAW from the shards'
+manifest unless given. Only shards whose speech targets are Kokoro features can be spoken;
+`SpeechEvalUnavailable` says why not otherwise, and eval prints it as a note.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from empatheia_jax import input_pipeline as ip
+
+SPEECH_METRICS = ("speech_mcd", "speech_spk_sim", "speech_f0_diff_st", "speech_dur_ratio", "speech_age_acc",
+                  "speech_gender_acc", "speech_timbre_acc", "speech_examples", "speech_unusable")
+HIGHER_IS_BETTER = frozenset({"speech_spk_sim", "speech_age_acc", "speech_gender_acc", "speech_timbre_acc"})
+LOWER_IS_BETTER = frozenset({"speech_mcd", "speech_f0_diff_st"})
+PROFILE = ("age", "gender", "timbre")
+_ROW_NAMES = {"mcd": "speech_mcd", "speaker_similarity": "speech_spk_sim",
+              "f0_semitones": "speech_f0_diff_st",
+              "duration_ratio": "speech_dur_ratio", "n": "speech_examples", "unusable": "speech_unusable"}
+
+
+class SpeechEvalUnavailable(RuntimeError):
+    """The speech rows cannot be computed for these shards (why, naming the file or the target source)."""
+
+
+class SpeechEval:
+    """What every column's speech rows share: the gold wavs, the style probe, and the reference systems."""
+
+    def __init__(self, shards_dir: str | os.PathLike, split: str = "test", *, train_split: str = "train",
+                 gold_dir: str | os.PathLike | None = None, examples: int = 16, threads: int = 2,
+                 progress: bool = True):
+        from empatheia_jax.evaluate import check_split
+
+        manifest = check_split(shards_dir, split)
+        kinds = (manifest.get("targets") or {}).get("kinds") or {}
+        source = (kinds.get("speech_content") or {}).get("source")
+        style_source = (kinds.get("speech_style") or {}).get("source")
+        if source != "kokoro" or style_source != "kokoro":
+            raise SpeechEvalUnavailable(
+                f"{shards_dir}: speech targets are {source or 'absent'}/{style_source or 'absent'} "
+                "(content/style), not Kokoro features, so there is no generator to speak them with")
+        if gold_dir is None:
+            gold_dir = Path(manifest.get("raw", "")) / "gold_speech"
+        self.gold_dir = Path(gold_dir)
+        if not self.gold_dir.is_dir():
+            raise SpeechEvalUnavailable(f"no gold speech folder {self.gold_dir} (data.make_sample "
+                                        "--gold-speech writes it; or pass --gold_speech DIR)")
+        self.examples, self.threads, self.progress = int(examples), int(threads), progress
+        check_split(shards_dir, train_split)
+
+        # Test records: the style probe labels of every record, the spoken examples where gold speech exists.
+        reader = ip.ShardReader.for_split(shards_dir, split)
+        self.labels: dict[int, dict[str, str]] = {}
+        self.items: list[dict[str, Any]] = []
+        for i in range(len(reader)):
+            rec = reader[i]
+            targets = rec.get("targets") or {}
+            if "speech_style" in targets:
+                self.labels[i] = {k: str(rec["listener_profile"][k]) for k in PROFILE}
+            wav = self.gold_dir / f"{rec['response_utt_id']}.wav"
+            if len(self.items) < self.examples and "speech_content" in targets and wav.is_file():
+                self.items.append({"record_index": i, "wav": wav, "uid": rec["response_utt_id"],
+                                   "content": np.asarray(targets["speech_content"])})
+        if self.examples and not self.items:
+            raise SpeechEvalUnavailable(f"no {split} record of {shards_dir} has gold speech in "
+                                        f"{self.gold_dir}")
+        self.gold = [self._read(it["wav"]) for it in self.items]
+
+        # The probe and the reference voices, from the train split's gold style targets.
+        train = ip.ShardReader.for_split(shards_dir, train_split)
+        styles, labels = [], {k: [] for k in PROFILE}
+        for i in range(len(train)):
+            rec = train[i]
+            s = (rec.get("targets") or {}).get("speech_style")
+            if s is not None:
+                styles.append(np.asarray(s, np.float64))
+                for k in PROFILE:
+                    labels[k].append(str(rec["listener_profile"][k]))
+        if not styles:
+            raise SpeechEvalUnavailable(f"{shards_dir}: the {train_split} split has no speech_style targets")
+        from empatheia_jax.speech_metrics import StyleClassifier
+
+        self.probe = StyleClassifier().fit(np.stack(styles), labels)
+        self.mean_style = np.mean(styles, axis=0).astype(np.float32)
+        majority = {k: collections.Counter(v).most_common(1)[0][0] for k, v in labels.items()}
+        from data.kokoro_voices import voice
+
+        self.majority_profile = majority
+        self.pipeline_style = voice(majority, "empathetic").style
+
+    @staticmethod
+    def _read(path: Path) -> np.ndarray:
+        from converters.kokoro import SAMPLE_RATE
+        from data.speech_synth import read_wav
+
+        sr, wav = read_wav(path)
+        if sr != SAMPLE_RATE:
+            raise SpeechEvalUnavailable(f"{path}: {sr} Hz; gold speech must be {SAMPLE_RATE} Hz, Kokoro's")
+        return wav.astype(np.float32) / 32768.0
+
+    def _speak(self, name: str, pairs: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+        from tqdm import tqdm
+
+        from converters import kokoro
+
+        engine = kokoro.shared(self.threads)
+        return [engine.synthesize(c, s) for c, s in tqdm(pairs, desc=f"speech: {name}", unit="utt",
+                                                         disable=not self.progress, leave=False)]
+
+    def _rows(self, name: str, wavs: list[np.ndarray], styles: Mapping[int, np.ndarray]) -> dict[str, float]:
+        from converters.kokoro import SAMPLE_RATE
+        from empatheia_jax.speech_metrics import speech_rows
+
+        out: dict[str, float] = {}
+        if wavs:
+            rows = speech_rows({name: wavs}, self.gold, SAMPLE_RATE, progress=self.progress)[name]
+            out = {_ROW_NAMES[k]: v for k, v in rows.items() if k in _ROW_NAMES}
+        idx = [i for i in sorted(self.labels) if i in styles]
+        if idx:
+            acc = self.probe.accuracy(np.stack([styles[i] for i in idx]),
+                                      {k: [self.labels[i][k] for i in idx] for k in PROFILE})
+            out.update({f"speech_{k}_acc": float(v) for k, v in acc.items()})
+        return out
+
+    def model_rows(self, name: str, collected: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
+        """The speech rows of a model from `evaluate.teacher_forced_metrics(collect=...)`'s outputs."""
+        missing = [it["record_index"] for it in self.items if it["record_index"] not in collected]
+        if missing:
+            raise ValueError(f"no predicted speech features for test records {missing[:5]}")
+        picked = [collected[it["record_index"]] for it in self.items]
+        pairs = [(c["speech_content"], c["speech_style"]) for c in picked]
+        styles = {i: np.asarray(c["speech_style"]) for i, c in collected.items()}
+        return self._rows(name, self._speak(name, pairs), styles)
+
+    def reference_columns(self) -> dict[str, dict[str, float]]:
+        """mean_style and pipeline_tts (see the module docstring): gold content, a fixed voice each."""
+        out = {}
+        for name, style in (("mean_style", self.mean_style), ("pipeline_tts", self.pipeline_style)):
+            wavs = self._speak(name, [(it["content"], style) for it in self.items])
+            out[name] = self._rows(name, wavs, {i: style for i in self.labels})
+        return out
+
+    def gold_rows(self) -> dict[str, float]:
+        """The gold speech against itself: MCD 0, similarity 1 (the rows measure what they say)."""
+        return self._rows("gold", list(self.gold), {})
+
+
+def describe_targets(manifest: Mapping[str, Any]) -> str:
+    """One line saying which generator targets are real and which are stand-ins (every report prints it)."""
+    kinds = (manifest.get("targets") or {}).get("kinds") or {}
+    if not kinds:
+        return "targets: none"
+    parts = [f"{k}={v.get('source')}" + (" (STAND-IN)" if v.get("stand_in") else "")
+             for k, v in kinds.items()]
+    return "targets: " + ", ".join(parts)
+
+
+__all__ = ["SPEECH_METRICS", "SpeechEval", "SpeechEvalUnavailable", "describe_targets"]
