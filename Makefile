@@ -35,6 +35,7 @@ demo: install
 
 bench: install
 	$(PY) bench/backbone.py
+	$(PY) bench/speech.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

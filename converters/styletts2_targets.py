@@ -34,8 +34,8 @@ modules used here never touch them). ``utils.py`` is not imported either (it nee
 StyleTTS2 phonemes: espeak-ng en-us through phonemizer-fork with StyleTTS2's settings
 (``preserve_punctuation=True, with_stress=True``, no stripping of language flags, unlike Kokoro's
 ``remove-flags``), then ``nltk.word_tokenize`` joined by spaces, exactly like StyleTTS2's ``inference``;
-espeak-ng comes from the ``espeakng-loader`` wheel (the same library set-up as converters/kokoro.py, in a
-small equivalent here), so its version can differ from a system espeak-ng the checkpoint was trained with.
+espeak-ng comes from the ``espeakng-loader`` wheel (`converters.kokoro.espeak_backend`, the one library
+set-up), so its version can differ from a system espeak-ng the checkpoint was trained with.
 
 CLI::
 
@@ -220,13 +220,9 @@ _ESPEAK_LOCK = threading.Lock()
 def _styletts2_espeak():
     global _ESPEAK
     if _ESPEAK is None:
-        import espeakng_loader
-        from phonemizer.backend import EspeakBackend
-        from phonemizer.backend.espeak.wrapper import EspeakWrapper
+        from converters.kokoro import espeak_backend
 
-        EspeakWrapper.set_library(espeakng_loader.get_library_path())
-        EspeakWrapper.set_data_path(espeakng_loader.get_data_path())
-        _ESPEAK = EspeakBackend("en-us", preserve_punctuation=True, with_stress=True)
+        _ESPEAK = espeak_backend(preserve_punctuation=True, with_stress=True)
     return _ESPEAK
 
 

@@ -55,13 +55,23 @@ def speech_rows(meta: dict[str, Any], available: int, source: str = "features") 
     return rows, notes
 
 
-def speak_features(content: np.ndarray, style: np.ndarray, rows: int, speed: float = 1.0) -> np.ndarray:
-    """Audio (float32, 24 kHz) from the first `rows` predicted content rows and the predicted style."""
+MAX_MEAN_FRAMES = 12.0
+"""Cap on the mean predicted duration: 12 frames of 25 ms = 0.3 s per phoneme row, 3.5x Kokoro's mean on the
+sample's English (3.4 frames; the slowest voice, sad at speed 0.8, ~4.3). Real speech never reaches it; an
+untrained model's features reached 10x the expected length (15 s of decoding per reply in the demo's
+untrained column)."""
+
+
+def speak_features(content: np.ndarray, style: np.ndarray, rows: int, speed: float = 1.0,
+                   threads: int = 1) -> np.ndarray:
+    """Audio (float32, 24 kHz) from the first `rows` predicted content rows and the predicted style, rows
+    held MAX_MEAN_FRAMES frames on average at most."""
     content = np.asarray(content, np.float32)
     if content.ndim != 2 or content.shape[1] != kokoro.CONTENT_DIM:
         raise SpeechBridgeError(f"speech_content must be [rows, {kokoro.CONTENT_DIM}], "
                                 f"got {list(content.shape)}")
-    return kokoro.shared(1).synthesize(content[:rows], style, speed)
+    return kokoro.shared(threads).synthesize(content[:rows], style, speed,
+                                             max_mean_frames=MAX_MEAN_FRAMES)
 
 
 def synthesize_reply(features: str | Path, out: str | Path, *, rows: int | None = None,

@@ -123,13 +123,13 @@ class SpeechEval:
         return wav.astype(np.float32) / 32768.0
 
     def _speak(self, name: str, pairs: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+        """Kokoro through the bridge chat uses (`converters.synthesize.speak_features`, durations capped)."""
         from tqdm import tqdm
 
-        from converters import kokoro
+        from converters.synthesize import speak_features
 
-        engine = kokoro.shared(self.threads)
-        return [engine.synthesize(c, s) for c, s in tqdm(pairs, desc=f"speech: {name}", unit="utt",
-                                                         disable=not self.progress, leave=False)]
+        bar = tqdm(pairs, desc=f"speech: {name}", unit="utt", disable=not self.progress, leave=False)
+        return [speak_features(c, s, len(c), threads=self.threads) for c, s in bar]
 
     def _rows(self, name: str, wavs: list[np.ndarray], styles: Mapping[int, np.ndarray]) -> dict[str, float]:
         from converters.kokoro import SAMPLE_RATE

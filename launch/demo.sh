@@ -138,3 +138,18 @@ echo "(greedy decoding with no_repeat_ngram_size=${CHAT_NO_REPEAT_NGRAM:-4}; CHA
 "$PY" -m empatheia_jax.cli chat --ckpt "$RUN/overall" --history "$RUN/chat_history.json" \
     --text "${TURN[0]}" --audio "${TURN[1]}" --video "${TURN[2]}" --out "$RUN/chat_reply" \
     --no_repeat_ngram_size "${CHAT_NO_REPEAT_NGRAM:-4}" --speak ${V[@]+"${V[@]}"}
+# The spoken reply: Kokoro reads as many predicted content rows as the reply has phonemes (+2 pads); at speed 1
+# that is ~65 ms a row (tests/test_synthesize.py), so a sane prediction lasts within a factor 2 of it.
+"$PY" - "$RUN/chat_reply" <<'EOF_SPEECH'
+import json, sys, wave
+import numpy as np
+stem = sys.argv[1]
+rows = json.load(open(stem + ".json"))["speech_content_units"]
+with wave.open(stem + ".wav") as w:
+    x = np.frombuffer(w.readframes(w.getnframes()), "<i2") / 32768.0
+    seconds = len(x) / w.getframerate()
+expected, rms = rows * 0.065, float(np.sqrt(np.mean(x ** 2))) if len(x) else 0.0
+ok = 0.5 * expected < seconds < 2 * expected and rms > 0.01
+print(f"[{'PASS' if ok else 'FAIL'}] spoken reply: {seconds:.2f} s for {rows} phoneme rows (expected ~{expected:.2f} s), "
+      f"RMS {rms:.3f}")
+EOF_SPEECH

@@ -218,8 +218,10 @@ def test_chat_writes_features_equal_to_respond(trained, reference, chat_inputs, 
 
 def test_chat_speak_writes_the_reply_spoken_from_its_features(trained, chat_inputs, cli_env, tmp_path):
     """--speak: Kokoro speaks the first T predicted content rows (T = the reply's phoneme rows, capped at
-    max_speech_len) in the predicted style; the wav is exactly that synthesis, and not silence."""
+    max_speech_len) in the predicted style; the wav is exactly that synthesis (the bridge's
+    `speak_features`, durations capped), and not silence."""
     from converters import kokoro
+    from converters.synthesize import speak_features
     from data.kokoro_voices import to_pcm16
     from data.speech_synth import read_wav
     from empatheia_jax.targets import content_rows
@@ -236,7 +238,7 @@ def test_chat_speak_writes_the_reply_spoken_from_its_features(trained, chat_inpu
         content, style = z["speech_content"], z["speech_style"]
     sr, wav = read_wav(f"{out}.wav")
     assert sr == kokoro.SAMPLE_RATE and len(wav) > 0.1 * sr
-    np.testing.assert_array_equal(wav, to_pcm16(kokoro.shared(1).synthesize(content[:rows], style)))
+    np.testing.assert_array_equal(wav, to_pcm16(speak_features(content, style, rows)))
     assert np.abs(wav).max() > 300  # not silence
 
 

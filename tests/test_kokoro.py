@@ -96,6 +96,11 @@ def test_durations_from_outside_set_the_length(engine, phonemes):
     assert short.size == 3 * t * 600 and long.size == 6 * t * 600  # 600 samples (25 ms) per frame
     with pytest.raises(ValueError, match="durations have"):
         engine.synthesize(content, style, durations=np.ones(t - 1))
+    # the cap on the mean predicted duration: no effect above it, a bound on the length below it
+    full = engine.synthesize(content, style)
+    np.testing.assert_array_equal(engine.synthesize(content, style, max_mean_frames=12.0), full)
+    capped = engine.synthesize(content, style, max_mean_frames=1.5)
+    assert capped.size <= 1.5 * t * 600 + t * 300 < full.size  # rounding adds at most half a frame a row
 
 
 def test_bad_inputs_are_named(engine, phonemes):
