@@ -31,6 +31,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import tempfile
 import threading
@@ -186,7 +187,11 @@ def espeak_backend(**options):
 
     EspeakWrapper.set_library(espeakng_loader.get_library_path())
     EspeakWrapper.set_data_path(espeakng_loader.get_data_path())
-    return EspeakBackend("en-us", **options)
+    # phonemizer warns "words count mismatch" on every call with punctuation kept (its word count differs from
+    # espeak's); the phonemes are right, so its logger only passes errors
+    quiet = logging.getLogger("empatheia_jax.phonemizer")
+    quiet.setLevel(logging.ERROR)
+    return EspeakBackend("en-us", logger=quiet, **options)
 
 
 def _phonemizer():

@@ -74,6 +74,45 @@ def speak_features(content: np.ndarray, style: np.ndarray, rows: int, speed: flo
                                              max_mean_frames=MAX_MEAN_FRAMES)
 
 
+def video_frames(meta: dict[str, Any], content: np.ndarray, n_frames: int, source: str = "features"
+                 ) -> tuple[np.ndarray, list[str]]:
+    """The first `n_frames` predicted video_content rows (25 fps, as many as the spoken reply lasts)."""
+    src = meta.get("video_targets")
+    if src != "face_render":
+        why = {"stand-in": "stand-in video targets (functions of the sample's media, not generator controls)",
+               "dreamtalk": "DreamTalk features: render them with python -m converters.dreamtalk"}
+        raise SpeechBridgeError(f"{source}: the model was trained on "
+                                f"{why.get(src, f'video targets of source {src!r}')}; the avatar renders "
+                                "face_render controls (python -m converters.face_targets)")
+    notes = []
+    if n_frames > len(content):
+        notes.append(f"the reply lasts {n_frames} frames but the model predicts {len(content)} "
+                     "(config.data.max_video_len); the face holds still with its mouth closed after that")
+        rest = np.zeros((n_frames - len(content), content.shape[1]), np.float32)
+        content = np.concatenate([content, rest])
+    return content[:n_frames], notes
+
+
+def render_avatar(features: str | Path, wav: str | Path, out: str | Path) -> tuple[Path, int, list[str]]:
+    """The talking avatar: predicted C^v/S^v drawn by the face generator (data/face_render.py) at 25 fps,
+    as many frames as `wav` (the spoken reply) lasts, with that speech muxed in; (path, frames, notes)."""
+    from data.face_render import FRAME_RATE, encode_mp4, render_controls
+    from data.speech_synth import read_wav
+    from empatheia_jax.chat import read_outputs
+
+    arrays, meta = read_outputs(Path(features))
+    for key in ("video_content", "video_style"):
+        if key not in arrays:
+            raise SpeechBridgeError(f"{features}: no {key!r} array (the model has no video heads)")
+    sr, samples = read_wav(wav)
+    n_frames = max(1, -(-len(samples) * FRAME_RATE // sr))
+    content, notes = video_frames(meta, arrays["video_content"], n_frames, str(features))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    encode_mp4(render_controls(content, arrays["video_style"]), out, audio=(samples, sr))
+    return out, n_frames, notes
+
+
 def synthesize_reply(features: str | Path, out: str | Path, *, rows: int | None = None,
                      speed: float = 1.0) -> tuple[Path, float, list[str]]:
     """Speak chat's output `features` (OUT.npz or its stem) into the wav `out`; (path, seconds, notes)."""
@@ -108,15 +147,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="wav to write (24 kHz mono int16)")
     ap.add_argument("--rows", type=int, default=None, help="content rows to read (default: from the json)")
     ap.add_argument("--speed", type=float, default=1.0, help="speaking rate (default 1.0, the listener's)")
+    ap.add_argument("--avatar", default=None, help="also render the talking avatar (C^v/S^v through the "
+                                                   "procedural face generator, with the speech) to this .mp4")
     args = ap.parse_args(argv)
     try:
         path, seconds, notes = synthesize_reply(args.features, args.out, rows=args.rows, speed=args.speed)
+        if args.avatar:
+            mp4, frames, more = render_avatar(args.features, path, args.avatar)
+            notes += more
     except (FileNotFoundError, ValueError, kokoro.KokoroAssetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
     print(f"speech ({seconds:.2f} s) -> {path}")
+    if args.avatar:
+        print(f"avatar ({frames} frames at 25 fps) -> {mp4}")
     return 0
 
 

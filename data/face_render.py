@@ -23,10 +23,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
 from data.speech_synth import FRAME_RATE, STYLES, check_profile
+from empatheia_jax.schema import AGES, GENDERS, TIMBRES
 
 DEFAULT_SIZE = 128
 MOUTH_LEVELS = 16
@@ -378,31 +380,100 @@ def _blink_state(i: int, pid: int, fps: int) -> int:
     return {0: 1, 1: 2, 2: 2, 3: 1}.get(k, 0)
 
 
-def render_frames(envelope_per_frame: np.ndarray, profile: dict, emotion: str, fps: int = FRAME_RATE,
-                  size: int = DEFAULT_SIZE) -> np.ndarray:
-    """uint8 RGB frames [T, size, size, 3]: the avatar of `profile` with `emotion`, mouth opening
-    following `envelope_per_frame` (values in [0, 1], one per frame)."""
+# ---------------------------------------------------------------------------------------------------------
+# The control space: everything a frame is drawn from, as Empatheia's video targets (docs/design.md "Video
+# out"). The renderer is a generator with two inputs, like DreamTalk: per-frame content and a per-clip style.
+
+CONTENT_DIM = STYLE_DIM = 256
+CONTENT_MOUTH, CONTENT_BLINK = 0, 1
+"""video_content [T, 256] per 25-fps frame: dim 0 = mouth opening in [0, 1] (drawn at MOUTH_LEVELS steps),
+dim 1 = eyelid closure (0 open, 0.6 half, 1 closed: the three drawn states); dims 2-255 are zero (reserved
+for head motion, which this renderer does not draw)."""
+BLINK_LEVELS = (0.0, 0.6, 1.0)
+_PALETTE = len(_SKIN)  # skin index = ID % 5, hair index = (ID // 5) % 5: the ID's whole visible effect
+STYLE_GROUPS: dict[str, tuple[int, tuple]] = {
+    "age": (0, AGES), "gender": (4, GENDERS), "timbre": (6, TIMBRES), "emotion": (9, STYLES),
+    "skin": (18, tuple(range(_PALETTE))), "hair": (23, tuple(range(len(_HAIR)))),
+    "iris": (28, ("brown", "blue")),
+}
+"""video_style [256]: one-hot groups (offset, classes): age 0-3, gender 4-5, timbre (shirt colour) 6-8,
+expression 9-17 (EMOTIONS_7, neutral, empathetic), skin tone 18-22, hair colour 23-27, iris 28-29 (the
+profile ID's whole visible effect: skin = ID % 5, hair = (ID // 5) % 5, blue iris iff ID % 3 == 0); dims
+30-255 zero. Decoding takes the argmax of each group, so a predicted style renders as the nearest avatar."""
+
+
+class ControlError(ValueError):
+    """Controls of the wrong shape or holding NaN/inf."""
+
+
+def face_controls(envelope_per_frame: np.ndarray, profile: dict, emotion: str, fps: int = FRAME_RATE
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(content [T, 256], style [256]): the complete description of the clip `render_frames` draws."""
     age, gender, timbre = check_profile(profile)
     if emotion not in EXPRESSIONS:
         raise ValueError(f"emotion {emotion!r} is not one of {STYLES}")
-    if size % 2:
-        raise ValueError("size must be even (yuv420p)")
     pid = _profile_id(profile)
-    eyes, mouths, (y0, y1, x0, x1) = _parts(age, gender, timbre, pid, emotion, size)
     env = np.clip(np.nan_to_num(np.asarray(envelope_per_frame, np.float64)), 0.0, 1.0)
     # light smoothing: a mouth does not snap shut within one 40 ms frame
     if env.size > 2:
         env = np.maximum(env, 0.6 * np.concatenate([[0.0], env[:-1]]))
-    levels = np.round(env * (MOUTH_LEVELS - 1)).astype(int)
-    out = np.empty((env.size, size, size, 3), np.uint8)
-    for i, level in enumerate(levels):
-        out[i] = eyes[_blink_state(i, pid, fps)]
+    content = np.zeros((env.size, CONTENT_DIM), np.float32)
+    content[:, CONTENT_MOUTH] = np.round(env * (MOUTH_LEVELS - 1)) / (MOUTH_LEVELS - 1)
+    content[:, CONTENT_BLINK] = [BLINK_LEVELS[_blink_state(i, pid, fps)] for i in range(env.size)]
+    style = np.zeros(STYLE_DIM, np.float32)
+    values = {"age": age, "gender": gender, "timbre": timbre, "emotion": emotion, "skin": pid % _PALETTE,
+              "hair": (pid // _PALETTE) % len(_HAIR), "iris": "blue" if pid % 3 == 0 else "brown"}
+    for name, (offset, classes) in STYLE_GROUPS.items():
+        style[offset + classes.index(values[name])] = 1.0
+    return content, style
+
+
+def decode_style(style: np.ndarray) -> dict[str, Any]:
+    """The avatar a style vector draws: {age, gender, timbre, emotion, skin, hair, ID} (argmax per group)."""
+    style = np.asarray(style, np.float32).reshape(-1)
+    if style.shape != (STYLE_DIM,) or not np.isfinite(style).all():
+        raise ControlError(f"video style must be {STYLE_DIM} finite values, got shape {list(style.shape)}")
+    out = {name: classes[int(np.argmax(style[offset: offset + len(classes)]))]
+           for name, (offset, classes) in STYLE_GROUPS.items()}
+    blue = out["iris"] == "blue"
+    out["ID"] = next(i for i in range(3 * _PALETTE * len(_HAIR)) if i % _PALETTE == out["skin"]
+                     and (i // _PALETTE) % len(_HAIR) == out["hair"] and (i % 3 == 0) == blue)
+    return out
+
+
+def render_controls(content: np.ndarray, style: np.ndarray, size: int = DEFAULT_SIZE) -> np.ndarray:
+    """uint8 RGB frames [T, size, size, 3] drawn from controls (gold or predicted): the generator proper."""
+    content = np.asarray(content, np.float32)
+    if content.ndim != 2 or content.shape[1] < 2 or len(content) == 0 or not np.isfinite(content).all():
+        raise ControlError(f"video content must be finite [T>0, {CONTENT_DIM}], "
+                           f"got shape {list(content.shape)}")
+    if size % 2:
+        raise ValueError("size must be even (yuv420p)")
+    avatar = decode_style(style)
+    eyes, mouths, (y0, y1, x0, x1) = _parts(avatar["age"], avatar["gender"], avatar["timbre"], avatar["ID"],
+                                            avatar["emotion"], size)
+    levels = np.round(content[:, CONTENT_MOUTH] * (MOUTH_LEVELS - 1))
+    levels = np.clip(levels, 0, MOUTH_LEVELS - 1).astype(int)
+    blinks = np.abs(content[:, CONTENT_BLINK, None] - np.asarray(BLINK_LEVELS)[None]).argmin(1)
+    out = np.empty((len(content), size, size, 3), np.uint8)
+    for i, (level, blink) in enumerate(zip(levels, blinks, strict=True)):
+        out[i] = eyes[blink]
         out[i, y0:y1, x0:x1] = mouths[level]
     return out
 
 
-def encode_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = FRAME_RATE, crf: int = 20) -> None:
-    """h264 yuv420p .mp4 with one encoder thread and bit-exact muxing, so bytes are reproducible."""
+def render_frames(envelope_per_frame: np.ndarray, profile: dict, emotion: str, fps: int = FRAME_RATE,
+                  size: int = DEFAULT_SIZE) -> np.ndarray:
+    """uint8 RGB frames [T, size, size, 3]: the avatar of `profile` with `emotion`, mouth opening
+    following `envelope_per_frame` (values in [0, 1], one per frame), through `face_controls` and
+    `render_controls`."""
+    return render_controls(*face_controls(envelope_per_frame, profile, emotion, fps), size=size)
+
+
+def encode_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = FRAME_RATE, crf: int = 20,
+               audio: tuple[np.ndarray, int] | None = None) -> None:
+    """h264 yuv420p .mp4 with one encoder thread and bit-exact muxing, so bytes are reproducible; with
+    `audio` = (mono int16 samples, sample rate) an AAC track is muxed in (the avatar with its voice)."""
     import av
 
     frames = np.asarray(frames, np.uint8)
@@ -414,6 +485,13 @@ def encode_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = FRAME_RAT
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = "yuv420p"
         stream.codec_context.thread_count = 1  # thread count is written into the stream; keep it fixed
+        if audio is not None:  # every stream is added before the first packet is muxed
+            samples, rate = np.asarray(audio[0], "<i2"), int(audio[1])
+            track = container.add_stream("aac", rate=rate, layout="mono")
+            frame = av.AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
+            frame.sample_rate = rate
+            for packet in [*track.encode(frame), *track.encode(None)]:
+                container.mux(packet)
         for f in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
                 container.mux(packet)

@@ -491,7 +491,9 @@ def build_sample(out: str | os.PathLike, n: int, seed: int, *, ed_csv: str | os.
             "gold_speech": gold_info,
             "targets": {"speech": "real: Kokoro-82M features of every utterance "
                                   "(python -m converters.styletts2_targets --backend kokoro)",
-                        "video": "stand-in (python -m empatheia_jax.targets standin); DreamTalk is not here"},
+                        "video": "real for the embedded face generator: the controls each video was drawn "
+                                 "with (python -m converters.face_targets); a procedural stand-in for "
+                                 "DreamTalk"},
             "splits": {s: [o["conversation_id"] for o in per_split[s]] for s in SPLITS},
             "num_utterances": len(jobs),
             "media_seconds": round(sum(r[1] for r in results) / SAMPLE_RATE, 2),

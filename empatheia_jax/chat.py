@@ -99,6 +99,7 @@ class ChatResult:
     prompt_length: int = 0
     notes: list[str] = dataclasses.field(default_factory=list)
     speech_targets: str = STAND_IN
+    video_targets: str = STAND_IN
 
     @property
     def speech_content_units(self) -> int | None:
@@ -399,6 +400,7 @@ def respond(
     chat_format: str = "auto",
     compiler_options: Mapping[str, Any] | None = None,
     speech_targets: str = STAND_IN,
+    video_targets: str = STAND_IN,
 ) -> ChatResult:
     """The model's reply to `text` (the speaker's latest utterance; `audio`/`video` its media files) after
     `history` (`load_history` entries, oldest first). See the module docstring for the steps.
@@ -408,8 +410,9 @@ def respond(
     `repetition_penalty`/`no_repeat_ngram_size` are HF's, over the prompt and the reply (generation.py).
     Missing media raise `FileNotFoundError`, unreadable media and a latest utterance that cannot fit in
     `max_len` `ChatInputError` (`PromptTooLongError`), each naming the file or the limit.
-    speech_targets: the source of the speech targets the model was trained on (checkpoint meta "targets");
-    it decides how many speech_content rows the reply has (`ChatResult.speech_content_units`).
+    speech_targets / video_targets: the sources of the targets the model was trained on (checkpoint meta
+    "targets"); the first decides how many speech_content rows the reply has
+    (`ChatResult.speech_content_units`), both which generator can render the features (recorded in OUT.json).
     """
     if not isinstance(text, str):
         raise TypeError(f"text must be a string, got {type(text).__name__}")
@@ -518,6 +521,7 @@ def respond(
         prompt_length=len(prompt.ids),
         notes=notes,
         speech_targets=speech_targets,
+        video_targets=video_targets,
     )
 
 
@@ -584,6 +588,7 @@ def write_outputs(result: ChatResult, out: str | os.PathLike) -> tuple[Path, Pat
         "signal_tokens_forced": result.signal_tokens_forced,
         "speech_content_units": result.speech_content_units,
         "speech_targets": result.speech_targets,
+        "video_targets": result.video_targets,
         "prompt_length": result.prompt_length,
         "notes": list(result.notes),
         "features": {k: list(np.shape(v)) for k, v in result.features.items()},

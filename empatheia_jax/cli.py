@@ -56,6 +56,8 @@ flags.DEFINE_integer("no_repeat_ngram_size", 0, "eval/chat: HF's no_repeat_ngram
 flags.DEFINE_string("json", None, "eval: also write the metrics table as JSON here")
 flags.DEFINE_integer("speech_examples", 16, "eval: test replies spoken by Kokoro for the speech rows (MCD, "
                      "speaker similarity, F0, duration); 0 = no speech rows", lower_bound=0)
+flags.DEFINE_integer("video_examples", 6, "eval: test replies drawn by the face generator for the video rows "
+                     "(SSIM, PSNR, CPBD, landmark distances, lip sync); 0 = no video rows", lower_bound=0)
 flags.DEFINE_string("gold_speech", None, "eval: folder of gold speech wavs (default: RAW/gold_speech of the "
                     "shards' manifest)")
 flags.DEFINE_string("text", None, "chat: the speaker's latest utterance")
@@ -66,6 +68,8 @@ flags.DEFINE_string(
 )
 flags.DEFINE_bool("speak", False, "chat: also speak the reply with Kokoro-82M from the predicted C^s/S^s "
                   "(OUT.wav; the checkpoint must be trained on Kokoro speech targets)")
+flags.DEFINE_bool("avatar", False, "chat: also render the talking avatar from the predicted C^v/S^v with the "
+                  "spoken reply (OUT.mp4; implies --speak; needs face_render video targets)")
 flags.DEFINE_string("out", None, "chat: output path stem (default: ./chat_reply); export: the folder")
 flags.DEFINE_bool("merged", False, "export: LoRA merged into a full HF checkpoint (default: a PEFT adapter)")
 flags.DEFINE_bool("peft", False, "export: a PEFT adapter on the converted backbone (the default)")
@@ -106,7 +110,7 @@ def _train() -> int:
 
 
 def _eval() -> int:
-    from empatheia_jax import evaluate, speech_eval
+    from empatheia_jax import evaluate, speech_eval, video_eval
 
     if not FLAGS.ckpt:
         raise app.UsageError("eval needs --ckpt")
@@ -137,9 +141,16 @@ def _eval() -> int:
             if FLAGS.gold_speech:  # asked for explicitly: a user error
                 raise
             print(f"note: no speech rows: {e}", file=sys.stderr)
-    kwargs["speech"] = speech
-    columns = {"trained": evaluate.evaluate(model, tokenizer, shards, FLAGS.split, **kwargs)}
-    if FLAGS.untrained:
+    video = None
+    if FLAGS.video_examples and model.config.has_cs and model.config.has_sd:
+        try:
+            video = video_eval.VideoEval(shards, FLAGS.split, train_split=config.data.train_split,
+                                         examples=FLAGS.video_examples)
+        except video_eval.VideoEvalUnavailable as e:
+            print(f"note: no video rows: {e}", file=sys.stderr)
+    columns = {"trained": evaluate.evaluate(model, tokenizer, shards, FLAGS.split, speech=speech, video=video,
+                                            **kwargs)}
+    if FLAGS.untrained:  # loss, classifier and feature rows: an untrained head's features drive no generator
         fresh, tok, _, _ = _load_trained(restore=False)
         columns["untrained"] = evaluate.evaluate(fresh, tok, shards, FLAGS.split, name="untrained", **kwargs)
     columns["baseline"] = evaluate.baselines(
@@ -149,8 +160,10 @@ def _eval() -> int:
         max_speech_len=model.config.max_speech_len,
         max_video_len=model.config.max_video_len,
     )
-    if speech is not None:
-        columns.update(speech.reference_columns())
+    for rows in (speech, video):
+        if rows is not None:
+            for name, values in rows.reference_columns().items():
+                columns.setdefault(name, {}).update(values)
     columns["chance"] = evaluate.chance_levels(model.config)
     print(evaluate.format_table(columns))
     targets = speech_eval.describe_targets(manifest)
@@ -185,11 +198,18 @@ def _chat() -> int:
         encoder = chat.encoder_from_manifest(meta["encoder"])
     except chat.EncoderManifestError as e:
         raise CheckpointError(f"{where}: {e}") from e
-    speech_targets = (meta.get("targets") or {}).get("speech_content", {}).get("source", STAND_IN)
-    if FLAGS.speak:  # before generating: a checkpoint that cannot speak fails now, not after a minute
-        from converters.synthesize import speech_rows
+    targets = meta.get("targets") or {}
+    speech_targets = targets.get("speech_content", {}).get("source", STAND_IN)
+    video_targets = targets.get("video_content", {}).get("source", STAND_IN)
+    speak = FLAGS.speak or FLAGS.avatar
+    if speak:  # before generating: a checkpoint that cannot speak fails now, not after a minute
+        from converters.synthesize import speech_rows, video_frames
 
         speech_rows({"speech_targets": speech_targets, "speech_content_units": 3}, 3, where)
+        if FLAGS.avatar:
+            import numpy as np
+
+            video_frames({"video_targets": video_targets}, np.zeros((1, 2), np.float32), 1, where)
     try:
         result = chat.respond(
             model,
@@ -205,6 +225,7 @@ def _chat() -> int:
             # The prompt gets the training budget; the reply (and its signal tokens) come on top of it.
             max_len=int(config.data.max_len) + FLAGS.max_new_tokens + 2 * model.config.n_signal + 2,
             speech_targets=speech_targets,
+            video_targets=video_targets,
         )
     except chat.PromptTooLongError as e:
         raise chat.ChatInputError(
@@ -214,13 +235,18 @@ def _chat() -> int:
     print(chat.format_result(result))
     npz, js = chat.write_outputs(result, FLAGS.out or "chat_reply")
     print(f"features -> {npz}\ntext -> {js}")
-    if FLAGS.speak:
-        from converters.synthesize import synthesize_reply
+    if speak:
+        from converters.synthesize import render_avatar, synthesize_reply
 
         wav, seconds, notes = synthesize_reply(npz, npz.with_suffix(".wav"))
         for n in notes:
             print(f"note: {n}")
         print(f"speech ({seconds:.2f} s, Kokoro-82M, {result.speech_content_units} phoneme rows) -> {wav}")
+        if FLAGS.avatar:
+            mp4, frames, notes = render_avatar(npz, wav, npz.with_suffix(".mp4"))
+            for n in notes:
+                print(f"note: {n}")
+            print(f"avatar ({frames} frames at 25 fps with the speech, procedural face generator) -> {mp4}")
     return 0
 
 

@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from empatheia_jax import input_pipeline as ip
-from empatheia_jax import losses, schema, shard_format, speech_eval, stages
+from empatheia_jax import losses, schema, shard_format, speech_eval, stages, video_eval
 from empatheia_jax import templates as tpl
 from empatheia_jax.generation import eos_token_ids, generate_tokens, left_pad
 from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
@@ -53,11 +53,12 @@ FEATURE_METRICS = ("speech_content_l2", "video_content_l2", "speech_style_l2", "
                    "speech_content_cos", "video_content_cos", "speech_style_cos", "video_style_cos")
 COUNT_METRICS = ("num_examples", "num_generated", "skipped_examples")
 METRICS = (*TEXT_METRICS[:1], *CLASS_METRICS, *FEATURE_METRICS, *speech_eval.SPEECH_METRICS,
-           *TEXT_METRICS[1:], *LOSS_METRICS, *COUNT_METRICS)
+           *video_eval.VIDEO_METRICS, *TEXT_METRICS[1:], *LOSS_METRICS, *COUNT_METRICS)
 HIGHER_IS_BETTER = frozenset({*CLASS_METRICS, *TEXT_METRICS, "speech_content_cos", "video_content_cos",
-                              "speech_style_cos", "video_style_cos", *speech_eval.HIGHER_IS_BETTER})
+                              "speech_style_cos", "video_style_cos", *speech_eval.HIGHER_IS_BETTER,
+                              *video_eval.HIGHER_IS_BETTER})
 LOWER_IS_BETTER = frozenset({*LOSS_METRICS, "speech_content_l2", "video_content_l2", "speech_style_l2",
-                             "video_style_l2", *speech_eval.LOWER_IS_BETTER})
+                             "video_style_l2", *speech_eval.LOWER_IS_BETTER, *video_eval.LOWER_IS_BETTER})
 
 LABELS = ("emotion", "age", "gender", "timbre")
 _ACC_NAME = {"emotion": "emotion_acc_cls", "age": "age_acc", "gender": "gender_acc", "timbre": "timbre_acc"}
@@ -394,8 +395,8 @@ def teacher_forced_metrics(
 ) -> dict[str, float]:
     """Loss terms, SD classifier accuracies and C/S feature metrics over `split`, teacher-forced.
 
-    `collect` (a dict) receives, per record index, the predicted speech_content rows over the gold reply
-    (as many as its target has) and speech_style: what the speech evaluation (speech_eval.py) synthesizes.
+    `collect` (a dict) receives, per record index, the predicted {speech,video}_content rows over the gold
+    reply (as many as its target has) and {speech,video}_style: what speech_eval.py / video_eval.py render.
 
     Loss terms are the model's own (`Empatheia.loss` under `eval_stage`), aggregated over the split by their
     item counts (tokens for emp/signal_ce, valid rows for ccl_*, examples with the target for sal_*, labelled
@@ -430,14 +431,14 @@ def teacher_forced_metrics(
         for k in LABELS:
             batch[k] = np.where(real, batch[k], -1)
         metrics, out = jax.device_get(step(graphdef, state, {k: jnp.asarray(v) for k, v in batch.items()}))
-        if collect is not None and "speech_content" in out and "speech_style" in out:
+        if collect is not None:
             for b in np.flatnonzero(real):
-                rows = int(batch["speech_content_mask"][b].sum())
-                collect[int(batch["record_index"][b])] = {
-                    "speech_content": np.asarray(out["speech_content"][b, :rows], np.float32),
-                    "speech_style": np.asarray(out["speech_style"][b], np.float32),
-                    "has_style": bool(batch["style_mask"][b, 0]),
-                }
+                got = collect.setdefault(int(batch["record_index"][b]), {})
+                for kind in ("speech", "video"):
+                    if f"{kind}_content" in out and f"{kind}_style" in out:
+                        rows = int(batch[f"{kind}_content_mask"][b].sum())
+                        got[f"{kind}_content"] = np.asarray(out[f"{kind}_content"][b, :rows], np.float32)
+                        got[f"{kind}_style"] = np.asarray(out[f"{kind}_style"][b], np.float32)
         n = int(real.sum())
         n_real += n
         _add_loss_terms(means, metrics, batch, out, n, reported)
@@ -628,6 +629,7 @@ def evaluate(
     progress: bool = True,
     compiler_options: Mapping[str, Any] | None = None,
     speech: speech_eval.SpeechEval | None = None,
+    video: video_eval.VideoEval | None = None,
     name: str = "trained",
 ) -> dict[str, float]:
     """All metrics of `model` on `split` of `shards_dir` (see the module docstring for the definitions).
@@ -642,16 +644,18 @@ def evaluate(
     `predictions_path` writes one JSON
     line per generation. `max_examples` evaluates the first N records only. `compiler_options` go to the
     jitted forward passes (tests turn XLA optimisation off). `speech` (a `speech_eval.SpeechEval` of these
-    shards) adds the speech rows: the predicted C^s/S^s spoken by Kokoro against the gold speech (`name`
-    labels the progress bars).
+    shards) adds the speech rows: the predicted C^s/S^s spoken by Kokoro against the gold speech; `video` (a
+    `video_eval.VideoEval`) the video rows: C^v/S^v drawn by the face generator against the gold video
+    (`name` labels the progress bars).
     """
     common = dict(batch_size=batch_size, max_len=max_len, pipeline_overrides=pipeline_overrides,
                   max_examples=max_examples, progress=progress, compiler_options=compiler_options)
-    collected: dict[int, dict[str, np.ndarray]] | None = {} if speech is not None else None
+    collected: dict[int, dict[str, np.ndarray]] | None = {} if speech or video else None
     result = teacher_forced_metrics(model, tokenizer, shards_dir, split, weights=weights, collect=collected,
                                     **common)
-    if speech is not None and collected:
-        result.update(speech.model_rows(name, collected))
+    for rows in (speech, video):
+        if rows is not None and collected:
+            result.update(rows.model_rows(name, collected))
     if generate_text:
         preds = generate_predictions(model, tokenizer, shards_dir, split, max_new_tokens=max_new_tokens,
                                      repetition_penalty=repetition_penalty,

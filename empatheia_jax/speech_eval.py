@@ -148,12 +148,13 @@ class SpeechEval:
 
     def model_rows(self, name: str, collected: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
         """The speech rows of a model from `evaluate.teacher_forced_metrics(collect=...)`'s outputs."""
-        missing = [it["record_index"] for it in self.items if it["record_index"] not in collected]
+        missing = [it["record_index"] for it in self.items
+                   if "speech_content" not in collected.get(it["record_index"], {})]
         if missing:
             raise ValueError(f"no predicted speech features for test records {missing[:5]}")
         picked = [collected[it["record_index"]] for it in self.items]
         pairs = [(c["speech_content"], c["speech_style"]) for c in picked]
-        styles = {i: np.asarray(c["speech_style"]) for i, c in collected.items()}
+        styles = {i: np.asarray(c["speech_style"]) for i, c in collected.items() if "speech_style" in c}
         return self._rows(name, self._speak(name, pairs), styles)
 
     def reference_columns(self) -> dict[str, dict[str, float]]:

@@ -41,9 +41,10 @@ TARGET_KINDS: dict[str, tuple[int, int]] = {
     "speech_style": (1, 256),
     "video_style": (1, 256),
 }
-SOURCES = ("styletts2", "kokoro", "dreamtalk", "stand-in")
+SOURCES = ("styletts2", "kokoro", "dreamtalk", "face_render", "stand-in")
 """Who made a target: StyleTTS2 (the user's checkpoint), Kokoro-82M (the embedded StyleTTS2-family model,
-converters/kokoro.py), DreamTalk, or the sample's stand-in functions."""
+converters/kokoro.py), DreamTalk (the user's checkpoint), the procedural face generator's controls
+(data/face_render.py, converters/face_targets.py), or the sample's stand-in functions."""
 STAND_IN = "stand-in"
 META = "meta.json"
 VIDEO_FPS = 25

@@ -65,13 +65,15 @@ else
 fi
 
 # ---------------------------------------------------------------------------------------------------
-step 4 "prepare shards: validate, lite features, REAL Kokoro speech targets, STAND-IN video targets (no DreamTalk here)"
+step 4 "prepare shards: validate, lite features, generator targets (Kokoro speech features, the face generator's controls)"
 if [[ -f "$WORK/shards/manifest.json" ]]; then
     echo "already prepared: $WORK/shards"
 else
-    # Speech targets are Kokoro-82M's own t_en ++ d_en and the style vector each voice is made of; prepare then
-    # fills only the kinds no generator exported (video) with stand-ins.
+    # Speech targets are Kokoro-82M's own t_en ++ d_en and the style vector each voice is made of; video targets
+    # are the controls the procedural face generator (a stand-in for DreamTalk) drew each video from. prepare
+    # would fill any kind no generator exported with stand-ins; none is left.
     "$PY" -m converters.styletts2_targets --backend kokoro --raw "$WORK/sample" --out "$WORK/targets" --workers 2
+    "$PY" -m converters.face_targets --raw "$WORK/sample" --out "$WORK/targets" --workers 2
     "$PY" -m data.prepare --raw "$WORK/sample" --out "$WORK/shards" --encoder lite \
         --targets "$WORK/targets" --make-standin-targets --split-by conversation --workers 2 ${V[@]+"${V[@]}"}
 fi
@@ -85,10 +87,10 @@ bash launch/local.sh configs/smollm2_demo.py "$RUN" \
     --config.model.backbone="$WORK/smollm2" --config.data.shards="$WORK/shards" ${V[@]+"${V[@]}"}
 
 # ---------------------------------------------------------------------------------------------------
-step 6 "evaluate on the held-out test split: trained vs untrained vs majority/mean baselines"
+step 6 "evaluate on the held-out test split: trained vs untrained vs baselines, with speech and video rows"
 "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/overall" --split test --untrained \
     --max_new_tokens "${EVAL_NEW_TOKENS:-128}" --generate_batch_size 40 --json "$RUN/eval_test.json" \
-    --speech_examples "${EVAL_SPEECH_EXAMPLES:-12}" \
+    --speech_examples "${EVAL_SPEECH_EXAMPLES:-12}" --video_examples "${EVAL_VIDEO_EXAMPLES:-6}" \
     ${V[@]+"${V[@]}"}
 # DEMO_STRICT=1 makes a missed accuracy target fail the demo (exit 1).
 "$PY" - "$RUN/eval_test.json" "${DEMO_STRICT:-0}" <<'EOF_CHECK'
@@ -111,7 +113,7 @@ sys.exit(1 if bad and strict else 0)
 EOF_CHECK
 
 # ---------------------------------------------------------------------------------------------------
-step 7 "chat: one held-out dialogue turn with its speech and video -> CoE, reply, features (.npz), speech (.wav)"
+step 7 "chat: one held-out dialogue turn with its speech and video -> CoE, reply, features (.npz), speech (.wav), avatar (.mp4)"
 "$PY" - "$WORK/sample" "$RUN/chat_history.json" > "$RUN/chat_args.txt" <<'EOF_TURN'
 import json, sys
 from pathlib import Path
@@ -137,7 +139,7 @@ mapfile -t TURN < "$RUN/chat_args.txt"
 echo "(greedy decoding with no_repeat_ngram_size=${CHAT_NO_REPEAT_NGRAM:-4}; CHAT_NO_REPEAT_NGRAM=0 turns it off)"
 "$PY" -m empatheia_jax.cli chat --ckpt "$RUN/overall" --history "$RUN/chat_history.json" \
     --text "${TURN[0]}" --audio "${TURN[1]}" --video "${TURN[2]}" --out "$RUN/chat_reply" \
-    --no_repeat_ngram_size "${CHAT_NO_REPEAT_NGRAM:-4}" --speak ${V[@]+"${V[@]}"}
+    --no_repeat_ngram_size "${CHAT_NO_REPEAT_NGRAM:-4}" --avatar ${V[@]+"${V[@]}"}
 # The spoken reply: Kokoro reads as many predicted content rows as the reply has phonemes (+2 pads); at speed 1
 # that is ~65 ms a row (tests/test_synthesize.py), so a sane prediction lasts within a factor 2 of it.
 "$PY" - "$RUN/chat_reply" <<'EOF_SPEECH'
@@ -152,4 +154,11 @@ expected, rms = rows * 0.065, float(np.sqrt(np.mean(x ** 2))) if len(x) else 0.0
 ok = 0.5 * expected < seconds < 2 * expected and rms > 0.01
 print(f"[{'PASS' if ok else 'FAIL'}] spoken reply: {seconds:.2f} s for {rows} phoneme rows (expected ~{expected:.2f} s), "
       f"RMS {rms:.3f}")
+import av
+with av.open(stem + ".mp4") as c:
+    v, a = c.streams.video[0], c.streams.audio
+    n = sum(1 for _ in c.decode(v))
+want = -(-len(x) * 25 // 24000)
+ok = n == want and v.average_rate == 25 and len(a) == 1
+print(f"[{'PASS' if ok else 'FAIL'}] avatar: {n} frames at {v.average_rate} fps with {len(a)} audio track (speech: {want} frames)")
 EOF_SPEECH

@@ -312,14 +312,15 @@ TINY_PROFILES = ((1, "young", "female", "high"), (3, "child", "male", "mid"), (5
                  (7, "middle-aged", "male", "mid"))
 
 
-def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)), speech: str = "stand-in"
+def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)), real_targets: bool = False
                      ) -> Path:
     """Lite-encoder shards for trainer/eval tests: ROOT/raw, ROOT/shards (returned).
 
     Dialogue i of a split has emotion TINY_EMOTIONS[i % 6], 1-2 turns, and rotating speaker/listener
     profiles, so every label is present and every stage (text, media, targets) has data. Targets are
-    stand-ins, except the speech targets with `speech="kokoro"`: Kokoro-82M's features, and the test
-    responses' gold speech in RAW/gold_speech as data/make_sample.py writes it (~10 s more).
+    stand-ins; with `real_targets` the embedded generators' instead (Kokoro-82M speech features, the face
+    generator's controls) plus the test responses' gold speech in RAW/gold_speech as data/make_sample.py
+    writes it (~10 s more).
     """
     from data import prepare as prep
     from empatheia_jax.targets import TARGET_KINDS, make_standin_targets
@@ -334,7 +335,8 @@ def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)
         splits[split] = objs
     raw = make_raw(root / "raw", splits)
     kinds = list(TARGET_KINDS)
-    if speech == "kokoro":
+    if real_targets:
+        from converters.face_targets import export_face_targets
         from converters.kokoro import SAMPLE_RATE
         from converters.styletts2_targets import export_speech_targets
         from data.kokoro_voices import gold_speech
@@ -343,7 +345,8 @@ def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)
         from empatheia_jax import schema
 
         export_speech_targets(raw, raw / "targets", progress=False)
-        kinds = ["video_content", "video_style"]
+        export_face_targets(raw, raw / "targets", progress=False)
+        kinds = []
         (raw / GOLD_SPEECH_DIR).mkdir()
         for obj in splits["test"]:
             d = schema.Dialogue.from_json(obj)
@@ -351,7 +354,8 @@ def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)
                 wav, _ = gold_speech(turn.response, d.profile_of("listener").to_json(), LISTENER_STYLE)
                 uid = schema.response_utterance_id(d, j)
                 write_wav(raw / GOLD_SPEECH_DIR / f"{uid}.wav", wav, SAMPLE_RATE)
-    make_standin_targets(raw, raw / "targets", progress=False, kinds=kinds)
+    if kinds:
+        make_standin_targets(raw, raw / "targets", progress=False, kinds=kinds)
     out = root / "shards"
     prep.prepare(raw, out, targets=raw / "targets", records_per_shard=4, progress=False, command="tests")
     return out

@@ -74,7 +74,7 @@ def tok(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> Path:
-    return make_tiny_shards(tmp_path_factory.mktemp("cli_data"), speech="kokoro")
+    return make_tiny_shards(tmp_path_factory.mktemp("cli_data"), real_targets=True)
 
 
 @pytest.fixture(scope="module")
@@ -111,20 +111,23 @@ def chat_inputs(media, tmp_path_factory) -> dict:
 REFERENCE = """
 import json, sys
 import numpy as np
-from empatheia_jax import chat, evaluate, speech_eval, trainer
+from empatheia_jax import chat, evaluate, speech_eval, trainer, video_eval
 
 workdir, shards, out, inputs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 model, tokenizer, config, meta = trainer.load_trained(workdir)
 speech = speech_eval.SpeechEval(shards, "test", train_split=config.data.train_split, examples=16,
                                 progress=False)
+video = video_eval.VideoEval(shards, "test", train_split=config.data.train_split, examples=6, progress=False)
 columns = {"trained": evaluate.evaluate(
     model, tokenizer, shards, "test", batch_size=4, max_len=int(config.data.max_len), generate_text=False,
     pipeline_overrides={"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)},
-    progress=False, speech=speech)}
+    progress=False, speech=speech, video=video)}
 columns["baseline"] = evaluate.baselines(shards, "test", train_split=config.data.train_split,
                                          max_speech_len=model.config.max_speech_len,
                                          max_video_len=model.config.max_video_len)
-columns.update(speech.reference_columns())
+for rows in (speech, video):
+    for name, values in rows.reference_columns().items():
+        columns.setdefault(name, {}).update(values)
 columns["chance"] = evaluate.chance_levels(model.config)
 n = inputs["max_new_tokens"]
 encoder = chat.encoder_from_manifest(meta["encoder"])
@@ -180,13 +183,16 @@ def test_eval_prints_the_table_and_its_json_equals_the_library(trained, referenc
     got, want = json.loads(out.read_text()), reference[0]["eval"]
     assert list(got) == ["trained", "baseline", "mean_style", "pipeline_tts", "chance", "targets"]
     targets = got.pop("targets")
-    assert targets == ("targets: speech_content=kokoro, video_content=stand-in (STAND-IN), "
-                       "speech_style=kokoro, video_style=stand-in (STAND-IN)")
+    assert targets == ("targets: speech_content=kokoro, video_content=face_render, speech_style=kokoro, "
+                       "video_style=face_render")
     assert "emotion_acc_cls" in want["trained"] and "eval_loss" in want["trained"]
-    # the speech rows: every test reply spoken from the model's features and from the two references
+    # the speech and video rows: every test reply spoken / drawn from the model's features and from the two
+    # references
     for column in ("trained", "mean_style", "pipeline_tts"):
         assert want[column]["speech_examples"] + want[column]["speech_unusable"] == 3, column
         assert {"speech_mcd", "speech_spk_sim", "speech_gender_acc"} <= want[column].keys(), column
+        assert want[column]["video_examples"] == 3, column
+        assert {"video_ssim", "video_m_lmd", "video_lip_sync", "video_gender_acc"} <= want[column].keys()
     for column in want:  # same programs (same XLA flags, the shared compilation cache): bit-identical
         assert got[column].keys() == want[column].keys(), column
         for k, v in want[column].items():
@@ -216,10 +222,11 @@ def test_chat_writes_features_equal_to_respond(trained, reference, chat_inputs, 
         np.testing.assert_array_equal(arrays[k], want_arrays[k], err_msg=k)
 
 
-def test_chat_speak_writes_the_reply_spoken_from_its_features(trained, chat_inputs, cli_env, tmp_path):
-    """--speak: Kokoro speaks the first T predicted content rows (T = the reply's phoneme rows, capped at
-    max_speech_len) in the predicted style; the wav is exactly that synthesis (the bridge's
-    `speak_features`, durations capped), and not silence."""
+def test_chat_avatar_speaks_and_renders_the_reply_from_its_features(trained, chat_inputs, cli_env, tmp_path):
+    """--avatar (implies --speak): Kokoro speaks the first T predicted content rows (T = the reply's phoneme
+    rows, capped at max_speech_len) in the predicted style; the wav is exactly that synthesis (the bridge's
+    `speak_features`, durations capped), and not silence. The mp4 decodes at 25 fps with an audio track, one
+    frame per 40 ms of the speech, drawn from the predicted C^v/S^v."""
     from converters import kokoro
     from converters.synthesize import speak_features
     from data.kokoro_voices import to_pcm16
@@ -228,7 +235,7 @@ def test_chat_speak_writes_the_reply_spoken_from_its_features(trained, chat_inpu
 
     out = tmp_path / "spoken"
     p = ok(cli(cli_env, "chat", "--ckpt", trained[0], "--text", chat_inputs["text"], "--max_new_tokens", 6,
-               "--out", out, "--speak"))
+               "--out", out, "--avatar"))
     assert_quiet(p.stderr)
     js = json.loads(Path(f"{out}.json").read_text())
     rows = js["speech_content_units"]
@@ -240,6 +247,14 @@ def test_chat_speak_writes_the_reply_spoken_from_its_features(trained, chat_inpu
     assert sr == kokoro.SAMPLE_RATE and len(wav) > 0.1 * sr
     np.testing.assert_array_equal(wav, to_pcm16(speak_features(content, style, rows)))
     assert np.abs(wav).max() > 300  # not silence
+    assert js["video_targets"] == "face_render" and f"-> {out}.mp4" in p.stdout
+    import av
+
+    with av.open(f"{out}.mp4") as c:
+        video, audio = c.streams.video[0], c.streams.audio[0]
+        assert video.average_rate == 25 and audio.rate == kokoro.SAMPLE_RATE
+        frames = [f.to_ndarray(format="rgb24") for f in c.decode(video)]
+    assert len(frames) == -(-len(wav) * 25 // sr)
 
 
 def test_export_then_chat_from_the_export_with_repetition_controls(trained, reference, chat_inputs, cli_env,

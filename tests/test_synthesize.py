@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from converters import kokoro
-from converters.synthesize import SpeechBridgeError, main, synthesize_reply
+from converters.synthesize import SpeechBridgeError, main, render_avatar, synthesize_reply
 from data.kokoro_voices import to_pcm16, voice
 from data.speech_synth import read_wav
 from empatheia_jax.chat import ChatResult, write_outputs
@@ -69,3 +69,42 @@ def test_refusals_name_the_reason(tmp_path, gold, capsys):
     ok = _chat_output(tmp_path, content, style, name="ok")
     assert main(["--features", str(ok), "--out", str(tmp_path / "z.wav"), "--rows", "2"]) == 2
     assert "--rows 2" in capsys.readouterr().err
+
+
+def test_avatar_is_the_predicted_controls_drawn_with_the_speech(tmp_path, gold):
+    """render_avatar: as many 25-fps frames as the speech lasts, drawn from C^v/S^v (rows past the
+    prediction hold still with the mouth closed, with a note), the speech muxed in as AAC."""
+    import av
+
+    from data.face_render import encode_mp4, face_controls, render_controls
+
+    content, style = gold
+    env = np.abs(np.sin(np.linspace(0, 20, 60)))
+    v_content, v_style = face_controls(env, {"age": "young", "gender": "male", "timbre": "mid", "ID": 4},
+                                       "empathetic")
+    result = ChatResult(text=REPLY, coe={}, reply=REPLY, emotion="", emotion_probs=np.zeros(0, np.float32),
+                        profile={}, features={"speech_content": content, "speech_style": style,
+                                              "video_content": v_content, "video_style": v_style},
+                        signal_tokens_forced=False, speech_targets="kokoro", video_targets="face_render")
+    npz, _ = write_outputs(result, tmp_path / "reply")
+    wav_path, seconds, _ = synthesize_reply(npz, tmp_path / "reply.wav")
+    mp4, n_frames, notes = render_avatar(npz, wav_path, tmp_path / "reply.mp4")
+    sr, wav = read_wav(wav_path)
+    assert n_frames == -(-len(wav) * 25 // sr) > 60  # the speech outlasts the 60 predicted rows
+    assert len(notes) == 1 and "predicts 60" in notes[0]
+    with av.open(str(mp4)) as c:
+        assert c.streams.video[0].average_rate == 25 and c.streams.audio[0].rate == kokoro.SAMPLE_RATE
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])])
+    padded = np.concatenate([v_content, np.zeros((n_frames - 60, v_content.shape[1]), np.float32)])
+    want = render_controls(padded, v_style)
+    assert frames.shape == want.shape
+    # h264 at crf 20: the decoded frames are the drawn ones up to compression noise, and the same encode
+    # without audio decodes to the very same pixels
+    assert np.abs(frames.astype(int) - want.astype(int)).mean() < 3.0
+    encode_mp4(want, tmp_path / "silent.mp4")
+    with av.open(str(tmp_path / "silent.mp4")) as c:
+        silent = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])])
+    np.testing.assert_array_equal(frames, silent)
+    standin = write_outputs(ChatResult(**{**result.__dict__, "video_targets": "stand-in"}), tmp_path / "s")[0]
+    with pytest.raises(SpeechBridgeError, match="stand-in video targets"):
+        render_avatar(standin, wav_path, tmp_path / "s.mp4")

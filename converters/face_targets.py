@@ -1,0 +1,148 @@
+"""Video targets for the embedded default: the controls the procedural face generator draws each video from.
+
+    python -m converters.face_targets --raw RAW --out TARGETS [--splits a,b] [--workers 2] [--quiet]
+
+The sample's talking faces come from `data/face_render.py`, a procedural stand-in for DreamTalk with a
+documented control space (`face_render.CONTENT_*`, `face_render.STYLE_GROUPS`): per 25-fps frame the mouth
+opening and eyelid closure (`video_content` [T, 256]), per clip the avatar and its expression
+(`video_style` [256]). Those controls are the complete description of the video: `render_controls` on
+them gives the frames the sample's mp4 was encoded from, byte for byte after encoding. So they are real
+generator targets for this generator, not stand-ins, and the bridge (`converters.synthesize --avatar`,
+`empatheia chat --avatar`) renders the model's predicted C^v/S^v with the same function.
+
+The controls are computed the way data/make_sample.py renders each utterance: the mouth follows the RMS
+envelope of the utterance's own wav (RAW/media/{uid}.wav), the avatar is the speaker's or listener's profile,
+the expression the dialogue's emotion class for the speaker and the calm "empathetic" style for the
+listener. A user with DreamTalk exports DreamTalk's features instead (converters/dreamtalk_targets.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SOURCE = "face_render"
+KINDS = ("video_content", "video_style")
+METHOD = {
+    "video_content": "data/face_render.py control space, one row per 25-fps frame: dim 0 mouth opening "
+                     "(MOUTH_LEVELS steps), dim 1 eyelid closure (0 / 0.6 / 1), dims 2-255 zero",
+    "video_style": "data/face_render.py STYLE_GROUPS one-hots: age, gender, timbre, expression, skin, hair, "
+                   "iris; dims 30-255 zero",
+}
+
+
+def face_jobs(raw: str | Path, splits: list[str] | None = None,
+              dialogues: Iterable[Any] | None = None) -> list[tuple[str, str, dict, str]]:
+    """(uid, wav path, profile, style) for every distinct utterance, as data/make_sample.py renders it."""
+    from data.kokoro_voices import utterance_style
+    from empatheia_jax import schema
+    from empatheia_jax.shard_format import discover_splits
+
+    raw = Path(raw)
+    if dialogues is None:
+        dialogues = [d for split in (splits or discover_splits(raw))
+                     for d in schema.load_dialogues(schema.split_json_path(raw, split))]
+    emap = schema.EmotionMap.load("avamerg7")
+    media = Path(schema.media_dir_of(raw))
+    jobs, seen = [], set()
+    for d in dialogues:
+        emotion = emap.class_name(d.turns[0].chain_of_empathy.speaker_emotion) if d.turns else None
+        for uid, role, _text in schema.dialogue_utterances(d):
+            if uid not in seen:
+                seen.add(uid)
+                jobs.append((uid, str(media / f"{uid}.wav"), d.profile_of(role).to_json(),
+                             utterance_style(role, emotion)))
+    return jobs
+
+
+def utterance_controls(wav: str | Path, profile: dict, style: str) -> tuple[np.ndarray, np.ndarray]:
+    """(video_content [T, 256], video_style [256]) of one utterance: `face_controls` of its speech."""
+    from data.face_render import face_controls
+    from data.speech_synth import SAMPLE_RATE, read_wav, speech_envelope
+
+    sr, x = read_wav(wav)
+    if sr != SAMPLE_RATE:
+        raise ValueError(f"{wav}: {sr} Hz; the sample's media are {SAMPLE_RATE} Hz")
+    return face_controls(speech_envelope(x, sr), profile, style)
+
+
+def _one(job: tuple[str, str, dict, str]) -> tuple[str, tuple[np.ndarray, np.ndarray] | None, str | None]:
+    uid, wav, profile, style = job
+    try:
+        return uid, utterance_controls(wav, profile, style), None
+    except Exception as e:  # noqa: BLE001 - collected and reported with the utterance id
+        return uid, None, f"{uid}: {e}"
+
+
+def export_face_targets(raw: str | Path, out: str | Path, *, splits: list[str] | None = None,
+                        dialogues: Iterable[Any] | None = None, workers: int = 1, shard_size: int = 512,
+                        progress: bool = True) -> dict[str, int]:
+    """Write video_content / video_style (source "face_render") for every utterance of RAW; counts per kind.
+
+    Every utterance must have its wav; failures are collected and raised together, nothing committed then.
+    """
+    from tqdm import tqdm
+
+    from empatheia_jax.targets import TargetWriter
+
+    jobs = face_jobs(raw, splits, dialogues)
+    missing = [j[1] for j in jobs if not Path(j[1]).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{len(missing)} utterance wav(s) missing, e.g. {missing[:3]}")
+    errors: list[str] = []
+    with contextlib.ExitStack() as stack:
+        meta = {"raw": str(Path(raw).resolve())}
+        writers = {k: stack.enter_context(TargetWriter(out, k, SOURCE, None, shard_size,
+                                                       {**meta, "method": METHOD[k]}))
+                   for k in KINDS}
+        if workers > 1:
+            import multiprocessing as mp
+
+            pool = stack.enter_context(mp.get_context("spawn").Pool(workers))
+            results = pool.imap(_one, jobs, chunksize=16)
+        else:
+            results = map(_one, jobs)
+        for uid, controls, err in tqdm(results, total=len(jobs), desc="video targets (face_render)",
+                                       disable=not progress):
+            if err:
+                errors.append(err)
+                continue
+            writers["video_content"].add(uid, controls[0])
+            writers["video_style"].add(uid, controls[1])
+        if errors:
+            raise RuntimeError(f"{len(errors)} utterance(s) failed; no targets written:\n"
+                               + "\n".join(errors))
+    return {k: len(w) for k, w in writers.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m converters.face_targets", description=__doc__.split("\n")[0])
+    ap.add_argument("--raw", required=True, help="AvaMERG folder ({split}.json, media/)")
+    ap.add_argument("--out", required=True, help="TARGETS folder (other kinds there are kept)")
+    ap.add_argument("--splits", default=None, help="comma-separated splits (default: every RAW/*.json)")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--shard-size", type=int, default=512)
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        splits = args.splits.split(",") if args.splits else None
+        counts = export_face_targets(args.raw, args.out, splits=splits, workers=args.workers,
+                                     shard_size=args.shard_size, progress=not args.quiet)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"[video targets] wrote {counts} ({SOURCE}) in {time.perf_counter() - t0:.1f}s to {args.out}",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

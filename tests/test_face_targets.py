@@ -1,0 +1,89 @@
+"""The procedural face generator's control space (data/face_render.py) and its video targets
+(converters/face_targets.py): the controls are the complete description of the sample's videos."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from converters import face_targets
+from data import face_render, make_sample
+from empatheia_jax.schema import Dialogue, dialogue_utterances, load_dialogues
+from empatheia_jax.targets import TargetReader
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory):
+    root = tmp_path_factory.mktemp("face")
+    raw = root / "raw"
+    make_sample.build_sample(raw, 3, 0, workers=1, gold_speech=())
+    face_targets.export_face_targets(raw, root / "targets", progress=False)
+    return raw, TargetReader(root / "targets")
+
+
+def test_gold_controls_reproduce_every_sample_video_byte_for_byte(sample, tmp_path):
+    raw, reader = sample
+    assert reader.meta["video_content"]["source"] == reader.meta["video_style"]["source"] == "face_render"
+    uids = [uid for split in ("train", "valid", "test")
+            for d in load_dialogues(raw / f"{split}.json") for uid, _, _ in dialogue_utterances(d)]
+    assert sorted(reader.keys("video_content")) == sorted(set(uids))
+    for uid in uids[:6]:
+        content, style = reader.get("video_content", uid), reader.get("video_style", uid)
+        out = tmp_path / f"{uid}.mp4"
+        face_render.encode_mp4(face_render.render_controls(content, style), out)
+        digest = hashlib.sha256((raw / "media" / f"{uid}.mp4").read_bytes()).hexdigest()
+        assert hashlib.sha256(out.read_bytes()).hexdigest() == digest, uid
+        assert np.all(content[:, 2:] == 0) and np.isin(content[:, 1], np.float32([0.0, 0.6, 1.0])).all()
+
+
+def test_style_decodes_to_the_profile_and_expression(sample):
+    raw, reader = sample
+    d = Dialogue.from_json(json.loads((raw / "train.json").read_text())[0])
+    emotion = json.loads((raw / "sample_meta.json").read_text())["dialogues"][d.conversation_id]["emotion"]
+    for uid, role, _ in dialogue_utterances(d):
+        avatar = face_render.decode_style(reader.get("video_style", uid))
+        p = d.profile_of(role)
+        assert (avatar["age"], avatar["gender"], avatar["timbre"]) == (p.age, p.gender, p.timbre)
+        assert avatar["emotion"] == ("empathetic" if role == "listener" else emotion)
+        ident = lambda i: (i % 5, (i // 5) % 5, i % 3 == 0)  # noqa: E731 - skin, hair, blue iris
+        assert ident(avatar["ID"]) == ident(int(p.ID))
+
+
+def test_predicted_controls_render_as_the_nearest_avatar():
+    env = np.abs(np.sin(np.linspace(0, 9, 40)))
+    profile = {"age": "child", "gender": "male", "timbre": "high", "ID": 13}
+    content, style = face_render.face_controls(env, profile, "happy")
+    rng = np.random.default_rng(0)
+    noisy_style = style + 0.2 * rng.standard_normal(style.shape).astype(np.float32)
+    # within half a drawn step of every control (mouth steps are 1/15 apart, eyelid states 0.3+)
+    noisy_content = content + rng.uniform(-0.03, 0.03, content.shape).astype(np.float32)
+    np.testing.assert_array_equal(face_render.render_controls(noisy_content, noisy_style),
+                                  face_render.render_controls(content, style))
+    other = style.copy()
+    other[4:6] = other[5:3:-1]  # male -> female
+    assert not np.array_equal(face_render.render_controls(content, other),
+                              face_render.render_controls(content, style))
+    with pytest.raises(face_render.ControlError, match="video style must be 256"):
+        face_render.render_controls(content, style[:100])
+    bad = content.copy()
+    bad[3, 0] = np.nan
+    with pytest.raises(face_render.ControlError, match="finite"):
+        face_render.render_controls(bad, style)
+
+
+def test_missing_wav_is_named_and_nothing_written(sample, tmp_path, capsys):
+    raw, _ = sample
+    broken = tmp_path / "raw"
+    shutil.copytree(raw, broken)
+    victim = sorted((broken / "media").glob("*.wav"))[0]
+    victim.unlink()
+    with pytest.raises(FileNotFoundError, match=victim.name):
+        face_targets.export_face_targets(broken, tmp_path / "t", progress=False)
+    assert not (tmp_path / "t" / "meta.json").exists()
+    assert face_targets.main(["--raw", str(broken), "--out", str(tmp_path / "t2"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and victim.name in err[0]
