@@ -38,6 +38,7 @@ demo: install
 bench: install
 	$(PY) bench/backbone.py
 	$(PY) bench/speech.py
+	$(PY) bench/video.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

