@@ -90,7 +90,7 @@ bash launch/local.sh configs/smollm2_demo.py "$RUN" \
 step 6 "evaluate on the held-out test split: trained vs untrained vs baselines, with speech and video rows"
 "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/overall" --split test --untrained \
     --max_new_tokens "${EVAL_NEW_TOKENS:-128}" --generate_batch_size 40 --json "$RUN/eval_test.json" \
-    --speech_examples "${EVAL_SPEECH_EXAMPLES:-12}" --video_examples "${EVAL_VIDEO_EXAMPLES:-6}" \
+    --speech_examples "${EVAL_SPEECH_EXAMPLES:-8}" --video_examples "${EVAL_VIDEO_EXAMPLES:-4}" \
     ${V[@]+"${V[@]}"}
 # DEMO_STRICT=1 makes a missed accuracy target fail the demo (exit 1).
 "$PY" - "$RUN/eval_test.json" "${DEMO_STRICT:-0}" <<'EOF_CHECK'
@@ -146,7 +146,8 @@ echo "(greedy decoding with no_repeat_ngram_size=${CHAT_NO_REPEAT_NGRAM:-4}; CHA
 import json, sys, wave
 import numpy as np
 stem = sys.argv[1]
-rows = json.load(open(stem + ".json"))["speech_content_units"]
+js = json.load(open(stem + ".json"))
+rows = min(js["speech_content_units"], js["features"]["speech_content"][0])  # rows past max_speech_len are cut
 with wave.open(stem + ".wav") as w:
     x = np.frombuffer(w.readframes(w.getnframes()), "<i2") / 32768.0
     seconds = len(x) / w.getframerate()
