@@ -66,6 +66,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from converters.target_export import TargetExportError, UsageError, raw_dialogues
+
 KINDS = ("video_content", "video_style")
 SAMPLE_RATE = 16000  # DreamTalk resamples every wav to 16 kHz mono before wav2vec2
 W2V_DIM = 1024  # ContentW2VEncoder's increase_embed_dim = nn.Linear(1024, d_model)
@@ -82,14 +84,6 @@ SAFETENSORS_HINT = (
     "in sd.items() if hasattr(v, 'contiguous')}, sys.argv[2])\" CKPT CKPT.safetensors, then pass "
     "--ckpt CKPT.safetensors"
 )
-
-
-class UsageError(ValueError):
-    """A problem with the command line or the user's files (not with one utterance); `main` exits 2."""
-
-
-class TargetExportError(RuntimeError):
-    """One or more utterances failed; the message lists each with its id. Nothing was committed."""
 
 
 class VideoJob(NamedTuple):
@@ -491,24 +485,11 @@ def video_jobs(
     """One job per distinct utterance (histories and responses); every wav and coefficient file must
     exist (a `UsageError` names the missing ones, before any model is loaded)."""
     from empatheia_jax import schema
-    from empatheia_jax.shard_format import discover_splits
 
     raw, coeffs = Path(raw), Path(coeffs)
-    if not raw.is_dir():
-        raise UsageError(f"RAW folder {raw} does not exist")
-    if not coeffs.is_dir():
+    if not coeffs.is_dir() and raw.is_dir():
         raise UsageError(f"--coeffs folder {coeffs} does not exist")
-    if dialogues is None:
-        try:
-            names = list(splits) if splits else discover_splits(raw)
-        except FileNotFoundError as e:
-            raise UsageError(str(e)) from e
-        dialogues = []
-        for split in names:
-            path = schema.split_json_path(raw, split)
-            if not os.path.isfile(path):
-                raise UsageError(f"split {split!r}: {path} does not exist")
-            dialogues.extend(schema.load_dialogues(path))
+    dialogues = raw_dialogues(raw, splits, dialogues)
     media = Path(schema.media_dir_of(raw))
     jobs, seen, missing = [], set(), []
     for d in dialogues:

@@ -40,26 +40,13 @@ METHOD = {
 
 def face_jobs(raw: str | Path, splits: list[str] | None = None,
               dialogues: Iterable[Any] | None = None) -> list[tuple[str, str, dict, str]]:
-    """(uid, wav path, profile, style) for every distinct utterance, as data/make_sample.py renders it."""
+    """(uid, wav path, profile, style) of every distinct utterance, as data/make_sample.py renders it: the
+    utterances the speech exporter lists (`styletts2_targets.speech_jobs`) and the style they are drawn in."""
+    from converters.styletts2_targets import speech_jobs
     from data.kokoro_voices import utterance_style
-    from empatheia_jax import schema
-    from empatheia_jax.shard_format import discover_splits
 
-    raw = Path(raw)
-    if dialogues is None:
-        dialogues = [d for split in (splits or discover_splits(raw))
-                     for d in schema.load_dialogues(schema.split_json_path(raw, split))]
-    emap = schema.EmotionMap.load("avamerg7")
-    media = Path(schema.media_dir_of(raw))
-    jobs, seen = [], set()
-    for d in dialogues:
-        emotion = emap.class_name(d.turns[0].chain_of_empathy.speaker_emotion) if d.turns else None
-        for uid, role, _text in schema.dialogue_utterances(d):
-            if uid not in seen:
-                seen.add(uid)
-                jobs.append((uid, str(media / f"{uid}.wav"), d.profile_of(role).to_json(),
-                             utterance_style(role, emotion)))
-    return jobs
+    return [(j.uid, j.wav, j.profile, utterance_style(j.role, j.emotion))
+            for j in speech_jobs(raw, splits, dialogues)]
 
 
 def utterance_controls(wav: str | Path, profile: dict, style: str) -> tuple[np.ndarray, np.ndarray]:

@@ -64,6 +64,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from converters.target_export import TargetExportError, UsageError, raw_dialogues
+
 BACKENDS = ("kokoro", "styletts2")
 KINDS = ("speech_content", "speech_style")
 
@@ -104,14 +106,6 @@ STYLETTS2_PHONEMIZER = ("espeak-ng en-us via phonemizer-fork (espeakng-loader), 
                         "with_stress; then nltk.word_tokenize joined by spaces")
 
 
-class UsageError(ValueError):
-    """A problem with the command line or the user's files (not with one utterance); `main` exits 2."""
-
-
-class TargetExportError(RuntimeError):
-    """One or more utterances failed; the message lists each with its id. Nothing was committed."""
-
-
 class SpeechJob(NamedTuple):
     uid: str
     role: str
@@ -128,22 +122,8 @@ def speech_jobs(
 ) -> list[SpeechJob]:
     """One job per distinct utterance (histories and responses) of `dialogues`, else of RAW's splits."""
     from empatheia_jax import schema
-    from empatheia_jax.shard_format import discover_splits
 
-    raw = Path(raw)
-    if not raw.is_dir():
-        raise UsageError(f"RAW folder {raw} does not exist")
-    if dialogues is None:
-        try:
-            names = list(splits) if splits else discover_splits(raw)
-        except FileNotFoundError as e:
-            raise UsageError(str(e)) from e
-        dialogues = []
-        for split in names:
-            path = schema.split_json_path(raw, split)
-            if not os.path.isfile(path):
-                raise UsageError(f"split {split!r}: {path} does not exist")
-            dialogues.extend(schema.load_dialogues(path))
+    dialogues = raw_dialogues(raw, splits, dialogues)
     emap = schema.EmotionMap.load("avamerg7")
     media = Path(schema.media_dir_of(raw))
     jobs, seen = [], set()
