@@ -31,7 +31,7 @@ class SpeechBridgeError(ValueError):
     """Features that cannot drive Kokoro: wrong target source, shapes, or row count; names the file."""
 
 
-def speech_rows(meta: dict[str, Any], available: int, source: str = "features") -> tuple[int, list[str]]:
+def reply_rows(meta: dict[str, Any], available: int, source: str = "features") -> tuple[int, list[str]]:
     """(rows to read, notes) from chat's JSON (`speech_targets`, `speech_content_units`)."""
     src = meta.get("speech_targets")
     if src != "kokoro":
@@ -131,7 +131,7 @@ def synthesize_reply(features: str | Path, out: str | Path, *, rows: int | None 
     content = arrays["speech_content"]
     notes: list[str] = []
     if rows is None:
-        rows, notes = speech_rows(meta, content.shape[0], str(features))
+        rows, notes = reply_rows(meta, content.shape[0], str(features))
     elif not 3 <= rows <= content.shape[0]:
         raise SpeechBridgeError(f"--rows {rows}: must be in [3, {content.shape[0]}]")
     audio = speak_features(content, arrays["speech_style"], rows, speed)

@@ -203,9 +203,9 @@ def _chat() -> int:
     video_targets = targets.get("video_content", {}).get("source", STAND_IN)
     speak = FLAGS.speak or FLAGS.avatar
     if speak:  # before generating: a checkpoint that cannot speak fails now, not after a minute
-        from converters.synthesize import speech_rows, video_frames
+        from converters.synthesize import reply_rows, video_frames
 
-        speech_rows({"speech_targets": speech_targets, "speech_content_units": 3}, 3, where)
+        reply_rows({"speech_targets": speech_targets, "speech_content_units": 3}, 3, where)
         if FLAGS.avatar:
             import numpy as np
 
