@@ -66,7 +66,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from converters.target_export import TargetExportError, UsageError, raw_dialogues
+from converters.target_export import TargetExportError, UsageError, raw_dialogues, safe_torch_load
 
 KINDS = ("video_content", "video_style")
 SAMPLE_RATE = 16000  # DreamTalk resamples every wav to 16 kHz mono before wav2vec2
@@ -332,7 +332,6 @@ def dreamtalk_modules(repo: str | os.PathLike) -> Iterator[None]:
 def read_dreamtalk_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """The flat state dict of a DreamTalk denoising-network checkpoint (``model_state_dict`` of a torch
     file that loads with ``weights_only=True``, or a ``.safetensors`` file of the same keys)."""
-    import pickle
 
     import torch
 
@@ -344,14 +343,7 @@ def read_dreamtalk_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             return dict(load_file(str(path)))
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise UsageError(f"{path}: not a readable safetensors file ({e})") from e
-    try:
-        obj = torch.load(str(path), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise UsageError(f"{path} does not load with torch.load(weights_only=True): it holds pickled Python "
-                         f"objects, which we do not unpickle; {SAFETENSORS_HINT}") from e
-    except Exception as e:  # noqa: BLE001 - torch raises many types for a foreign or truncated file
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UsageError(f"{path}: not a readable torch checkpoint ({type(e).__name__}: {first})") from e
+    obj = safe_torch_load(path, SAFETENSORS_HINT)
     state = obj.get("model_state_dict", obj) if isinstance(obj, dict) else None
     if not isinstance(state, dict):
         raise UsageError(f"{path}: expected a dict with a 'model_state_dict' entry")

@@ -64,7 +64,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from converters.target_export import TargetExportError, UsageError, raw_dialogues
+from converters.target_export import TargetExportError, UsageError, raw_dialogues, safe_torch_load
 
 BACKENDS = ("kokoro", "styletts2")
 KINDS = ("speech_content", "speech_style")
@@ -330,9 +330,7 @@ def _nltk_word_tokenize() -> Callable[[str], list[str]]:
 def read_styletts2_checkpoint(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     """{module: state_dict} of a StyleTTS2 checkpoint: a torch file whose ``net`` loads with
     ``weights_only=True``, or a ``.safetensors`` file keyed ``{module}.{parameter}``."""
-    import pickle
 
-    import torch
 
     path = Path(path)
     if path.suffix == ".safetensors":
@@ -349,14 +347,7 @@ def read_styletts2_checkpoint(path: str | os.PathLike) -> dict[str, dict[str, An
                 raise UsageError(f"{path}: key {key!r} is not '{{module}}.{{parameter}}'")
             net.setdefault(module, {})[name] = value
         return net
-    try:
-        obj = torch.load(str(path), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise UsageError(f"{path} does not load with torch.load(weights_only=True): it holds pickled Python "
-                         f"objects, which we do not unpickle; {SAFETENSORS_HINT}") from e
-    except Exception as e:  # noqa: BLE001 - torch raises many types for a foreign or truncated file
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UsageError(f"{path}: not a readable torch checkpoint ({type(e).__name__}: {first})") from e
+    obj = safe_torch_load(path, SAFETENSORS_HINT)
     net = obj.get("net", obj) if isinstance(obj, dict) else None
     if not isinstance(net, dict):
         raise UsageError(f"{path}: expected a dict with a 'net' entry of per-module state dicts")

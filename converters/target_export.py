@@ -40,3 +40,20 @@ def raw_dialogues(raw: str | os.PathLike, splits: list[str] | None = None,
             raise UsageError(f"split {split!r}: {path} does not exist")
         out.extend(schema.load_dialogues(path))
     return out
+
+
+def safe_torch_load(path: Path, hint: str) -> Any:
+    """`torch.load(weights_only=True)` of a user's checkpoint (our safe-loading rule): a file holding pickled
+    Python objects is refused with `hint` (how to convert it to safetensors), any other failure named."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UsageError(f"{path} does not load with torch.load(weights_only=True): it holds pickled Python "
+                         f"objects, which we do not unpickle; {hint}") from e
+    except Exception as e:  # noqa: BLE001 - torch raises many types for a foreign or truncated file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UsageError(f"{path}: not a readable torch checkpoint ({type(e).__name__}: {first})") from e
