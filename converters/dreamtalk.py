@@ -33,19 +33,16 @@ Checkpoints: ``checkpoints/denoising_network.pth`` (``model_state_dict``, ``diff
 ``generators/face_model.py`` + ``generators/renderer_conf.yaml`` are used; ``generators/utils.py`` is not
 (it needs torchvision, cv2 and ffmpeg).
 
-CLI::
-
-    python -m converters.dreamtalk --repo CHECKOUT --ckpt denoising_network.pth --renderer renderer.pt
-        --features OUT.npz --wav REPLY.wav --image FACE256.png --out VIDEO.mp4 [--pose POSE.mat]
-        [--ddim-steps 10] [--seed 0] [--device D]
+The command line is the bridge's (``python -m converters.synthesize --features OUT.npz --out REPLY.wav
+--avatar VIDEO.mp4 --dreamtalk-repo CHECKOUT --ckpt denoising_network.pth --renderer renderer.pt --image
+FACE256.png``, or ``--wav REPLY.wav`` for speech made elsewhere), so one command speaks and draws a reply
+whichever generator the model was trained for.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -216,26 +213,6 @@ def write_mp4(frames: np.ndarray, audio: np.ndarray | None, path: str | os.PathL
             container.mux(sound.encode())
 
 
-def _read_state(path: Path, entry: str) -> dict[str, Any]:
-    import pickle
-
-    import torch
-
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return dict(load_file(str(path)))
-    try:
-        obj = torch.load(str(path), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise UsageError(f"{path} does not load with torch.load(weights_only=True); save its {entry!r} "
-                         "entry as .safetensors where you trust the file") from e
-    state = obj.get(entry, obj) if isinstance(obj, dict) else None
-    if not isinstance(state, dict):
-        raise UsageError(f"{path}: expected a dict with a {entry!r} entry")
-    return state
-
-
 def load_renderer(repo: str | os.PathLike, ckpt: str | os.PathLike, renderer: str | os.PathLike, *,
                   device: str | None = None) -> DreamTalkRenderer:
     """DreamTalk's DiffusionNet (from `ckpt`) and FaceGenerator (from `renderer`), built by the checkout."""
@@ -269,7 +246,8 @@ def load_renderer(repo: str | os.PathLike, ckpt: str | os.PathLike, renderer: st
     except RuntimeError as e:
         raise UsageError(f"{ckpt}: does not fit the DiffusionNet of {repo}'s configs/default.py "
                          f"({str(e).strip().splitlines()[0]})") from e
-    result = face_generator.load_state_dict(_read_state(renderer, "net_G_ema"), strict=False)
+    result = face_generator.load_state_dict(read_dreamtalk_checkpoint(renderer, "net_G_ema"),
+                                            strict=False)
     if result.missing_keys:
         raise UsageError(f"{renderer}: {len(result.missing_keys)} renderer weights missing "
                          f"{result.missing_keys[:4]} (expected the 'net_G_ema' of DreamTalk's renderer.pt)")
@@ -283,9 +261,9 @@ def load_renderer(repo: str | os.PathLike, ckpt: str | os.PathLike, renderer: st
 
 def render_video(r: Any, content: np.ndarray, style: np.ndarray, wav: str | os.PathLike,
                  image: str | os.PathLike, out: str | os.PathLike, *, pose: str | os.PathLike | None = None,
-                 ddim_steps: int = 10, seed: int | None = 0) -> int:
+                 ddim_steps: int = 10, seed: int | None = 0) -> tuple[int, list[str]]:
     """Write `out` (.mp4) for the reply speech `wav` from predicted `content` [rows, D] and `style` [256];
-    returns the number of frames (T of the speech, at most the number of content rows)."""
+    (frames, notes): T of the speech, at most the number of content rows."""
     from PIL import Image
 
     from empatheia_jax.encoders import load_audio
@@ -295,9 +273,10 @@ def render_video(r: Any, content: np.ndarray, style: np.ndarray, wav: str | os.P
     if t < 1:
         raise UsageError(f"{wav}: {len(audio)} samples are shorter than one DreamTalk video frame")
     rows = np.asarray(content, np.float32)
+    notes = []
     if t > len(rows):
-        print(f"[dreamtalk] the speech needs {t} frames, the content has {len(rows)} rows; rendering "
-              f"{len(rows)} frames", file=sys.stderr)
+        notes.append(f"the speech needs {t} frames, the model predicts {len(rows)} video content rows "
+                     "(config.data.max_video_len); rendering those")
         t = len(rows)
     face = np.asarray(Image.open(image).convert("RGB"))
     if face.shape[:2] != (IMAGE_SIZE, IMAGE_SIZE):
@@ -306,43 +285,4 @@ def render_video(r: Any, content: np.ndarray, style: np.ndarray, wav: str | os.P
     motion = face_motion(r, rows[:t], style, pose=load_pose(pose) if pose else None, ddim_steps=ddim_steps,
                          seed=seed)
     write_mp4(render_frames(r, face, motion), audio, out)
-    return t
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m converters.dreamtalk",
-                                 description="Render a DreamTalk video from predicted video content/style.")
-    ap.add_argument("--repo", required=True, help="a checkout of ali-vilab/dreamtalk")
-    ap.add_argument("--ckpt", required=True, help="checkpoints/denoising_network.pth (or .safetensors)")
-    ap.add_argument("--renderer", required=True, help="checkpoints/renderer.pt (or .safetensors)")
-    ap.add_argument("--features", required=True,
-                    help="an .npz with video_content and video_style (empatheia_jax.chat's OUT.npz)")
-    ap.add_argument("--wav", required=True, help="the reply's speech (sets the number of frames)")
-    ap.add_argument("--image", required=True, help="256x256 RGB face crop")
-    ap.add_argument("--out", required=True, help="the .mp4 to write")
-    ap.add_argument("--pose", default=None, help="Deep3DFaceRecon .mat with the head pose (default: still)")
-    ap.add_argument("--ddim-steps", type=int, default=10)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default=None)
-    args = ap.parse_args(argv)
-    try:
-        for flag, p in (("--features", args.features), ("--wav", args.wav), ("--image", args.image)):
-            if not Path(p).is_file():
-                raise UsageError(f"{flag} {p} does not exist")
-        with np.load(args.features, allow_pickle=False) as z:
-            missing = [k for k in ("video_content", "video_style") if k not in z.files]
-            if missing:
-                raise UsageError(f"{args.features}: no {missing} (the model has no video heads?)")
-            content, style = z["video_content"], z["video_style"]
-        r = load_renderer(args.repo, args.ckpt, args.renderer, device=args.device)
-        n = render_video(r, content, style, args.wav, args.image, args.out, pose=args.pose,
-                         ddim_steps=args.ddim_steps, seed=args.seed)
-    except (UsageError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"[dreamtalk] wrote {n} frames to {args.out}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return t, notes

@@ -329,9 +329,10 @@ def dreamtalk_modules(repo: str | os.PathLike) -> Iterator[None]:
             sys.modules.pop(name, None)
 
 
-def read_dreamtalk_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """The flat state dict of a DreamTalk denoising-network checkpoint (``model_state_dict`` of a torch
-    file that loads with ``weights_only=True``, or a ``.safetensors`` file of the same keys)."""
+def read_dreamtalk_checkpoint(path: str | os.PathLike, entry: str = "model_state_dict") -> dict[str, Any]:
+    """The flat state dict of a DreamTalk checkpoint: the `entry` of a torch file that loads with
+    ``weights_only=True`` (``model_state_dict`` in denoising_network.pth, ``net_G_ema`` in renderer.pt), or
+    a ``.safetensors`` file of the same keys."""
 
     import torch
 
@@ -343,10 +344,10 @@ def read_dreamtalk_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             return dict(load_file(str(path)))
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise UsageError(f"{path}: not a readable safetensors file ({e})") from e
-    obj = safe_torch_load(path, SAFETENSORS_HINT)
-    state = obj.get("model_state_dict", obj) if isinstance(obj, dict) else None
+    obj = safe_torch_load(path, SAFETENSORS_HINT.replace("model_state_dict", entry))
+    state = obj.get(entry, obj) if isinstance(obj, dict) else None
     if not isinstance(state, dict):
-        raise UsageError(f"{path}: expected a dict with a 'model_state_dict' entry")
+        raise UsageError(f"{path}: expected a dict with a {entry!r} entry")
     return {k: v for k, v in state.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
 
 

@@ -1,6 +1,12 @@
 """The speech bridge: Empatheia's predicted speech content C^s and style S^s -> a wav, through Kokoro-82M.
 
-Usage: python -m converters.synthesize --features reply.npz --out reply.wav [--rows N] [--speed 1.0]
+Usage::
+
+    python -m converters.synthesize --features reply.npz --out reply.wav [--rows N] [--speed 1.0]
+        [--avatar reply.mp4]                                  # the procedural face generator
+    python -m converters.synthesize --features reply.npz (--out reply.wav | --wav SPEECH.wav)
+        --avatar reply.mp4 --dreamtalk-repo CHECKOUT --ckpt denoising_network.pth --renderer renderer.pt
+        --image FACE256.png [--pose POSE.mat] [--ddim-steps 10] [--seed 0] [--device D]   # DreamTalk
 
 `reply.npz`/`reply.json` are what `empatheia chat` writes. The Content Synchronizer predicts a fixed
 number of rows (config.data.max_speech_len); the generator reads the first T of them, T = the reply's
@@ -18,6 +24,7 @@ features, and StyleTTS2 features belong to the user's StyleTTS2 checkpoint (a di
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,16 +81,31 @@ def speak_features(content: np.ndarray, style: np.ndarray, rows: int, speed: flo
                                              max_mean_frames=MAX_MEAN_FRAMES)
 
 
-def video_frames(meta: dict[str, Any], content: np.ndarray, n_frames: int, source: str = "features"
-                 ) -> tuple[np.ndarray, list[str]]:
+RENDERERS = {
+    "face_render": "the procedural face generator (--avatar; python -m converters.face_targets exports its "
+                   "controls)",
+    "dreamtalk": "DreamTalk (--avatar with --dreamtalk-repo; python -m converters.dreamtalk_targets exports "
+                 "its features)",
+}
+"""The video target source each renderer draws, and how a user gets there."""
+
+
+def check_video_targets(src: str | None, renderer: str, source: str = "features") -> None:
+    """Refuse video features that `renderer` cannot draw, before anything is generated or loaded."""
+    if src == renderer:
+        return
+    if src == "stand-in":
+        why = "stand-in video targets (functions of the sample's media, not generator controls)"
+    elif src in RENDERERS:
+        why = f"{src} features, which {RENDERERS[src]} renders"
+    else:
+        why = f"video targets of source {src!r}"
+    raise SpeechBridgeError(f"{source}: the model was trained on {why}; {RENDERERS[renderer]} renders "
+                            f"{renderer} features")
+
+
+def video_frames(content: np.ndarray, n_frames: int) -> tuple[np.ndarray, list[str]]:
     """The first `n_frames` predicted video_content rows (25 fps, as many as the spoken reply lasts)."""
-    src = meta.get("video_targets")
-    if src != "face_render":
-        why = {"stand-in": "stand-in video targets (functions of the sample's media, not generator controls)",
-               "dreamtalk": "DreamTalk features: render them with python -m converters.dreamtalk"}
-        raise SpeechBridgeError(f"{source}: the model was trained on "
-                                f"{why.get(src, f'video targets of source {src!r}')}; the avatar renders "
-                                "face_render controls (python -m converters.face_targets)")
     notes = []
     if n_frames > len(content):
         notes.append(f"the reply lasts {n_frames} frames but the model predicts {len(content)} "
@@ -93,24 +115,64 @@ def video_frames(meta: dict[str, Any], content: np.ndarray, n_frames: int, sourc
     return content[:n_frames], notes
 
 
-def render_avatar(features: str | Path, wav: str | Path, out: str | Path) -> tuple[Path, int, list[str]]:
-    """The talking avatar: predicted C^v/S^v drawn by the face generator (data/face_render.py) at 25 fps,
-    as many frames as `wav` (the spoken reply) lasts, with that speech muxed in; (path, frames, notes)."""
-    from data.face_render import FRAME_RATE, encode_mp4, render_controls
-    from data.speech_synth import read_wav
+def _video_features(features: str | Path, renderer: str) -> tuple[np.ndarray, np.ndarray]:
+    """(C^v, S^v) of chat's output, checked against the renderer that is to draw them."""
     from empatheia_jax.chat import read_outputs
 
     arrays, meta = read_outputs(Path(features))
     for key in ("video_content", "video_style"):
         if key not in arrays:
             raise SpeechBridgeError(f"{features}: no {key!r} array (the model has no video heads)")
+    check_video_targets(meta.get("video_targets"), renderer, str(features))
+    return arrays["video_content"], arrays["video_style"]
+
+
+def render_avatar(features: str | Path, wav: str | Path, out: str | Path) -> tuple[Path, int, list[str]]:
+    """The talking avatar: predicted C^v/S^v drawn by the face generator (data/face_render.py) at 25 fps,
+    as many frames as `wav` (the spoken reply) lasts, with that speech muxed in; (path, frames, notes)."""
+    from data.face_render import FRAME_RATE, encode_mp4, render_controls
+    from data.speech_synth import read_wav
+
+    content, style = _video_features(features, "face_render")
     sr, samples = read_wav(wav)
     n_frames = max(1, -(-len(samples) * FRAME_RATE // sr))
-    content, notes = video_frames(meta, arrays["video_content"], n_frames, str(features))
+    content, notes = video_frames(content, n_frames)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    encode_mp4(render_controls(content, arrays["video_style"]), out, audio=(samples, sr))
+    encode_mp4(render_controls(content, style), out, audio=(samples, sr))
     return out, n_frames, notes
+
+
+@dataclasses.dataclass(frozen=True)
+class DreamTalkFiles:
+    """What DreamTalk needs beside our features: the user's checkout, its two checkpoints and a face."""
+
+    repo: str
+    ckpt: str
+    renderer: str
+    image: str
+    pose: str | None = None
+    ddim_steps: int = 10
+    seed: int = 0
+    device: str | None = None
+
+
+def render_dreamtalk(features: str | Path, wav: str | Path, out: str | Path, files: DreamTalkFiles
+                     ) -> tuple[Path, int, list[str]]:
+    """The talking head through the user's DreamTalk (converters/dreamtalk.py): its denoiser samples face
+    motion from our C^v windows and S^v, its PIRenderer draws `files.image`; (path, frames, notes)."""
+    from converters import dreamtalk
+
+    content, style = _video_features(features, "dreamtalk")
+    for flag, p in (("--image", files.image), ("--pose", files.pose)):
+        if p is not None and not Path(p).is_file():
+            raise SpeechBridgeError(f"{flag} {p} does not exist")
+    r = dreamtalk.load_renderer(files.repo, files.ckpt, files.renderer, device=files.device)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    frames, notes = dreamtalk.render_video(r, content, style, wav, files.image, out, pose=files.pose,
+                                           ddim_steps=files.ddim_steps, seed=files.seed)
+    return out, frames, notes
 
 
 def synthesize_reply(features: str | Path, out: str | Path, *, rows: int | None = None,
@@ -144,25 +206,61 @@ def synthesize_reply(features: str | Path, out: str | Path, *, rows: int | None 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m converters.synthesize", description=__doc__.split("\n")[0])
     ap.add_argument("--features", required=True, help="chat output (OUT.npz, OUT.json or the stem OUT)")
-    ap.add_argument("--out", required=True, help="wav to write (24 kHz mono int16)")
+    speech = ap.add_mutually_exclusive_group(required=True)
+    speech.add_argument("--out", help="speak the reply with Kokoro-82M into this wav (24 kHz mono int16)")
+    speech.add_argument("--wav", help="the reply's speech made elsewhere (e.g. by your StyleTTS2); only the "
+                                      "avatar is rendered, with this speech")
     ap.add_argument("--rows", type=int, default=None, help="content rows to read (default: from the json)")
     ap.add_argument("--speed", type=float, default=1.0, help="speaking rate (default 1.0, the listener's)")
-    ap.add_argument("--avatar", default=None, help="also render the talking avatar (C^v/S^v through the "
-                                                   "procedural face generator, with the speech) to this .mp4")
+    ap.add_argument("--avatar", default=None,
+                    help="also render the talking head to this .mp4: the procedural face generator, or "
+                         "DreamTalk with --dreamtalk-repo")
+    dt = ap.add_argument_group("DreamTalk (for models trained on DreamTalk video targets)")
+    dt.add_argument("--dreamtalk-repo", default=None, help="a checkout of ali-vilab/dreamtalk")
+    dt.add_argument("--ckpt", default=None, help="its checkpoints/denoising_network.pth (or .safetensors)")
+    dt.add_argument("--renderer", default=None, help="its checkpoints/renderer.pt (or .safetensors)")
+    dt.add_argument("--image", default=None, help="256x256 RGB face crop (DreamTalk's crop_src_image output)")
+    dt.add_argument("--pose", default=None, help="Deep3DFaceRecon .mat with the head pose (default: still)")
+    dt.add_argument("--ddim-steps", type=int, default=10)
+    dt.add_argument("--seed", type=int, default=0)
+    dt.add_argument("--device", default=None, help="torch device (default: cuda when available)")
     args = ap.parse_args(argv)
+    dreamtalk = None
+    if args.dreamtalk_repo:
+        missing = [f for f, v in (("--avatar", args.avatar), ("--ckpt", args.ckpt),
+                                  ("--renderer", args.renderer), ("--image", args.image)) if not v]
+        if missing:
+            ap.error(f"--dreamtalk-repo needs {', '.join(missing)}")
+        dreamtalk = DreamTalkFiles(args.dreamtalk_repo, args.ckpt, args.renderer, args.image, args.pose,
+                                   args.ddim_steps, args.seed, args.device)
+    elif any(v is not None for v in (args.ckpt, args.renderer, args.image, args.pose)):
+        ap.error("--ckpt/--renderer/--image/--pose are DreamTalk's: give --dreamtalk-repo too")
+    if args.wav and not args.avatar:
+        ap.error("--wav is the speech for --avatar; without --avatar there is nothing to do")
+    notes: list[str] = []
     try:
-        path, seconds, notes = synthesize_reply(args.features, args.out, rows=args.rows, speed=args.speed)
-        if args.avatar:
+        if dreamtalk is not None:  # refuse features DreamTalk cannot draw before speaking them
+            _video_features(args.features, "dreamtalk")
+        if args.wav:
+            path = Path(args.wav)
+            if not path.is_file():
+                raise FileNotFoundError(f"--wav {path} does not exist")
+        else:
+            path, seconds, notes = synthesize_reply(args.features, args.out, rows=args.rows, speed=args.speed)
+            print(f"speech ({seconds:.2f} s) -> {path}")
+        if args.avatar and dreamtalk is not None:
+            mp4, frames, more = render_dreamtalk(args.features, path, args.avatar, dreamtalk)
+            print(f"avatar ({frames} frames at 25 fps, DreamTalk) -> {mp4}")
+        elif args.avatar:
             mp4, frames, more = render_avatar(args.features, path, args.avatar)
-            notes += more
+            print(f"avatar ({frames} frames at 25 fps, procedural face generator) -> {mp4}")
+        else:
+            more = []
     except (FileNotFoundError, ValueError, kokoro.KokoroAssetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for n in notes:
+    for n in notes + more:
         print(f"note: {n}", file=sys.stderr)
-    print(f"speech ({seconds:.2f} s) -> {path}")
-    if args.avatar:
-        print(f"avatar ({frames} frames at 25 fps) -> {mp4}")
     return 0
 
 

@@ -203,13 +203,11 @@ def _chat() -> int:
     video_targets = targets.get("video_content", {}).get("source", STAND_IN)
     speak = FLAGS.speak or FLAGS.avatar
     if speak:  # before generating: a checkpoint that cannot speak fails now, not after a minute
-        from converters.synthesize import reply_rows, video_frames
+        from converters.synthesize import check_video_targets, reply_rows
 
         reply_rows({"speech_targets": speech_targets, "speech_content_units": 3}, 3, where)
         if FLAGS.avatar:
-            import numpy as np
-
-            video_frames({"video_targets": video_targets}, np.zeros((1, 2), np.float32), 1, where)
+            check_video_targets(video_targets, "face_render", where)
     try:
         result = chat.respond(
             model,

@@ -117,7 +117,8 @@ def get_cfg_defaults():
                activation="relu", normalize_before=False)
     return Node(WIN_SIZE=5, D_MODEL=256, DATASET=Node(FACE3D_DIM=64, STYLE_MAX_LEN=256),
                 CONTENT_ENCODER=Node(enc, pos_embed_len=11),
-                STYLE_ENCODER=Node(enc, pos_embed_len=256, aggregate_method="self_attention_pooling"))
+                STYLE_ENCODER=Node(enc, pos_embed_len=256, aggregate_method="self_attention_pooling"),
+                DIFFUSION=Node(SCHEDULE=Node(NUM_STEPS=1000, BETA_1=1e-4, BETA_T=0.02, MODE="linear")))
 '''
 
 FAKE_UTILS_SRC = '''
@@ -559,3 +560,134 @@ def test_bridge_renders_27_frame_coefficient_windows():
         np.testing.assert_array_equal(drive[t], motion[rows].T)
     image = r.face_generator.seen[0][0][0].numpy()
     np.testing.assert_allclose(image, face.transpose(2, 0, 1) / 127.5 - 1.0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# `python -m converters.synthesize --dreamtalk-repo`: the whole renderer path on a fake checkout
+
+FAKE_DIFFUSION_SRC = '''
+import torch
+from torch import nn
+
+
+class DiffusionNet(nn.Module):
+    """sample(): the content encoder's window centre plus the ready style code (deterministic)."""
+
+    def __init__(self, cfg, net, var_sched):
+        super().__init__()
+        self.cfg, self.net, self.var_sched = cfg, net, var_sched
+
+    def sample(self, audio, style_clip, style_pad_mask, output_dim, use_cf_guidance=False, cfg_scale=2.0,
+               sample_method="ddpm", ddim_num_step=50, ready_style_code=None):
+        assert not use_cf_guidance and sample_method == "ddim" and ready_style_code is not None
+        content = self.net.content_encoder(audio)
+        return content[:, :, self.cfg.WIN_SIZE, :output_dim] + ready_style_code[:, None, :output_dim]
+'''
+
+FAKE_DIFFUSION_UTIL_SRC = '''
+from torch import nn
+
+from core.networks.generator import ContentW2VEncoder, StyleEncoder
+
+
+class NoisePredictor(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.content_encoder = ContentW2VEncoder(**cfg.CONTENT_ENCODER)
+        self.style_encoder = StyleEncoder(**cfg.STYLE_ENCODER, input_dim=cfg.DATASET.FACE3D_DIM)
+        self.decoder = nn.Module()
+        self.decoder.tail_fc = nn.Sequential(nn.Linear(2, 2, bias=False))
+
+
+class VarianceSchedule:
+    def __init__(self, num_steps, beta_1, beta_T, mode):
+        self.num_steps = num_steps
+'''
+
+FAKE_FACE_MODEL_SRC = '''
+import torch
+from torch import nn
+
+
+class FaceGenerator(nn.Module):
+    """Draws each frame in one colour: the first three coefficients of the window's centre row."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+        self.gain = nn.Parameter(torch.zeros(3))
+
+    def forward(self, image, driving):
+        colour = self.gain[None] * driving[:, :3, 13] * self.scale
+        return {"fake_image": image * 0 + colour[:, :, None, None]}
+'''
+
+
+def _fake_renderer_checkout(root: Path) -> Path:
+    repo = _fake_checkout(root)
+    (repo / "generators").mkdir()
+    (repo / "core" / "networks" / "diffusion_net.py").write_text(FAKE_DIFFUSION_SRC)
+    (repo / "core" / "networks" / "diffusion_util.py").write_text(FAKE_DIFFUSION_UTIL_SRC)
+    (repo / "generators" / "face_model.py").write_text(FAKE_FACE_MODEL_SRC)
+    (repo / "generators" / "renderer_conf.yaml").write_text("scale: 0.25\n")
+    return repo
+
+
+def _reply_features(tmp_path: Path, video_targets: str, rows: int = 30
+                    ) -> tuple[Path, np.ndarray, np.ndarray]:
+    from empatheia_jax.chat import ChatResult, write_outputs
+
+    rng = np.random.default_rng(11)
+    content = rng.uniform(-1, 1, (rows, 256)).astype(np.float32)
+    style = rng.uniform(-1, 1, 256).astype(np.float32)
+    result = ChatResult(text="Oh no.", coe={}, reply="Oh no.", emotion="",
+                        emotion_probs=np.zeros(0, np.float32), profile={},
+                        features={"video_content": content, "video_style": style},
+                        signal_tokens_forced=False, video_targets=video_targets)
+    npz, _ = write_outputs(result, tmp_path / f"reply-{video_targets}")
+    return npz, content, style
+
+
+def test_synthesize_renders_our_features_through_a_dreamtalk_checkout(tmp_path, capsys):
+    """The bridge's CLI loads the checkout's DiffusionNet and FaceGenerator with their checkpoints, feeds
+    our C^v/S^v, and writes a 25-fps mp4 with the speech: each frame's colour is what the stand-in renderer
+    draws from our rows, so the values went through, not only the shapes."""
+    import av
+    from PIL import Image
+
+    from converters.synthesize import main
+
+    repo = _fake_renderer_checkout(tmp_path)
+    ckpt, renderer = tmp_path / "denoising_network.pth", tmp_path / "renderer.pt"
+    torch.save({"model_state_dict": _checkpoint_state(seed=9)}, ckpt)
+    torch.save({"net_G_ema": {"gain": torch.tensor([1.0, 2.0, 3.0])}}, renderer)
+    Image.fromarray(np.full((256, 256, 3), 90, np.uint8)).save(tmp_path / "face.png")
+    wav = tmp_path / "reply.wav"
+    write_wav(wav, (0.3 * np.sin(np.arange(8000) / 5) * 32000).astype(np.int16))  # 0.5 s at 16 kHz
+    npz, content, style = _reply_features(tmp_path, "dreamtalk")
+    dreamtalk = ["--dreamtalk-repo", str(repo), "--ckpt", str(ckpt), "--renderer", str(renderer),
+                 "--image", str(tmp_path / "face.png"), "--device", "cpu", "--ddim-steps", "2"]
+    mp4 = tmp_path / "reply.mp4"
+    assert main(["--features", str(npz), "--wav", str(wav), "--avatar", str(mp4), *dreamtalk]) == 0
+    assert "DreamTalk" in capsys.readouterr().out
+    with av.open(str(mp4)) as c:
+        assert c.streams.video[0].average_rate == 25 and c.streams.audio[0].rate == 16000
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])])
+    n = dt.num_video_frames(8000)
+    assert len(frames) == n == 12
+    motion = content[:n, :3] + style[:3]  # the stand-in denoiser's output, first three coefficients
+    colour = np.clip(motion * np.array([1.0, 2.0, 3.0]) * 0.25, -1, 1)
+    want = ((colour + 1) / 2 * 255).astype(np.uint8)
+    np.testing.assert_allclose(frames.reshape(n, -1, 3).mean(1), want, atol=4)  # h264 yuv420 at crf 18
+
+    # features DreamTalk cannot draw, and DreamTalk's features without DreamTalk, are refused by name
+    other, _, _ = _reply_features(tmp_path, "face_render")
+    assert main(["--features", str(other), "--wav", str(wav), "--avatar", str(tmp_path / "x.mp4"),
+                 *dreamtalk]) == 2
+    assert "trained on face_render features" in capsys.readouterr().err
+    assert main(["--features", str(npz), "--wav", str(wav), "--avatar", str(tmp_path / "y.mp4")]) == 2
+    assert "--dreamtalk-repo" in capsys.readouterr().err
+    assert not (tmp_path / "x.mp4").exists() and not (tmp_path / "y.mp4").exists()
+    with pytest.raises(SystemExit):  # argparse: --dreamtalk-repo without its checkpoints
+        main(["--features", str(npz), "--wav", str(wav), "--avatar", str(mp4), "--dreamtalk-repo", str(repo)])
+    assert "needs --ckpt, --renderer, --image" in capsys.readouterr().err
