@@ -284,13 +284,16 @@ class StyleClassifier:
             self.majority[attr] = classes[int(np.argmax(counts))]
         return self
 
-    def predict(self, features: Any) -> dict[str, list[str]]:
+    def _standardised(self, features: Any) -> np.ndarray:
         if self.mean is None or self.std is None:
-            raise RuntimeError("StyleClassifier.predict before fit")
+            raise RuntimeError(f"{type(self).__name__}.predict before fit")
         x = self._features(features)
         if x.shape[1] != self.mean.shape[0]:
             raise ValueError(f"features have {x.shape[1]} dims, the classifier has {self.mean.shape[0]}")
-        z = (x - self.mean) / self.std
+        return (x - self.mean) / self.std
+
+    def predict(self, features: Any) -> dict[str, list[str]]:
+        z = self._standardised(features)
         out = {}
         for attr, centroids in self.centroids.items():
             d2 = ((z[:, None, :] - centroids[None, :, :]) ** 2).sum(axis=-1)  # [N, C]

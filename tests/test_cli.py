@@ -181,7 +181,7 @@ def test_eval_prints_the_table_and_its_json_equals_the_library(trained, referenc
                "--json", out))
     assert_quiet(p.stderr)
     got, want = json.loads(out.read_text()), reference[0]["eval"]
-    assert list(got) == ["trained", "baseline", "mean_style", "pipeline_tts", "chance", "targets"]
+    assert list(got) == ["trained", "baseline", "mean_style", "pipeline_tts", "gold", "chance", "targets"]
     targets = got.pop("targets")
     assert targets == ("targets: speech_content=kokoro, video_content=face_render, speech_style=kokoro, "
                        "video_style=face_render")
@@ -193,6 +193,9 @@ def test_eval_prints_the_table_and_its_json_equals_the_library(trained, referenc
         assert {"speech_mcd", "speech_spk_sim", "speech_gender_acc"} <= want[column].keys(), column
         assert want[column]["video_examples"] == 3, column
         assert {"video_ssim", "video_m_lmd", "video_lip_sync", "video_gender_acc"} <= want[column].keys()
+    # the frame-based style probe on the gold avatars: every attribute, near its ceiling, above one avatar
+    assert want["gold"].keys() == {f"video_{a}_acc" for a in ("age", "gender", "timbre", "emotion")}
+    assert want["gold"]["video_gender_acc"] > want["pipeline_tts"]["video_gender_acc"], want["gold"]
     for column in want:  # same programs (same XLA flags, the shared compilation cache): bit-identical
         assert got[column].keys() == want[column].keys(), column
         for k, v in want[column].items():
