@@ -44,17 +44,20 @@ from empatheia_jax.generation import eos_token_ids, generate_tokens, left_pad
 from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
 
 # Metric names, in the order tables show them.
-LOSS_METRICS = ("eval_loss", "emp", "ppl", "signal_ce", "ccl_speech", "ccl_video", "sal_speech", "sal_video",
-                "cls_emotion", "cls_age", "cls_gender", "cls_timbre", "kl")
-TEXT_METRICS = ("emotion_acc_text", "coe_parse_rate", "emotion_parse_rate", "signal_rate", "dist1", "dist2",
+LOSS_METRICS = ("eval_loss", "emp", "ppl", "reply_ppl", "signal_ce", "ccl_speech", "ccl_video", "sal_speech",
+                "sal_video", "cls_emotion", "cls_age", "cls_gender", "cls_timbre", "kl")
+TEXT_METRICS = ("emotion_acc_text", "emotion32_acc_text", "emotion_acc_vote", "emotion32_acc_vote",
+                "coe_parse_rate", "emotion_parse_rate", "emotion32_parse_rate", "signal_rate", "dist1_corpus",
+                "dist2_corpus", "dist1_reply", "dist2_reply", "repetition_rate", "reply_words",
                 "age_acc_text", "gender_acc_text", "timbre_acc_text")
 CLASS_METRICS = ("emotion_acc_cls", "age_acc", "gender_acc", "timbre_acc")
 FEATURE_METRICS = ("speech_content_l2", "video_content_l2", "speech_style_l2", "video_style_l2",
                    "speech_content_cos", "video_content_cos", "speech_style_cos", "video_style_cos")
 COUNT_METRICS = ("num_examples", "num_generated", "skipped_examples")
-METRICS = (*TEXT_METRICS[:1], *CLASS_METRICS, *FEATURE_METRICS, *speech_eval.SPEECH_METRICS,
-           *video_eval.VIDEO_METRICS, *TEXT_METRICS[1:], *LOSS_METRICS, *COUNT_METRICS)
-HIGHER_IS_BETTER = frozenset({*CLASS_METRICS, *TEXT_METRICS, "speech_content_cos", "video_content_cos",
+METRICS = (*TEXT_METRICS[:4], *CLASS_METRICS, *FEATURE_METRICS, *speech_eval.SPEECH_METRICS,
+           *video_eval.VIDEO_METRICS, *TEXT_METRICS[4:], *LOSS_METRICS, *COUNT_METRICS)
+HIGHER_IS_BETTER = frozenset({*CLASS_METRICS, *(set(TEXT_METRICS) - {"repetition_rate", "reply_words"}),
+                              "speech_content_cos", "video_content_cos",
                               "speech_style_cos", "video_style_cos", *speech_eval.HIGHER_IS_BETTER,
                               *video_eval.HIGHER_IS_BETTER})
 LOWER_IS_BETTER = frozenset({*LOSS_METRICS, "speech_content_l2", "video_content_l2", "speech_style_l2",
@@ -105,14 +108,42 @@ def words(text: str) -> list[str]:
     return _WORD_RE.findall(text.lower())
 
 
+def _ngrams(text: str, n: int) -> list[tuple[str, ...]]:
+    w = words(text)
+    return [tuple(w[i : i + n]) for i in range(len(w) - n + 1)]
+
+
 def distinct_n(texts: Iterable[str], n: int) -> float:
-    """Dist-n (Li et al., 2016): distinct n-grams / all n-grams over all texts (n-grams never cross texts)."""
+    """Dist-n, corpus level (Li et al., 2016; the ED literature and the Empatheia paper): distinct n-grams /
+    all n-grams over all texts (n-grams never cross texts)."""
     grams: collections.Counter = collections.Counter()
     for text in texts:
-        w = words(text)
-        grams.update(tuple(w[i : i + n]) for i in range(len(w) - n + 1))
+        grams.update(_ngrams(text, n))
     total = sum(grams.values())
     return len(grams) / total if total else 0.0
+
+
+def distinct_n_per_reply(texts: Iterable[str], n: int) -> float:
+    """Dist-n as E3RG reports it: each reply's distinct n-grams / its n-grams, averaged over the replies
+    that have an n-gram (a reply shorter than n has no ratio). Higher than the corpus figure: a reply that
+    repeats the words of other replies loses nothing here."""
+    ratios = [len(set(g)) / len(g) for g in (_ngrams(t, n) for t in texts) if g]
+    return float(np.mean(ratios)) if ratios else 0.0
+
+
+REPEAT_N = 4
+"""`repetition_rate` counts replies in which some word 4-gram occurs twice: a sentence said again (the
+demo's failure, one sentence eight times) always does; ordinary replies of a few sentences almost never."""
+
+
+def has_repeated_ngram(text: str, n: int = REPEAT_N) -> bool:
+    grams = _ngrams(text, n)
+    return len(set(grams)) < len(grams)
+
+
+def reply_length(text: str) -> int:
+    """Words of a reply (letter/digit runs; punctuation does not count)."""
+    return sum(1 for w in words(text) if w[0].isalnum())
 
 
 class _Means:
@@ -143,11 +174,21 @@ def emotion_class(word: str, emotion_map: schema.EmotionMap) -> int | None:
 
     Gold step-2 values are one word ("terrified"); a model may write "terrified and alone" or "feeling sad".
     """
-    idx = emotion_map.project(word)
+    return _first_resolving(word, emotion_map.project)
+
+
+def emotion_fine_class(word: str, emotion_map: schema.EmotionMap) -> int | None:
+    """Index among the 32 ED labels (`schema.ED_EMOTIONS_32`) of a generated emotion phrase, resolved like
+    `emotion_class`: ED labels are themselves, free words go through the organisers' alias table."""
+    return _first_resolving(word, lambda w: None if (i := emotion_map.fine_index(w)) < 0 else i)
+
+
+def _first_resolving(phrase: str, resolve) -> int | None:
+    idx = resolve(phrase)
     if idx is not None:
         return idx
-    for w in words(word or ""):
-        idx = emotion_map.project(w)
+    for w in words(phrase or ""):
+        idx = resolve(w)
         if idx is not None:
             return idx
     return None
@@ -159,8 +200,8 @@ def parse_generation(
     """What evaluation reads from one generated text.
 
     Returns {"coe": the five CoE fields (parse_coe; the Pipeline baseline's fields are mapped onto them),
-    "reply", "emotion_word" (CoE step 2), "emotion" (class index or -1), and for the Pipeline baseline
-    "age"/"gender"/"timbre" (index or -1)}.
+    "reply", "emotion_word" (CoE step 2), "emotion" (class index or -1), "emotion_fine" (index among the 32
+    ED labels or -1), and for the Pipeline baseline "age"/"gender"/"timbre" (index or -1)}.
     """
     emotion_map = emotion_map or schema.EmotionMap.load("avamerg7")
     out: dict[str, Any] = {}
@@ -175,19 +216,25 @@ def parse_generation(
             out[name] = vocab.index(w) if w in vocab else -1
     else:
         coe = tpl.parse_coe(text)
-    idx = emotion_class(coe["speaker_emotion"], emotion_map) if coe["speaker_emotion"] else None
-    out.update(coe=coe, reply=coe["response"], emotion_word=coe["speaker_emotion"],
-               emotion=-1 if idx is None else int(idx))
+    word = coe["speaker_emotion"]
+    idx = emotion_class(word, emotion_map) if word else None
+    fine = emotion_fine_class(word, emotion_map) if word else None
+    out.update(coe=coe, reply=coe["response"], emotion_word=word, emotion=-1 if idx is None else int(idx),
+               emotion_fine=-1 if fine is None else int(fine))
     return out
 
 
 def text_metrics(predictions: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """Text metrics over parsed generations (dicts of `parse_generation` plus gold "labels").
 
-    emotion_acc_text: CoE step-2 class == gold emotion, over predictions with a gold emotion (unparseable
-    counts as wrong). coe_parse_rate: share with a step-2 emotion found; emotion_parse_rate: share whose
-    step 2 maps to a class; signal_rate: share holding all signal tokens (when "signal_complete" is given);
-    dist1/dist2 over the replies; *_acc_text for the Pipeline baseline's profile line.
+    emotion_acc_text: CoE step-2 class (the shards' emotion map, 7 coarse classes for AvaMERG) == gold
+    emotion, over predictions with a gold emotion (unparseable counts as wrong); emotion32_acc_text: the same
+    on the 32 ED labels against gold `emotion_fine`. coe_parse_rate: share with a step-2 emotion found;
+    emotion_parse_rate / emotion32_parse_rate: share whose step 2 maps to a class / an ED label;
+    signal_rate: share holding all signal tokens (when "signal_complete" is given); dist{1,2}_corpus
+    (`distinct_n`) and dist{1,2}_reply (`distinct_n_per_reply`) over the replies; repetition_rate: share
+    of replies with a repeated word 4-gram (`has_repeated_ngram`); reply_words: mean reply length in words
+    (`reply_length`); *_acc_text for the Pipeline baseline's profile line.
     """
     if not predictions:
         return {}
@@ -196,18 +243,104 @@ def text_metrics(predictions: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         gold = p.get("labels", {})
         m.add("coe_parse_rate", bool(p["emotion_word"]), 1)
         m.add("emotion_parse_rate", p["emotion"] >= 0, 1)
+        m.add("emotion32_parse_rate", p.get("emotion_fine", -1) >= 0, 1)
         if gold.get("emotion", -1) >= 0:
             m.add("emotion_acc_text", p["emotion"] == gold["emotion"], 1)
+        if gold.get("emotion_fine", -1) >= 0:
+            m.add("emotion32_acc_text", p.get("emotion_fine", -1) == gold["emotion_fine"], 1)
         if "signal_complete" in p:
             m.add("signal_rate", bool(p["signal_complete"]), 1)
         for name in ("age", "gender", "timbre"):
             if name in p and gold.get(name, -1) >= 0:
                 m.add(f"{name}_acc_text", p[name] == gold[name], 1)
+        m.add("repetition_rate", has_repeated_ngram(p["reply"]), 1)
+        m.add("reply_words", reply_length(p["reply"]), 1)
     out = m.result()
-    replies = [p["reply"] for p in predictions]
-    out["dist1"], out["dist2"] = distinct_n(replies, 1), distinct_n(replies, 2)
+    out.update(reply_text_metrics([p["reply"] for p in predictions]))
     out["num_generated"] = float(len(predictions))
     return out
+
+
+def reply_text_metrics(replies: Sequence[str]) -> dict[str, float]:
+    """Dist-1/2 in both conventions over `replies` (the model's, or the gold ones as a reference)."""
+    return {"dist1_corpus": distinct_n(replies, 1), "dist2_corpus": distinct_n(replies, 2),
+            "dist1_reply": distinct_n_per_reply(replies, 1), "dist2_reply": distinct_n_per_reply(replies, 2)}
+
+
+def vote_emotions(votes: Sequence[Sequence[Mapping[str, Any]]], key: str = "emotion") -> dict[int, int]:
+    """Emotion voting as E3RG does it: several voters (prompts or checkpoints) each predict the emotion of
+    every record (`generate_predictions` lists), and the majority decides, per record_index. Unparsed votes
+    (-1) abstain; a tie goes to the class voted by the earliest voter among the tied (list the strongest
+    voter first); a record no voter parsed gets -1."""
+    ballots: dict[int, list[int]] = collections.defaultdict(list)
+    for voter in votes:
+        for p in voter:
+            ballots[int(p["record_index"])].append(int(p.get(key, -1)))
+    out = {}
+    for idx, cast in ballots.items():
+        valid = [c for c in cast if c >= 0]
+        if not valid:
+            out[idx] = -1
+            continue
+        counts = collections.Counter(valid)
+        top = max(counts.values())
+        out[idx] = next(c for c in valid if counts[c] == top)
+    return out
+
+
+def vote_metrics(votes: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, float]:
+    """emotion_acc_vote / emotion32_acc_vote: accuracy of `vote_emotions` against the gold labels of the
+    first voter's records (the 7 coarse classes and the 32 ED labels), unparsed = wrong."""
+    if not votes or not votes[0]:
+        return {}
+    gold = {int(p["record_index"]): p.get("labels", {}) for p in votes[0]}
+    m = _Means()
+    for key, row, gold_key in (("emotion", "emotion_acc_vote", "emotion"),
+                               ("emotion_fine", "emotion32_acc_vote", "emotion_fine")):
+        decided = vote_emotions(votes, key)
+        for idx, lab in gold.items():
+            if lab.get(gold_key, -1) >= 0:
+                m.add(row, decided.get(idx, -1) == lab[gold_key], 1)
+    return m.result()
+
+
+def per_class_accuracy(predictions: Sequence[Mapping[str, Any]], key: str, classes: Sequence[str],
+                       gold_key: str | None = None) -> dict[str, dict[str, float]]:
+    """{class: {"accuracy", "n"}} of the prediction `key` against gold `labels[gold_key or key]`, per gold
+    class (the paper's Figure 6); classes with no gold example are left out."""
+    gold_key = gold_key or key
+    hits: dict[int, list[bool]] = collections.defaultdict(list)
+    for p in predictions:
+        g = p.get("labels", {}).get(gold_key, -1)
+        if g is not None and g >= 0:
+            hits[int(g)].append(p.get(key, -1) == g)
+    return {classes[c]: {"accuracy": float(np.mean(h)), "n": float(len(h))} for c, h in sorted(hits.items())}
+
+
+def plot_per_class(per_class: Mapping[str, Mapping[str, float]], title: str, path: str | os.PathLike) -> Path:
+    """A horizontal bar chart (PNG) of `per_class_accuracy`, the count of each class beside its bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(per_class)
+    acc = [per_class[n]["accuracy"] for n in names]
+    fig, ax = plt.subplots(figsize=(6.4, 0.9 + 0.26 * max(len(names), 1)))
+    ax.barh(range(len(names)), acc, color="#4c72b0")
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.08)
+    ax.set_xlabel("accuracy")
+    ax.set_title(title, fontsize=10)
+    for i, n in enumerate(names):
+        ax.text(min(acc[i], 1.0) + 0.01, i, f"n={int(per_class[n]['n'])}", va="center", fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -236,7 +369,10 @@ def _loss_and_outputs(graphdef, state, batch, stage, weights):
     model = nnx.merge(graphdef, state)
     out = model(batch, train=False, heads=stage.heads)
     _, metrics = model.loss(batch, out, stage, weights)
-    return metrics, {k: out[k] for k in _KEEP if k in out}
+    # the gold reply's own tokens (r^t inside the target): its perplexity, apart from the CoE steps around it
+    reply = batch["loss_mask"].astype(bool) & batch["response_mask"].astype(bool)
+    nll, n = losses.token_cross_entropy(out["logits"], batch["target_ids"], reply)
+    return {**metrics, "reply_nll": nll, "reply_tokens": n}, {k: out[k] for k in _KEEP if k in out}
 
 
 def _outputs(graphdef, state, batch, heads):
@@ -443,7 +579,11 @@ def teacher_forced_metrics(
         n_real += n
         _add_loss_terms(means, metrics, batch, out, n, reported)
         _add_head_metrics(means, batch, out)
+        means.add("reply_nll", float(metrics["reply_nll"]) * float(metrics["reply_tokens"]),
+                  float(metrics["reply_tokens"]))
     result = means.result()
+    if "reply_nll" in result:
+        result["reply_ppl"] = float(math.exp(min(result.pop("reply_nll"), 80.0)))
     terms = {t: result.get(t, 0.0) for t in losses.STAGE_TERMS[stage.loss_stage]}
     for t in losses.STAGE_TERMS[stage.loss_stage]:
         if t not in stage.loss_terms:
@@ -561,7 +701,8 @@ def generate_predictions(
             lab = rec.get("labels") or {}
             kept.append({"input_ids": ex["input_ids"], "aud_feats": ex["aud_feats"],
                          "vid_feats": ex["vid_feats"], "record_index": i, "uid": rec.get("uid"),
-                         "labels": {k: -1 if lab.get(k) is None else int(lab[k]) for k in LABELS}})
+                         "labels": {k: -1 if lab.get(k) is None else int(lab[k])
+                                    for k in (*LABELS, "emotion_fine")}})
         kept.sort(key=lambda e: len(e["input_ids"]))
         preds = {}
         for b0 in range(0, len(kept), batch_size):
@@ -634,9 +775,11 @@ def evaluate(
 ) -> dict[str, float]:
     """All metrics of `model` on `split` of `shards_dir` (see the module docstring for the definitions).
 
-    teacher-forced: eval_loss, emp, ppl, signal_ce, ccl_*, sal_*, cls_*, kl; emotion_acc_cls, age_acc,
+    teacher-forced: eval_loss, emp, ppl, reply_ppl (the gold reply's tokens only), signal_ce, ccl_*, sal_*,
+    cls_*, kl; emotion_acc_cls, age_acc,
     gender_acc, timbre_acc; {speech,video}_{content,style}_{l2,cos}; num_examples, skipped_examples.
-    generate_text: emotion_acc_text, coe_parse_rate, emotion_parse_rate, signal_rate, dist1, dist2,
+    generate_text: `text_metrics` (emotion_acc_text, emotion32_acc_text, parse rates, signal_rate, Dist-1/2 in
+    both conventions, repetition_rate, reply_words),
     num_generated (Pipeline baseline: also age/gender/timbre_acc_text). `generate_batch_size` (default
     `batch_size`) batches the generation apart from the teacher-forced pass: decoding holds a KV cache, not
     [B, T, vocab] logits, so it affords more rows per step, and each decode step reads every weight once
@@ -694,7 +837,7 @@ def baselines(
     `feature_distances` as the model: content by row index (row i predicts the mean of the train rows i, i.e.
     the average position profile; rows no train target reaches get the mean of all rows), truncated to
     `max_speech_len`/`max_video_len` rows as the pipeline truncates (pass the model's values); style one mean
-    vector. dist1/dist2 are those of the GOLD replies of `split`: a reference, not a predictor.
+    vector. dist{1,2}_{corpus,reply} are those of the GOLD replies of `split`: a reference, not a predictor.
     """
     check_split(shards_dir, split)
     check_split(shards_dir, train_split)
@@ -758,7 +901,7 @@ def baselines(
             means.add_values(f"{kind}_l2", l2)
             means.add_values(f"{kind}_cos", cos)
     out = means.result()
-    out["dist1"], out["dist2"] = distinct_n(replies, 1), distinct_n(replies, 2)
+    out.update(reply_text_metrics(replies))
     out["num_examples"] = float(n)
     return {k: out[k] for k in sorted(out, key=_metric_order)}
 

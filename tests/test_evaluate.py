@@ -25,6 +25,8 @@ from empatheia_jax import schema, stages
 from empatheia_jax import templates as tpl
 from empatheia_jax.generation import eos_token_ids, generate_tokens, left_pad
 
+ED = list(schema.ED_EMOTIONS_32)
+
 MAX_LEN, ROWS = 256, TINY_ROWS
 PIPE = dict(n_signal=4, max_speech_len=ROWS, max_video_len=ROWS)
 pytestmark = pytest.mark.usefixtures("exact_matmuls")
@@ -53,6 +55,11 @@ def _forward_and_loss(graphdef, state, batch):
     keep = ("speech_content", "video_content", "speech_style", "video_style", "emotion_logits", "age_logits",
             "gender_logits", "timbre_logits")
     return {k: out[k] for k in keep}, total, metrics
+
+
+@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST)
+def _logits(graphdef, state, batch):
+    return nnx.merge(graphdef, state)(batch, train=False)["logits"]
 
 
 def _whole_split_batch(tok, shards) -> dict[str, np.ndarray]:
@@ -99,6 +106,15 @@ def test_teacher_forced_metrics_equal_numpy_on_the_same_outputs(model, tok, shar
         assert got[term] == pytest.approx(float(metrics[term]), rel=1e-4), term
     assert got["eval_loss"] == pytest.approx(float(total), rel=1e-4)
     assert got["ppl"] == pytest.approx(np.exp(float(metrics["emp"])), rel=1e-4)
+    # reply_ppl: the same logits, only the gold reply's target tokens (log-softmax in numpy)
+    logits = _logits(graphdef, state, {k: jnp.asarray(v) for k, v in batch.items()})
+    logits = np.asarray(jax.device_get(logits), np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    reply = batch["loss_mask"].astype(bool) & batch["response_mask"].astype(bool) & real[:, None]
+    assert 0 < reply.sum() < (batch["loss_mask"].astype(bool) & real[:, None]).sum()  # CoE steps excluded
+    nll = -np.take_along_axis(logp, batch["target_ids"][..., None].astype(int), -1)[..., 0][reply]
+    assert got["reply_ppl"] == pytest.approx(np.exp(nll.mean()), rel=1e-4)
 
     with pytest.raises(ValueError, match="contradicts the model"):
         ev.evaluate(model, tok, shards, "test", generate_text=False, pipeline_overrides={"n_signal": 16})
@@ -112,8 +128,8 @@ def test_generations_are_scored_from_their_parse_and_equal_unbatched_decoding(mo
     assert [p["record_index"] for p in preds] == [0, 1, 2]
     assert all(p["num_new"] == 6 for p in preds)  # a random model never ends on its own
     replies = [p["reply"] for p in preds]
-    assert got["dist1"] == pytest.approx(ev.distinct_n(replies, 1))
-    assert got["dist2"] == pytest.approx(ev.distinct_n(replies, 2))
+    assert got["dist1_corpus"] == pytest.approx(ev.distinct_n(replies, 1))
+    assert got["dist2_reply"] == pytest.approx(ev.distinct_n_per_reply(replies, 2))
     gold = [p["labels"]["emotion"] for p in preds]
     assert gold == [1, 5, 5]  # surprised, disgusted (shards' labels, in record order)
     hits = [p["emotion"] == g for p, g in zip(preds, gold, strict=True)]
@@ -163,18 +179,32 @@ def test_parse_and_score_of_rigged_generations():
     replies = ["I am so sorry. Is he back?", "oh no, oh no", "rest", "just some words"]
     assert [p["reply"] for p in parsed] == replies
     assert parsed[0]["coe"]["event_scenario"] == "my dog ran away"
+    assert [p["emotion_fine"] for p in parsed] == [ED.index("terrified"), ED.index("sad"), -1, -1]
     gold = [3, 0, 2, 4]
-    preds = [dict(p, labels={"emotion": g, "age": -1, "gender": -1, "timbre": -1})
-             for p, g in zip(parsed, gold, strict=True)]
+    gold_fine = [ED.index("afraid"), ED.index("sad"), ED.index("annoyed"), -1]  # same 7-class, other label
+    preds = [dict(p, labels={"emotion": g, "emotion_fine": f, "age": -1, "gender": -1, "timbre": -1})
+             for p, g, f in zip(parsed, gold, gold_fine, strict=True)]
     m = ev.text_metrics(preds)
     assert m["emotion_acc_text"] == 0.25  # only the first; unparseable counts as wrong
+    assert m["emotion32_acc_text"] == pytest.approx(1 / 3)  # terrified != afraid; sad == sad; tired: none
     assert m["coe_parse_rate"] == 0.75 and m["emotion_parse_rate"] == 0.5
+    assert m["emotion32_parse_rate"] == 0.5  # "tired" is an unmapped word in both maps
     # words: [i am so sorry . is he back ?] [oh no , oh no] [rest] [just some words] = 18 tokens, 16 distinct;
     # bigrams: 8 + 4 (oh-no twice) + 0 + 2 = 14, 13 distinct.
-    assert m["dist1"] == pytest.approx(16 / 18) and m["dist2"] == pytest.approx(13 / 14)
+    assert m["dist1_corpus"] == pytest.approx(16 / 18) and m["dist2_corpus"] == pytest.approx(13 / 14)
+    # per reply: 9/9, 3/5, 1/1, 3/3 unigrams; 8/8, 3/4, (none), 2/2 bigrams
+    assert m["dist1_reply"] == pytest.approx((1 + 3 / 5 + 1 + 1) / 4)
+    assert m["dist2_reply"] == pytest.approx((1 + 3 / 4 + 1) / 3)
+    assert m["repetition_rate"] == 0.0  # "oh no , oh no" repeats a bigram, not a 4-gram
+    assert m["reply_words"] == pytest.approx((7 + 4 + 1 + 3) / 4)  # punctuation is not a word
     assert ev.distinct_n(["a b a", "b c"], 1) == pytest.approx(3 / 5)
     assert ev.distinct_n(["a b a", "b c"], 2) == pytest.approx(3 / 3)
     assert ev.distinct_n([""], 2) == 0.0
+    # the demo's failure: one sentence said again
+    looped = "I am here for you. I am here for you. I am here for you."
+    assert ev.has_repeated_ngram(looped) and not ev.has_repeated_ngram("I am here for you, always.")
+    m = ev.text_metrics([dict(p, labels={}) for p in parsed] + [dict(parsed[3], reply=looped, labels={})])
+    assert m["repetition_rate"] == pytest.approx(1 / 5)
 
     pipe = ev.parse_generation("Emotion: joyful\nProfile: young, female, HIGH\nResponse: great news!",
                                emap, pipeline_baseline=True)
@@ -215,7 +245,8 @@ def test_baselines_equal_a_hand_computation(shards):
         mean = np.mean([r["targets"][kind] for r in tr], axis=0, dtype=np.float64)
         l2 = [np.linalg.norm(mean - r["targets"][kind]) for r in te]
         assert got[f"{kind}_l2"] == pytest.approx(np.mean(l2), rel=1e-9)
-    assert got["dist1"] == pytest.approx(ev.distinct_n([r["response"] for r in te], 1))
+    assert got["dist1_corpus"] == pytest.approx(ev.distinct_n([r["response"] for r in te], 1))
+    assert got["dist2_reply"] == pytest.approx(ev.distinct_n_per_reply([r["response"] for r in te], 2))
     assert got["num_examples"] == 3
     chance = ev.chance_levels()
     assert chance["emotion_acc_cls"] == pytest.approx(1 / 7) and chance["gender_acc"] == 0.5
@@ -244,3 +275,37 @@ def test_missing_split_or_folder_is_named(model, tok, shards, tmp_path):
         ev.evaluate(model, tok, tmp_path / "nowhere", "test", progress=False)
     with pytest.raises(ValueError, match="no split 'training'"):
         ev.baselines(shards, "test", train_split="training")
+
+
+def test_emotion_voting_takes_the_majority_and_breaks_ties_by_voter_order():
+    gold = [0, 1, 2, 3, 4]
+
+    def voter(emotions):
+        return [{"record_index": i, "emotion": e, "emotion_fine": e, "emotion_word": "x", "reply": "",
+                 "labels": {"emotion": g, "emotion_fine": g}}
+                for i, (e, g) in enumerate(zip(emotions, gold, strict=True))]
+
+    a = voter([0, 1, 5, -1, 6])
+    b = voter([0, 2, 2, -1, 4])
+    c = voter([1, 1, 2, -1, -1])
+    # record 0: 0,0,1 -> 0; 1: 1,2,1 -> 1; 2: 5,2,2 -> 2; 3: nobody parsed -> -1;
+    # 4: 6 vs 4, a tie -> the first voter's 6
+    assert ev.vote_emotions([a, b, c]) == {0: 0, 1: 1, 2: 2, 3: -1, 4: 6}
+    assert ev.vote_emotions([b, a, c])[4] == 4
+    m = ev.vote_metrics([a, b, c])
+    assert m == {"emotion_acc_vote": pytest.approx(3 / 5), "emotion32_acc_vote": pytest.approx(3 / 5)}
+    assert ev.text_metrics(a)["emotion_acc_text"] == pytest.approx(2 / 5)  # voting beat the first voter
+    assert ev.vote_metrics([]) == {}
+
+
+def test_per_class_accuracy_and_its_plot(tmp_path):
+    classes = ("joyful", "sad", "angry")
+    preds = [{"emotion": e, "labels": {"emotion": g}} for e, g in ((0, 0), (1, 0), (1, 1), (-1, 1), (0, 1),
+                                                                    (2, -1))]
+    got = ev.per_class_accuracy(preds, "emotion", classes)
+    assert got == {"joyful": {"accuracy": 0.5, "n": 2.0}, "sad": {"accuracy": pytest.approx(1 / 3), "n": 3.0}}
+    path = ev.plot_per_class(got, "emotion (CoE step 2)", tmp_path / "plots" / "emotion.png")
+    from PIL import Image
+
+    with Image.open(path) as im:
+        assert im.format == "PNG" and im.size[0] > 300
