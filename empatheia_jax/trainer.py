@@ -42,7 +42,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from empatheia_jax import config as config_lib
 from empatheia_jax import losses, sharding, stages
-from empatheia_jax.checkpoint import PreemptionWatcher, TrainCheckpointer, read_meta, resolve_checkpoint
+from empatheia_jax.checkpoint import (
+    CheckpointError,
+    PreemptionWatcher,
+    TrainCheckpointer,
+    read_meta,
+    resolve_checkpoint,
+)
 from empatheia_jax.checkpoint_io import load_checkpoint, load_tokenizer
 from empatheia_jax.evaluate import pipeline_config_fields
 from empatheia_jax.input_pipeline import TOKEN_KEYS, InputPipeline, make_dataset, make_global_batch
@@ -670,7 +676,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
         "stage": stage.to_dict(),
         "config": config_lib.to_json(config),
         "model_config": model.config.to_dict(),
-        "backbone": config.model.backbone,
+        # absolute, so that eval/chat/export find it from any directory (the config keeps what was given)
+        "backbone": str(Path(config.model.backbone).resolve()) if config.model.backbone else "",
         "include_backbone": include_backbone,
         "encoder": manifest.get("encoder"),
         # {kind: {source, dim, ...}} of the shards' generator targets: the bridge to a generator needs the
@@ -906,6 +913,11 @@ def load_trained(
     _, meta = read_meta(directory, step)
     config = ml_collections.ConfigDict(meta["config"])
     cfg = EmpatheiaConfig.from_dict(meta["model_config"])
+    for what, folder in (("backbone", meta["backbone"]), ("tokenizer", config.model.tokenizer)):
+        if folder and not Path(folder).is_dir():  # else transformers would look it up as a Hub model id
+            raise CheckpointError(f"{directory}: the run's {what} folder {folder} does not exist (a relative "
+                                  "path is read from the current directory: run from the directory training "
+                                  "ran in, or put the folder there)")
     tokenizer = load_tokenizer(config.model.tokenizer or meta["backbone"])
     extend_tokenizer(tokenizer, cfg.n_signal)
     if not restore:
