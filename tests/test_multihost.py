@@ -1,5 +1,5 @@
 """A real 2-process `jax.distributed` run on localhost (CPU devices, gloo collectives) through
-`empatheia train`, and the launch scripts.
+`empatheia train` (the launch scripts are checked in tests/test_launchers.py).
 
 Three runs of the `tiny` config (stage coe, 6 steps, global batch 2 = 1 per process, mesh data=1 x fsdp=2),
 each a `python driver.py` that runs the real CLI (`empatheia_jax.cli.main`). The model is built and placed by
@@ -481,21 +481,3 @@ def test_two_process_resume_continues_exactly(runs):
         np.testing.assert_allclose(i0["eval"][k], v, rtol=1e-5, err_msg=k)
         assert i1["eval"][k] == i0["eval"][k]
 
-
-# ----------------------------------------------------------------------------------------------------------
-# Launch scripts
-# ----------------------------------------------------------------------------------------------------------
-
-LAUNCH = sorted((REPO / "launch").glob("*.sh")) + sorted((REPO / "launch").glob("*.sbatch"))
-
-
-@pytest.mark.parametrize("script", LAUNCH, ids=[p.name for p in LAUNCH])
-def test_launch_script_parses(script):
-    p = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
-    assert p.returncode == 0, p.stderr
-    assert script.read_text().startswith("#!"), "launch scripts start with a shebang"
-
-
-def test_every_launcher_exists():
-    names = {p.name for p in LAUNCH}
-    assert {"local.sh", "tpu_pod.sh", "slurm_gpu.sbatch"} <= names
