@@ -2,7 +2,7 @@
 
     python -m data.prepare --raw RAW --out SHARDS --encoder lite [--targets TARGETS]
         [--make-standin-targets] [--split-by conversation] [--skip-invalid]
-        [--records-per-shard N] [--workers 2] [--overwrite]
+        [--records-per-shard N] [--workers 2] [--overwrite] [--text-only | --media optional]
 
 RAW holds ``{split}.json`` (lists of AvaMERG dialogues) and ``media/{utt_id}.wav|.mp4``. Each split file
 becomes ``SHARDS/{split}/{split}-{i}-of-{n}.array_record`` with one msgpack record per ``turns`` entry
@@ -12,14 +12,24 @@ by utterance id. Invalid input fails the run with every problem listed; ``--skip
 dialogues instead and lists them in ``SHARDS/skipped_report.txt`` and the manifest. Shards are written
 under temporary names and renamed; ``manifest.json`` is written last, so an interrupted run leaves a
 folder that `verify_shards` and the input pipeline refuse.
+
+Media (`--media`): ``required`` (default) validates and encodes every utterance's .wav and .mp4;
+``none`` (``--text-only``) reads no media and runs no encoder, for text corpora such as an imported
+EmpatheticDialogues csv (the stage-1/2 templates need only text); ``optional`` prepares a dialogue with
+none of its media files text-only and holds a dialogue with some of them to all of them (a record
+that claims media must have them). Text-only records carry zero feature vectors per utterance
+(``audio_feats``/``video_feats`` of shape ``[n_hist, 0, d]``); ``manifest.media`` and each split's
+``text_only_records`` say so, and templates with ``<Aud>``/``<Vid>`` refuse such a split up front.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -55,10 +65,12 @@ from empatheia_jax.targets import (
 )
 
 __all__ = [
+    "MEDIA_MODES",
     "InvalidInputError",
     "PreparedRaw",
     "STANDARD_SPLITS",
     "SHARD_RECORD_FIELDS",
+    "cached_text_only_shards",
     "dialogue_records",
     "discover_splits",
     "extract_features",
@@ -69,6 +81,10 @@ __all__ = [
 ]
 
 SKIPPED_REPORT = "skipped_report.txt"
+# required: every utterance has its .wav and .mp4 (today's AvaMERG); none: text only, no media read, no
+# encoder; optional: per dialogue, none of its media files = text-only, any of them = all of them.
+MEDIA_MODES = ("required", "optional", "none")
+_MEDIA_KEYS = tuple(f".media{ext}" for ext in schema.MEDIA_EXTENSIONS)
 
 
 class InvalidInputError(ValueError):
@@ -87,6 +103,7 @@ class PreparedRaw:
     raw: Path
     splits: dict[str, list[schema.Dialogue]]
     skipped: list[dict[str, Any]] = field(default_factory=list)  # {split, conversation_id, problems}
+    text_only: set[str] = field(default_factory=set)  # conversation ids prepared without media
 
     @property
     def media_dir(self) -> Path:
@@ -98,6 +115,19 @@ def _conv_label(obj: Any, i: int) -> str:
     return cid if isinstance(cid, str) and cid else f"#{i}"
 
 
+def _has_no_media(obj: Any, names: frozenset[str] | None) -> bool:
+    """True when none of the dialogue's media files exist (`names`: the media folder's listing, None when
+    there is no media folder). A dialogue that cannot be parsed is not text-only: its problems stand."""
+    if names is None:
+        return True
+    try:
+        d = schema.Dialogue.from_json(obj)
+        uids = [u for u, _, _ in schema.dialogue_utterances(d)]
+    except (schema.SchemaError, ValueError, TypeError, KeyError, AttributeError):
+        return False
+    return not any(u + ext in names for u in uids for ext in schema.MEDIA_EXTENSIONS)
+
+
 def load_raw(
     raw: str | os.PathLike,
     *,
@@ -105,6 +135,7 @@ def load_raw(
     emotion_map: schema.EmotionMap,
     skip_invalid: bool = False,
     check_media_readable: bool = True,
+    media: str = "required",
 ) -> PreparedRaw:
     """Validate every split file (records and media) and build the dialogues.
 
@@ -112,27 +143,51 @@ def load_raw(
     with problems are skipped and recorded; problems that cannot be pinned to one dialogue (unreadable
     JSON) and conversations that appear in more than one split are always fatal (a split leak would
     silently inflate evaluation).
+
+    `media` (MEDIA_MODES): "required" checks every utterance's media; "none" checks none and marks every
+    dialogue text-only; "optional" marks a dialogue text-only when none of its media files exist (no
+    media folder: all of them) and checks the others as "required" does, so one missing file of a
+    dialogue that has media is still a problem naming that file.
     """
+    if media not in MEDIA_MODES:
+        raise ValueError(f"media={media!r}: expected one of {MEDIA_MODES}")
     raw = Path(raw)
     splits = splits or discover_splits(raw)
-    media = schema.media_dir_of(raw)
+    media_dir: str | None = schema.media_dir_of(raw)
+    names: frozenset[str] | None = None
+    if media == "none" or (media == "optional" and not Path(media_dir).is_dir()):
+        media_dir = None
+    elif media == "optional":
+        names = frozenset(e.name for e in os.scandir(media_dir) if e.is_file())
     fatal: list[str] = []
     skipped: list[dict[str, Any]] = []
     out: dict[str, list[schema.Dialogue]] = {}
     owner: dict[str, str] = {}
+    text_only: set[str] = set()
     for split in splits:
         path = schema.split_json_path(raw, split)
         problems = schema.validate_file(
-            path, media, emotion_map=emotion_map, check_media_readable=check_media_readable
+            path, media_dir, emotion_map=emotion_map, check_media_readable=check_media_readable
         )
+        objs = None
+        no_media: set[str] = set()  # labels of the dialogues prepared text-only
+        if media != "required" and not any(p.conversation_id is None for p in problems):
+            with open(path, encoding="utf-8") as f:
+                objs = json.load(f)
+            no_media = {_conv_label(o, i) for i, o in enumerate(objs) if _has_no_media(o, names)}
+            # a dialogue with none of its files claims no media: its "missing media file" lines go
+            problems = [
+                p for p in problems if not (p.conversation_id in no_media and p.key.endswith(_MEDIA_KEYS))
+            ]
         by_conv: dict[str | None, list[str]] = defaultdict(list)
         for p in problems:
             by_conv[p.conversation_id].append(str(p))
         if None in by_conv:  # file-level (JSON) problems: nothing can be salvaged
             fatal += by_conv.pop(None)
             continue
-        with open(path, encoding="utf-8") as f:
-            objs = json.load(f)
+        if objs is None:
+            with open(path, encoding="utf-8") as f:
+                objs = json.load(f)
         if by_conv and not skip_invalid:
             fatal += [p for ps in by_conv.values() for p in ps]
             continue
@@ -152,11 +207,13 @@ def load_raw(
                 continue
             owner[d.conversation_id] = split
             dialogues.append(d)
+            if label in no_media:
+                text_only.add(d.conversation_id)
         out[split] = dialogues
     if fatal:
         hint = "" if skip_invalid else " (use --skip-invalid to skip the bad dialogues and report them)"
         raise InvalidInputError(fatal, hint)
-    return PreparedRaw(raw, out, skipped)
+    return PreparedRaw(raw, out, skipped, text_only)
 
 
 def history_utterances(dialogue: schema.Dialogue) -> list[str]:
@@ -198,12 +255,19 @@ def dialogue_records(
     audio_dim: int,
     video_dim: int,
     k: int,
+    text_only: bool = False,
 ) -> list[dict[str, Any]]:
-    """One shard record per turn of `dialogue`; features looked up in `feats`, targets by response id."""
+    """One shard record per turn of `dialogue`; features looked up in `feats`, targets by response id.
+
+    `text_only`: no features at all, i.e. zero vectors per utterance (`[n_hist, 0, dim]`), so a record
+    never pretends to hold media it was prepared without."""
     recs = []
     for j, t in enumerate(dialogue.turns):
         uids = [u for u, _, _ in schema.turn_utterances(dialogue, t)]
-        if uids:
+        if text_only:
+            audio = np.zeros((len(uids), 0, audio_dim), np.float32)
+            video = np.zeros((len(uids), 0, video_dim), np.float32)
+        elif uids:
             audio = np.stack([feats[u][0] for u in uids])
             video = np.stack([feats[u][1] for u in uids])
         else:
@@ -379,8 +443,14 @@ def prepare(
     progress: bool = True,
     command: str | None = None,
     log: Callable[[str], None] | None = None,
+    media: str = "required",
 ) -> dict[str, Any]:
-    """Run the whole preparation and return the manifest (also written to ``OUT/manifest.json``)."""
+    """Run the whole preparation and return the manifest (also written to ``OUT/manifest.json``).
+
+    `media` (MEDIA_MODES, see `load_raw`): "none" runs no encoder (`encoder`/`encoder_kwargs` unused) and
+    writes `encoder: null`, `features: {k: 0, audio_dim: 0, video_dim: 0}`; every mode records
+    `media` and each split's `text_only_records`/`text_only_dialogues` in the manifest.
+    """
     from tqdm import tqdm
 
     log = log or (lambda s: print(f"[prepare] {s}", file=sys.stderr))
@@ -391,16 +461,25 @@ def prepare(
         )
     if records_per_shard < 1:
         raise ValueError("records_per_shard must be >= 1")
+    if media not in MEDIA_MODES:
+        raise ValueError(f"media={media!r}: expected one of {MEDIA_MODES}")
+    if make_standin and media != "required":
+        raise ValueError("--make-standin-targets computes targets from every utterance's media; "
+                         f"it cannot run with media={media!r} (--text-only / --media optional)")
     raw, out = Path(raw), Path(out)
     if (out / MANIFEST).exists() and not overwrite:
         raise FileExistsError(f"{out / MANIFEST} exists; pass --overwrite to replace this shard folder")
     em = schema.EmotionMap.load(emotion_map)
     encoder_kwargs = dict(encoder_kwargs or {})
-    enc = get_encoder(encoder, **encoder_kwargs)
+    enc = None if media == "none" else get_encoder(encoder, **encoder_kwargs)
+    audio_dim, video_dim, k = (enc.audio_dim, enc.video_dim, enc.k) if enc is not None else (0, 0, 0)
 
-    data = load_raw(raw, splits=splits, emotion_map=em, skip_invalid=skip_invalid)
+    data = load_raw(raw, splits=splits, emotion_map=em, skip_invalid=skip_invalid, media=media)
     if data.skipped:
         log(f"SKIPPING {len(data.skipped)} invalid dialogue(s); see {out / SKIPPED_REPORT}")
+    if media == "optional" and data.text_only:
+        log(f"{len(data.text_only)} dialogue(s) have none of their media files: prepared text-only "
+            "(--media optional)")
 
     if make_standin:
         if targets is None:
@@ -431,19 +510,27 @@ def prepare(
     keep: set[Path] = set()
     n_utts = 0
     t_feat = 0.0
-    with _FeaturePool(enc, encoder, encoder_kwargs, workers) as features:
+    # text-only dialogues have no utterance to encode; a text-only run needs no pool (and has no encoder)
+    pool_workers = workers if enc is not None else 1
+    with _FeaturePool(enc, encoder, encoder_kwargs, pool_workers) as features:
         for split, dialogues in data.splits.items():
             writer = _ShardSetWriter(out, split, records_per_shard)
             cov: dict[str, int] = defaultdict(int)
-            n_rec = n_dia = n_split_utts = 0
-            jobs = [(i, history_utterances(d), str(data.media_dir)) for i, d in enumerate(dialogues)]
+            n_rec = n_dia = n_split_utts = n_text_rec = n_text_dia = 0
+            jobs = [
+                (i, [] if d.conversation_id in data.text_only else history_utterances(d), str(data.media_dir))
+                for i, d in enumerate(dialogues)
+            ]
             total_utts = sum(len(j[1]) for j in jobs)
-            bar = tqdm(total=total_utts, desc=f"{split}: utterances", unit="utt", disable=not progress)
+            if total_utts:
+                bar = tqdm(total=total_utts, desc=f"{split}: utterances", unit="utt", disable=not progress)
+            else:  # nothing to encode: count dialogues
+                bar = tqdm(total=len(jobs), desc=f"{split}: dialogues", unit="dia", disable=not progress)
             try:
                 t0 = time.perf_counter()
                 for i, feats, err in features.stream(jobs):
                     d = dialogues[i]
-                    bar.update(len(jobs[i][1]))
+                    bar.update(len(jobs[i][1]) if total_utts else 1)
                     if err is not None:
                         if not skip_invalid:
                             raise InvalidInputError(
@@ -454,15 +541,17 @@ def prepare(
                         )
                         log(f"SKIPPING {split}/{d.conversation_id}: {err}")
                         continue
+                    text_only = d.conversation_id in data.text_only
                     recs = dialogue_records(
                         d,
                         split=split,
                         feats=feats,
                         emotion_map=em,
                         targets=reader,
-                        audio_dim=enc.audio_dim,
-                        video_dim=enc.video_dim,
-                        k=enc.k,
+                        audio_dim=audio_dim,
+                        video_dim=video_dim,
+                        k=k,
+                        text_only=text_only,
                     )
                     for r in recs:
                         writer.write(encode_shard_record(r))
@@ -470,6 +559,8 @@ def prepare(
                             cov[kind] += 1
                     n_rec += len(recs)
                     n_dia += 1
+                    n_text_rec += len(recs) if text_only else 0
+                    n_text_dia += int(text_only)
                     n_split_utts += len(jobs[i][1])
                 t_feat += time.perf_counter() - t0
                 shards = writer.finish(out)
@@ -484,6 +575,8 @@ def prepare(
                 "records": n_rec,
                 "dialogues": n_dia,
                 "utterances": n_split_utts,
+                "text_only_records": n_text_rec,
+                "text_only_dialogues": n_text_dia,
                 "shards": shards,
             }
             coverage[split] = {k: cov.get(k, 0) for k in (reader.kinds if reader else ())}
@@ -528,8 +621,9 @@ def prepare(
         "raw": str(raw.resolve()),
         "split_by": split_by,
         "emotion_map": {"name": em.name, "classes": list(em.classes)},
-        "encoder": {"name": enc.name, "config": enc.config()},
-        "features": {"k": enc.k, "audio_dim": enc.audio_dim, "video_dim": enc.video_dim},
+        "media": media,
+        "encoder": None if enc is None else {"name": enc.name, "config": enc.config()},
+        "features": {"k": k, "audio_dim": audio_dim, "video_dim": video_dim},
         "targets": tsum,
         "record_fields": list(SHARD_RECORD_FIELDS),
         "array_record_options": ARRAY_RECORD_OPTIONS,
@@ -557,19 +651,79 @@ def prepare(
         real = ", ".join(tsum["real_kinds"]) or "none"
         log(f"NOTE: targets {', '.join(tsum['stand_in_kinds'])} are STAND-INS (source=stand-in), "
             f"real: {real}; recorded as such in manifest.json")
+    how = "text-only: no media, no encoder"
+    if enc is not None:
+        how = f"{n_utts} utterances encoded with {enc.name}"
     log(
-        f"wrote {total_records} records ({n_utts} utterances encoded with {enc.name}) to {out} "
+        f"wrote {total_records} records ({how}) to {out} "
         f"in {seconds:.1f}s "
         f"({manifest['timing']['records_per_second']} records/s)"
     )
     return manifest
 
 
+def cached_text_only_shards(
+    dialogues_json: str,
+    cache: str | os.PathLike,
+    *,
+    split: str,
+    emotion_map: str = "avamerg7",
+    progress: bool = True,
+    command: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> tuple[Path, bool]:
+    """Text-only shards of one split given as AvaMERG JSON text (e.g. `data.import_ed.dumps` of an imported
+    EmpatheticDialogues csv), prepared once under `cache` and reused; returns (shards folder, reused).
+
+    The folder, ``CACHE/{split}-{emotion_map}-{key}/`` with ``raw/{split}.json`` and ``shards/``, is keyed by
+    the sha256 of the JSON text, the split, the emotion map and the record/manifest versions, so an edited
+    csv, a changed importer or another emotion map never meets a stale folder, and evaluating the same file
+    again costs no preparation. A shards folder that fails `verify_shards` (interrupted, tampered) is
+    rebuilt. The shards are written beside under a temporary name and renamed when complete, so concurrent
+    runs on one input never read a half-written folder.
+    """
+    log = log or (lambda s: print(f"[prepare] {s}", file=sys.stderr))
+    if not dialogues_json.strip():
+        raise ValueError("no dialogues to prepare (empty JSON text)")
+    h = hashlib.sha256()
+    for part in (dialogues_json, split, emotion_map, str(schema.SCHEMA_VERSION), MANIFEST_FORMAT):
+        h.update(part.encode("utf-8") + b"\0")
+    root = Path(cache) / f"{split}-{emotion_map}-{h.hexdigest()[:16]}"
+    shards = root / "shards"
+    if (shards / MANIFEST).is_file() and not verify_shards(shards):
+        log(f"reusing text-only shards {shards} (prepared earlier from the same dialogues)")
+        return shards, True
+    raw = root / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    path = Path(schema.split_json_path(raw, split))
+    tmp_json = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp_json.write_text(dialogues_json, encoding="utf-8")
+    os.replace(tmp_json, path)  # the same key holds the same text: concurrent writers agree
+    tmp = root / f".shards.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        prepare(raw, tmp, media="none", splits=[split], emotion_map=emotion_map, progress=progress,
+                command=command, log=log)
+        if shards.exists() and verify_shards(shards):
+            shutil.rmtree(shards)  # a broken folder of an earlier run
+        try:
+            os.rename(tmp, shards)
+        except OSError:  # another run finished first: use its folder if it is sound
+            if verify_shards(shards):
+                raise
+            return shards, True
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"text-only shards ready in {shards}")
+    return shards, False
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n")[0])
     ap.add_argument("--raw", required=True, help="folder with {split}.json and media/")
     ap.add_argument("--out", required=True, help="shard folder to write")
-    ap.add_argument("--encoder", default="lite", help="encoder name: lite, hubert+clip, hubert+lite, ...")
+    ap.add_argument("--encoder", default=None,
+                    help="encoder name: lite (default), hubert+clip, hubert+lite, ...")
     ap.add_argument(
         "--encoder-arg",
         action="append",
@@ -599,6 +753,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=1, help="feature-extraction processes")
     ap.add_argument("--emotion-map", default="avamerg7", choices=list(schema.EMOTION_MAP_NAMES))
     ap.add_argument("--overwrite", action="store_true", help="replace an existing shard folder")
+    ap.add_argument(
+        "--media",
+        default=None,
+        choices=list(MEDIA_MODES),
+        help="required (default): every utterance has its .wav and .mp4; none: text only (no media read, no "
+        "encoder); optional: a dialogue without any media file is text-only, one with some needs all",
+    )
+    ap.add_argument("--text-only", action="store_true", help="the same as --media none")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--verbose", action="store_true",
                     help="library logging (absl, jax, transformers, ...) at INFO instead of WARNING")
@@ -615,11 +777,19 @@ def main(argv: list[str] | None = None) -> int:
             kwargs[key] = value
     if args.k is not None:
         kwargs["k"] = args.k
+    if args.text_only and args.media not in (None, "none"):
+        ap.error(f"--text-only contradicts --media {args.media}")
+    media = "none" if args.text_only else args.media or "required"
+    if media == "none" and (args.encoder or kwargs):
+        ap.error("--text-only computes no features: --encoder, --encoder-arg and --k do not apply")
+    if media != "required" and args.make_standin_targets:
+        ap.error("--make-standin-targets reads every utterance's media: not with --text-only or "
+                 "--media optional")
     try:
         prepare(
             args.raw,
             args.out,
-            encoder=args.encoder,
+            encoder=args.encoder or "lite",
             encoder_kwargs=kwargs,
             targets=args.targets,
             make_standin=args.make_standin_targets,
@@ -632,6 +802,7 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite,
             require_targets=args.require_targets,
             progress=not args.no_progress,
+            media=media,
             command=shlex.join(["python", "-m", "data.prepare", *(sys.argv[1:] if argv is None else argv)]),
         )
     except (InvalidInputError, FileExistsError, FileNotFoundError) as e:

@@ -3,6 +3,8 @@
     empatheia train --config configs/smollm2_demo.py --config.stage=coe --workdir work/run/coe
     empatheia train --config configs/smollm2_demo.py --config.stage=ccl --config.init_from=work/run/coe ...
     empatheia eval  --ckpt work/run/overall --split test [--untrained] [--json metrics.json]
+    empatheia eval  --ckpt work/run/coe --data data/ed/empathetic_dialogues_validation.csv [--template coe]
+                    # an ED-format csv: imported, prepared text-only (cached), evaluated
     empatheia chat  --ckpt work/run/overall --text "..." [--audio a.wav] [--video v.mp4] [--history h.json]
                     [--out reply]      # writes reply.npz (features, emotion, profile) and reply.json
     empatheia export --ckpt work/run/overall --out work/export [--merged] [--overwrite]
@@ -22,8 +24,10 @@ bug and keeps its traceback.
 
 from __future__ import annotations
 
+import csv
 import difflib
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +47,17 @@ flags.DEFINE_string("ckpt", None, "eval/chat/export: a training workdir, its che
 flags.DEFINE_integer("step", None, "eval/chat/export: checkpoint step (default: the latest)")
 flags.DEFINE_string("split", "test", "eval: the split of the run's shards to evaluate")
 flags.DEFINE_string("shards", None, "eval: shards folder (default: the run's data.shards)")
+flags.DEFINE_string("data", None, "eval: what to evaluate on: a shards folder (as --shards) or an "
+                    "EmpatheticDialogues-format csv, imported and prepared text-only (cached in "
+                    "--data_cache); a csv's split is named from its file (validation -> valid) or --split")
+flags.DEFINE_string("data_cache", None, "eval: folder for the shards prepared from a --data csv, reused by a "
+                    "later run on the same file (default: $XDG_CACHE_HOME or ~/.cache, then "
+                    "empatheia_jax/eval_data)")
+# evaluate.TEMPLATES, spelt out so that parsing the flags imports no jax
+TEMPLATE_NAMES = ("coe", "ccl", "sac", "overall", "pipeline")
+flags.DEFINE_enum("template", None, list(TEMPLATE_NAMES), "eval: the stage whose prompt and loss formula "
+                  "score the model (default: the stage the checkpoint was trained for; overall for older "
+                  "checkpoints)")
 flags.DEFINE_bool("untrained", False, "eval: also evaluate the untrained model (same config, fresh heads)")
 flags.DEFINE_bool("generate", True, "eval: generate the CoE text (emotion accuracy from text, Dist-n)")
 flags.DEFINE_integer("batch_size", 8, "eval: batch size", lower_bound=1)
@@ -109,18 +124,85 @@ def _train() -> int:
     return 0
 
 
+class DataError(ValueError):
+    """An `eval --data` input that cannot be evaluated (not an EmpatheticDialogues csv, nothing in it to
+    evaluate); the message names the file. One `error:` line and exit 2, like every bad input."""
+
+
+def _import_ed_csv(path: Path, split: str) -> str:
+    """The AvaMERG JSON text of an EmpatheticDialogues csv (`data.import_ed`), checked as the importer's own
+    CLI checks it. Done before the model loads, so a wrong file fails in a second."""
+    from data.import_ed import convert_ed_csv, dumps
+    from empatheia_jax.schema import EmotionMap, validate_dialogues
+
+    try:
+        result = convert_ed_csv(str(path), progress=sys.stderr.isatty())  # a bar on a terminal only
+    except (ValueError, csv.Error) as e:  # no header, missing columns, not UTF-8 text, a broken csv
+        message = str(e).removeprefix(f"{path}: ")
+        raise DataError(f"--data {path}: {message}") from e
+    if not result.dialogues:
+        raise DataError(f"--data {path}: no dialogue to evaluate ({result.rows_read} csv rows, "
+                        f"{result.conversations_in} conversations, none with a listener reply that imports)")
+    problems = validate_dialogues(result.dialogues, source=path.name, media_dir=None,
+                                  emotion_map=EmotionMap.load("avamerg7"))
+    if problems:  # the importer's own output must be valid
+        raise DataError(f"--data {path}: the import gave {len(problems)} schema problem(s), "
+                        f"e.g. {problems[0]}")
+    quirks = f"; {len(result.quirks)} csv quirk(s) skipped (python -m data.import_ed lists them)"
+    # said once the import succeeded: a file that fails is one `error:` line, like every bad input
+    print(f"imported {path} (EmpatheticDialogues csv) as split {split!r}: {len(result.dialogues)} dialogues, "
+          f"{result.num_turns} turns{quirks if result.quirks else ''}", file=sys.stderr)
+    return dumps(result.dialogues)
+
+
+def _data_cache() -> Path:
+    if FLAGS.data_cache:
+        return Path(FLAGS.data_cache)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "empatheia_jax" / "eval_data"
+
+
+def _trained_stage(meta: dict[str, Any]) -> str | None:
+    """The stage a checkpoint (or export) was trained for, from its meta; None when it does not say."""
+    stage = meta.get("stage")
+    name = stage.get("name") if isinstance(stage, dict) else None
+    return name if name in TEMPLATE_NAMES else None
+
+
 def _eval() -> int:
-    from empatheia_jax import evaluate, speech_eval, video_eval
+    from empatheia_jax import evaluate, shard_format, speech_eval, video_eval
 
     if not FLAGS.ckpt:
         raise app.UsageError("eval needs --ckpt")
-    if FLAGS.shards:  # checked before the model is loaded: a wrong folder fails in seconds
-        evaluate.check_split(FLAGS.shards, FLAGS.split)
-    model, tokenizer, config, _ = _load_trained()
-    shards = FLAGS.shards or config.data.shards
-    if not FLAGS.shards and not Path(shards).is_dir():
+    if FLAGS.data and FLAGS.shards:
+        raise app.UsageError("eval takes --data or --shards, not both")
+    shards, split, ed_json = FLAGS.shards, FLAGS.split, None
+    if FLAGS.data:
+        data = Path(FLAGS.data)
+        if data.is_dir():
+            shards = str(data)
+        elif data.is_file():
+            from data.import_ed import split_from_filename
+
+            split = FLAGS.split if FLAGS["split"].present else split_from_filename(str(data))
+            ed_json = _import_ed_csv(data, split)
+        else:
+            raise FileNotFoundError(f"--data {data}: no such file or folder")
+    if shards:  # checked before the model is loaded: a wrong folder fails in seconds
+        evaluate.check_split(shards, split)
+    model, tokenizer, config, meta = _load_trained()
+    if ed_json is not None:  # labels in the model's emotion classes (as chat maps them)
+        emotion_map = "e3rg8" if model.config.num_emotions == 8 else "avamerg7"
+        shards, _ = _prepare_cached(ed_json, split, emotion_map)
+    shards = shards or config.data.shards
+    if not FLAGS.shards and not FLAGS.data and not Path(shards).is_dir():
         raise FileNotFoundError(f"shards folder {shards} (the run's config.data.shards) does not exist; "
-                                "pass --shards")
+                                "pass --shards or --data")
+    trained_stage = _trained_stage(meta)
+    stage = evaluate.eval_stage(model.config, FLAGS.template or trained_stage)
+    why = ("--template" if FLAGS.template else "the stage this checkpoint was trained for" if trained_stage
+           else "the default: its checkpoint does not name its stage")
+    print(f"template: {stage.name} ({why})", file=sys.stderr)
     kwargs = dict(
         batch_size=FLAGS.batch_size,
         max_len=int(config.data.max_len),
@@ -130,36 +212,47 @@ def _eval() -> int:
         repetition_penalty=FLAGS.repetition_penalty,
         no_repeat_ngram_size=FLAGS.no_repeat_ngram_size,
         pipeline_overrides={"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)},
+        template=stage.name,
     )
-    manifest = evaluate.check_split(shards, FLAGS.split)
+    manifest = evaluate.check_split(shards, split)
+    # text-only data under a template that reads media: one line now, not a failure inside the pipeline
+    shard_format.check_media_for_template(manifest, shards, split, stage=stage.name,
+                                          needs_media=stage.template_spec(model.config.n_signal).has_media,
+                                          hint="--template coe (the CoE prompt reads text only)")
+    # speech and video rows are rendered from C and S: only a stage that runs both heads has them
+    heads = {"cs", "sd"} <= stage.heads
     speech = None
-    if FLAGS.speech_examples and model.config.has_cs and model.config.has_sd:
+    if FLAGS.speech_examples and heads:
         try:
-            speech = speech_eval.SpeechEval(shards, FLAGS.split, train_split=config.data.train_split,
+            speech = speech_eval.SpeechEval(shards, split, train_split=config.data.train_split,
                                             gold_dir=FLAGS.gold_speech, examples=FLAGS.speech_examples)
         except speech_eval.SpeechEvalUnavailable as e:
             if FLAGS.gold_speech:  # asked for explicitly: a user error
                 raise
             print(f"note: no speech rows: {e}", file=sys.stderr)
     video = None
-    if FLAGS.video_examples and model.config.has_cs and model.config.has_sd:
+    if FLAGS.video_examples and heads:
         try:
-            video = video_eval.VideoEval(shards, FLAGS.split, train_split=config.data.train_split,
+            video = video_eval.VideoEval(shards, split, train_split=config.data.train_split,
                                          examples=FLAGS.video_examples)
         except video_eval.VideoEvalUnavailable as e:
             print(f"note: no video rows: {e}", file=sys.stderr)
-    columns = {"trained": evaluate.evaluate(model, tokenizer, shards, FLAGS.split, speech=speech, video=video,
+    columns = {"trained": evaluate.evaluate(model, tokenizer, shards, split, speech=speech, video=video,
                                             **kwargs)}
     if FLAGS.untrained:  # loss, classifier and feature rows: an untrained head's features drive no generator
         fresh, tok, _, _ = _load_trained(restore=False)
-        columns["untrained"] = evaluate.evaluate(fresh, tok, shards, FLAGS.split, name="untrained", **kwargs)
-    columns["baseline"] = evaluate.baselines(
-        shards,
-        FLAGS.split,
-        train_split=config.data.train_split,
-        max_speech_len=model.config.max_speech_len,
-        max_video_len=model.config.max_video_len,
-    )
+        columns["untrained"] = evaluate.evaluate(fresh, tok, shards, split, name="untrained", **kwargs)
+    if config.data.train_split in (manifest.get("splits") or {}):
+        columns["baseline"] = evaluate.baselines(
+            shards,
+            split,
+            train_split=config.data.train_split,
+            max_speech_len=model.config.max_speech_len,
+            max_video_len=model.config.max_video_len,
+        )
+    else:  # e.g. one imported csv: the majority and mean predictors need a train split to be fitted on
+        print(f"note: no baseline column: {shards} has no split {config.data.train_split!r} "
+              "(config.data.train_split) to fit it on", file=sys.stderr)
     for rows in (speech, video):
         if rows is not None:
             for name, values in rows.reference_columns().items():
@@ -168,10 +261,25 @@ def _eval() -> int:
     print(evaluate.format_table(columns))
     targets = speech_eval.describe_targets(manifest)
     print(targets)
+    print(f"template: {stage.name}; data: {shards} split {split}")
     if FLAGS.json:
         Path(FLAGS.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(FLAGS.json).write_text(json.dumps({**columns, "targets": targets}, indent=1))
+        Path(FLAGS.json).write_text(json.dumps({**columns, "targets": targets, "template": stage.name,
+                                                "shards": str(shards), "split": split}, indent=1))
     return 0
+
+
+def _prepare_cached(ed_json: str, split: str, emotion_map: str) -> tuple[str, bool]:
+    """The text-only shards of an imported csv: prepared under --data_cache, or reused from there."""
+    from data.prepare import InvalidInputError, cached_text_only_shards
+
+    cache = _data_cache()
+    try:
+        shards, reused = cached_text_only_shards(ed_json, cache, split=split, emotion_map=emotion_map,
+                                                 command=f"empatheia eval --data {FLAGS.data}")
+    except InvalidInputError as e:
+        raise DataError(f"--data {FLAGS.data}: {e}") from e
+    return str(shards), reused
 
 
 def _chat() -> int:
@@ -276,13 +384,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from empatheia_jax.checkpoint import CheckpointError
     from empatheia_jax.checkpoint_io import CheckpointError as ConvertedCheckpointError
     from empatheia_jax.config import ConfigError
-    from empatheia_jax.evaluate import ShardsError
+    from empatheia_jax.evaluate import ShardsError, TemplateError
     from empatheia_jax.shard_format import ShardRecordError
     from empatheia_jax.speech_eval import SpeechEvalUnavailable
 
     return (
         ConfigError, CheckpointError, ConvertedCheckpointError, ShardsError, ShardRecordError, ChatInputError,
         EncoderManifestError, ExportError, SpeechBridgeError, KokoroAssetError, SpeechEvalUnavailable,
+        DataError, TemplateError,
         FileNotFoundError, NotADirectoryError, IsADirectoryError,
         PermissionError,
     )

@@ -420,13 +420,35 @@ def embed_prompts(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def eval_stage(cfg: EmpatheiaConfig) -> stages.Stage:
-    """The stage whose template and loss formula evaluate a model of this config: overall under the model's
-    ablations, or the Pipeline baseline."""
-    if cfg.pipeline_baseline:
+# What `eval_stage(cfg, template)` accepts: the four stages and the Pipeline baseline.
+TEMPLATES: tuple[str, ...] = (*stages.STAGE_ORDER, stages.PIPELINE_BASELINE.name)
+
+
+class TemplateError(ValueError):
+    """An evaluation template the model cannot be scored on (unknown, or removed by the model's ablations,
+    e.g. sac for a model without media input); `empatheia eval` prints it as one line and exits 2."""
+
+
+def eval_stage(cfg: EmpatheiaConfig, template: str | None = None) -> stages.Stage:
+    """The stage whose template and loss formula evaluate a model of this config.
+
+    template None: overall under the model's ablations, or the Pipeline baseline for such a model (all of
+    the model's outputs). A name of `TEMPLATES` (`empatheia eval` passes the stage the checkpoint was trained
+    for, or --template): that stage under the model's ablations, so a coe checkpoint is scored on the CoE
+    prompt and L_emp rather than on heads and placeholders it never trained; "pipeline" is the baseline.
+    """
+    if template is None:
+        template = stages.PIPELINE_BASELINE.name if cfg.pipeline_baseline else "overall"
+    if template == stages.PIPELINE_BASELINE.name:
         return stages.PIPELINE_BASELINE
-    return stages.apply_ablations(stages.STAGES["overall"], no_coe=not cfg.use_coe,
-                                  no_media=not cfg.media_input, no_cs=not cfg.has_cs, no_sd=not cfg.has_sd)
+    if template not in stages.STAGES:
+        raise TemplateError(f"unknown evaluation template {template!r}; expected one of {TEMPLATES}")
+    try:
+        return stages.apply_ablations(stages.STAGES[template], no_coe=not cfg.use_coe,
+                                      no_media=not cfg.media_input, no_cs=not cfg.has_cs,
+                                      no_sd=not cfg.has_sd)
+    except stages.StageSkipped as e:
+        raise TemplateError(f"template {template!r} cannot score this model: {e}") from e
 
 
 _MODEL_FIELDS = ("n_signal", "max_speech_len", "max_video_len", "speech_content_dim", "video_content_dim",
@@ -485,10 +507,19 @@ def check_split(shards_dir: str | os.PathLike, split: str) -> dict[str, Any]:
     return m
 
 
-def _check_model_and_data(model: Empatheia, tokenizer: Any, manifest: Mapping[str, Any], shards_dir) -> None:
+def _check_model_and_data(
+    model: Empatheia, tokenizer: Any, manifest: Mapping[str, Any], shards_dir, split: str, stage: stages.Stage
+) -> None:
+    """Refuses data the stage's template cannot read, before any batch: text-only records under a template
+    with <Aud>/<Vid> (`shard_format.MissingMediaError`), features of another encoder than the model's. A
+    template without media reads no feature, so then neither matters (text-only shards evaluate)."""
     cfg = model.config
     feats = manifest.get("features") or {}
-    if cfg.has_media:
+    needs_media = stage.template_spec(cfg.n_signal).has_media
+    shard_format.check_media_for_template(manifest, shards_dir, split, stage=stage.name,
+                                          needs_media=needs_media,
+                                          hint="the coe template (empatheia eval --template coe)")
+    if needs_media:
         for key in ("audio_dim", "video_dim"):
             if feats.get(key) is not None and int(feats[key]) != getattr(cfg, key):
                 raise ShardsError(f"{shards_dir}: features {key}={feats[key]} but the model was built for "
@@ -528,8 +559,11 @@ def teacher_forced_metrics(
     progress: bool = True,
     compiler_options: Mapping[str, Any] | None = None,
     collect: dict[int, dict[str, np.ndarray]] | None = None,
+    template: str | None = None,
 ) -> dict[str, float]:
     """Loss terms, SD classifier accuracies and C/S feature metrics over `split`, teacher-forced.
+
+    `template` picks the stage (`eval_stage`): its prompt, its loss formula and the heads it runs.
 
     `collect` (a dict) receives, per record index, the predicted {speech,video}_content rows over the gold
     reply (as many as its target has) and {speech,video}_style: what speech_eval.py / video_eval.py render.
@@ -543,12 +577,15 @@ def teacher_forced_metrics(
     """
     cfg = model.config
     manifest = check_split(shards_dir, split)
-    _check_model_and_data(model, tokenizer, manifest, shards_dir)
-    stage = eval_stage(cfg)
+    stage = eval_stage(cfg, template)
+    _check_model_and_data(model, tokenizer, manifest, shards_dir, split, stage)
     fields = pipeline_config_fields(cfg, stage, pipeline_overrides)
+    # the model's feature dims: equal to the shards' under a media template (checked), and the shapes its
+    # program takes when the template reads no feature (text-only shards have dims 0)
     pipe = ip.make_dataset(shards_dir, split, stage.template_stage, tokenizer, batch_size=batch_size,
                            max_len=max_len, shuffle=False, num_epochs=1, drop_remainder=False,
-                           window_batches=1, process_index=0, process_count=1, **fields)
+                           window_batches=1, process_index=0, process_count=1,
+                           feature_dims=(cfg.audio_dim, cfg.video_dim), **fields)
     graphdef, state = nnx.split(model)
     step = _jit("loss", lambda g, s, b, st=stage, w=weights: _loss_and_outputs(g, s, b, st, w),
                 compiler_options, stage=stage, weights=weights)
@@ -661,6 +698,7 @@ def generate_predictions(
     max_examples: int | None = None,
     progress: bool = True,
     compiler_options: Mapping[str, Any] | None = None,
+    template: str | None = None,
 ) -> list[dict[str, Any]]:
     """Greedy generations for the records of `split`, parsed (`parse_generation`), in record order.
 
@@ -675,15 +713,14 @@ def generate_predictions(
         raise ValueError(f"generate_predictions: batch_size must be >= 1, got {batch_size}")
     cfg = model.config
     manifest = check_split(shards_dir, split)
-    _check_model_and_data(model, tokenizer, manifest, shards_dir)
+    stage = eval_stage(cfg, template)
+    _check_model_and_data(model, tokenizer, manifest, shards_dir, split, stage)
     emap = _emotion_map(manifest)
-    stage = eval_stage(cfg)
     fields = pipeline_config_fields(cfg, stage, pipeline_overrides)
     pcfg = ip.PipelineConfig(stage=stage.template_stage, max_len=max_len, include_target=False, **fields)
+    spliced = cfg.has_media and pcfg.template_spec().has_media  # placeholders to fill with features
     reader = ip.ShardReader.for_split(shards_dir, split)
-    feats = manifest.get("features") or {}
-    builder = ip.ExampleBuilder(tokenizer, pcfg, audio_dim=int(feats.get("audio_dim") or 0),
-                                video_dim=int(feats.get("video_dim") or 0))
+    builder = ip.ExampleBuilder(tokenizer, pcfg, audio_dim=cfg.audio_dim, video_dim=cfg.video_dim)
     n = len(reader) if max_examples is None else min(len(reader), max_examples)
     eos = eos_token_ids(model.llm, tokenizer)
     signal = set(cfg.signal_ids)
@@ -711,7 +748,7 @@ def generate_predictions(
             prompts = [e["input_ids"].tolist() for e in rows]
             ids, _ = left_pad(prompts, builder.pad_id)
             embeds = None
-            if cfg.has_media:
+            if spliced:
                 af, am = _pad_rows([e["aud_feats"] for e in rows], pcfg.max_aud, builder.audio_dim)
                 vf, vm = _pad_rows([e["vid_feats"] for e in rows], pcfg.max_vid, builder.video_dim)
                 embeds = embed_prompts(model, ids, af, am, vf, vm, compiler_options=compiler_options)
@@ -722,7 +759,7 @@ def generate_predictions(
             for r, e in enumerate(chunk):
                 new = gen.new_tokens[r, : gen.num_new[r]].tolist()
                 text = tokenizer.decode(new, skip_special_tokens=False)
-                pred = parse_generation(text, emap, pipeline_baseline=cfg.pipeline_baseline)
+                pred = parse_generation(text, emap, pipeline_baseline=stage.pipeline_baseline)
                 pred.update(record_index=e["record_index"], uid=e["uid"], labels=e["labels"],
                             prompt_tokens=len(prompts[r]), num_new=int(gen.num_new[r]), text=text,
                             signal_complete=signal <= set(new))
@@ -772,8 +809,13 @@ def evaluate(
     speech: speech_eval.SpeechEval | None = None,
     video: video_eval.VideoEval | None = None,
     name: str = "trained",
+    template: str | None = None,
 ) -> dict[str, float]:
     """All metrics of `model` on `split` of `shards_dir` (see the module docstring for the definitions).
+
+    `template` (`eval_stage`; default: overall under the model's ablations, or the Pipeline baseline) sets
+    the prompt, the loss formula and the heads both passes run: a template whose stage runs neither CS nor
+    SD (coe) has no feature, classifier, speech or video rows.
 
     teacher-forced: eval_loss, emp, ppl, reply_ppl (the gold reply's tokens only), signal_ce, ccl_*, sal_*,
     cls_*, kl; emotion_acc_cls, age_acc,
@@ -792,7 +834,10 @@ def evaluate(
     (`name` labels the progress bars).
     """
     common = dict(batch_size=batch_size, max_len=max_len, pipeline_overrides=pipeline_overrides,
-                  max_examples=max_examples, progress=progress, compiler_options=compiler_options)
+                  max_examples=max_examples, progress=progress, compiler_options=compiler_options,
+                  template=template)
+    if not {"cs", "sd"} <= eval_stage(model.config, template).heads:
+        speech = video = None  # rendered from C and S, which this stage's forward does not compute
     collected: dict[int, dict[str, np.ndarray]] | None = {} if speech or video else None
     result = teacher_forced_metrics(model, tokenizer, shards_dir, split, weights=weights, collect=collected,
                                     **common)
@@ -972,6 +1017,8 @@ __all__ = [
     "distinct_n",
     "embed_prompts",
     "emotion_class",
+    "TEMPLATES",
+    "TemplateError",
     "eval_stage",
     "evaluate",
     "feature_distances",

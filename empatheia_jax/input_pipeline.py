@@ -959,6 +959,7 @@ def make_dataset(
     worker_count: int = 0,
     worker_buffer_size: int = 2,
     read_threads: int = 1,
+    feature_dims: tuple[int, int] | None = None,
     **config: Any,
 ) -> InputPipeline:
     """The input pipeline of one split and stage for this process.
@@ -970,7 +971,13 @@ def make_dataset(
         completed with filler rows.
     process_index/process_count: default `jax.process_index()/process_count()`.
     worker_count: grain worker processes (0 = build in this process, in a background thread).
+    feature_dims: (audio_dim, video_dim) of the batches' feature arrays, default the manifest's. Only a
+        template without <Aud>/<Vid> may differ from the shards (its feature rows are all masked): evaluation
+        passes the model's, so text-only shards (dims 0) feed a media model's program at its own shapes.
     config: further `PipelineConfig` fields (n_signal, use_coe, max_aud, buckets, window_batches, ...).
+
+    A template with <Aud>/<Vid> on a split with text-only records raises `shard_format.MissingMediaError`
+    (naming the folder, split and stage) before any record is read.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -983,12 +990,20 @@ def make_dataset(
         raise ValueError(f"process_index {process_index} not in [0, {process_count})")
     drop_remainder = shuffle if drop_remainder is None else drop_remainder
     cfg = PipelineConfig(stage=stage, max_len=max_len, **config)
+    manifest = shard_format.load_manifest(shards_dir)
+    needs_media = cfg.template_spec().has_media
+    shard_format.check_media_for_template(manifest, shards_dir, split, stage=stage, needs_media=needs_media)
     reader = ShardReader.for_split(shards_dir, split)
-    feats = shard_format.load_manifest(shards_dir).get("features") or {}
+    feats = manifest.get("features") or {}
     if feats.get("audio_dim") is not None and feats.get("video_dim") is not None:
         audio_dim, video_dim = int(feats["audio_dim"]), int(feats["video_dim"])
     else:
         audio_dim, video_dim = _record_dims(reader[0]) if len(reader) else (0, 0)
+    if feature_dims is not None:
+        if needs_media and tuple(feature_dims) != (audio_dim, video_dim):
+            raise ValueError(f"feature_dims={tuple(feature_dims)} but {shards_dir} holds features of dims "
+                             f"{(audio_dim, video_dim)}, which the {stage} template reads")
+        audio_dim, video_dim = (int(d) for d in feature_dims)
     builder = ExampleBuilder(tokenizer, cfg, audio_dim=audio_dim, video_dim=video_dim)
     fingerprint = {
         "split": split,

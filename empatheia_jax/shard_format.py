@@ -51,8 +51,10 @@ SHARD_RECORD_FIELDS: dict[str, str] = {
     "response_utt_id": "str: media/target key of the reply (k = len(history), listener's profile ID)",
     "coe": '{event_scenario, speaker_emotion, emotion_cause, goal_to_response}: str, "" when absent',
     "labels": "{emotion, emotion_fine, age, gender, timbre}: int, -1 = unknown (masked in the loss)",
-    "audio_feats": "float32 [n_hist, k, d_a]: encoder features of each history utterance's wav",
-    "video_feats": "float32 [n_hist, k, d_v]: encoder features of each history utterance's mp4",
+    "audio_feats": "float32 [n_hist, k, d_a]: encoder features of each history utterance's wav; k = 0 (no "
+    "vector) in a text-only record (prepared without media)",
+    "video_feats": "float32 [n_hist, k, d_v]: encoder features of each history utterance's mp4; k = 0 in a "
+    "text-only record",
     "targets": "{kind: float32 array} of the response utterance; kinds absent from the targets are omitted: "
     "speech_content [T_ph,1024], video_content [T_f,256], speech_style [256], video_style [256]",
 }
@@ -60,6 +62,12 @@ SHARD_RECORD_FIELDS: dict[str, str] = {
 
 class ShardRecordError(ValueError):
     """A record that cannot be decoded or does not follow SHARD_RECORD_FIELDS; names shard and index."""
+
+
+class MissingMediaError(ShardRecordError):
+    """A split holding text-only records (prepared with `--text-only` or `--media optional`) asked for by a
+    template that reads <Aud>/<Vid> features. Raised before any record is read, naming the folder, the split
+    and the stage; a subclass of ShardRecordError, so every command already reports it as bad input."""
 
 
 def make_shard_record(
@@ -235,6 +243,38 @@ def load_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     if fmt != MANIFEST_FORMAT:
         raise ValueError(f"{p}: not a {MANIFEST_FORMAT} manifest (format={fmt!r})")
     return m
+
+
+def text_only_records(manifest: Mapping[str, Any], split: str) -> int:
+    """How many records of `split` were prepared without media features (0 for folders written before
+    text-only preparation existed, whose every record has its features)."""
+    info = (manifest.get("splits") or {}).get(split) or {}
+    if manifest.get("media") == "none":
+        return int(info.get("records") or 0)
+    return int(info.get("text_only_records") or 0)
+
+
+def check_media_for_template(
+    manifest: Mapping[str, Any],
+    directory: str | os.PathLike,
+    split: str,
+    *,
+    stage: str,
+    needs_media: bool,
+    hint: str = "a template without media input (stage coe or ccl)",
+) -> None:
+    """Raises MissingMediaError when a template that reads <Aud>/<Vid> features (`needs_media`) is asked
+    for a split with text-only records: one clear line up front instead of a failure at the first such
+    record, deep in the input pipeline."""
+    n = text_only_records(manifest, split) if needs_media else 0
+    if n:
+        total = ((manifest.get("splits") or {}).get(split) or {}).get("records", "?")
+        how = "--text-only" if manifest.get("media") == "none" else "--media optional"
+        raise MissingMediaError(
+            f"{directory} split {split!r}: {n} of {total} records are text-only (prepared with {how}), but "
+            f"the {stage} template reads speech/video features (<Aud>/<Vid>); use {hint}, or prepare the "
+            "split with its media"
+        )
 
 
 def shard_paths(directory: str | os.PathLike, split: str) -> list[Path]:

@@ -7,9 +7,13 @@
   INFO); `--verbose` is accepted and `logs.configure` lets library INFO through only when asked.
 - Every user error exits 2 with ONE stderr line `error: ...` naming the flag, key or file, and no traceback.
 
+- `eval --data FILE.csv` imports an EmpatheticDialogues csv, prepares it text-only and scores the coe
+  checkpoint on the CoE prompt (the stage it was trained for), equal to `evaluate.evaluate(template="coe")` on
+  the same dialogues; `--template` overrides the stage.
+
 One training run (stage coe, 1 step of the `tiny` config) is shared by the module. Error cases that fail
 before the model is loaded cost ~1-3 s each; the few that need the loaded model (unreadable media, prompt
-too long, missing encoder entry) ~7 s.
+too long, missing encoder entry, a media template on text-only data) ~7 s.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import make_tiny_shards, saved_smollm2_tokenizer
+from test_text_only import ED_UIDS, write_ed_csv
 
 REPO = Path(__file__).resolve().parents[1]
 ABSL_INFO = re.compile(r"^I\d{4} \d\d:\d\d:\d\d")  # absl's prefix: I1125 07:21:24.838946 ...
@@ -93,6 +98,23 @@ def trained(tok, shards, cli_env, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def ed_csv(tmp_path_factory) -> Path:
+    """A small EmpatheticDialogues-format csv (4 turns of 3 conversations, and one dropped for its label)."""
+    return write_ed_csv(tmp_path_factory.mktemp("ed") / "my_dialogues_test.csv")
+
+
+@pytest.fixture(scope="module")
+def ed_shards(ed_csv, tmp_path_factory) -> Path:
+    """The csv's text-only shards, prepared by the library in a cache of their own (not the CLI's)."""
+    from data.import_ed import convert_ed_csv, dumps
+    from data.prepare import cached_text_only_shards
+
+    text = dumps(convert_ed_csv(str(ed_csv)).dialogues)
+    return cached_text_only_shards(text, tmp_path_factory.mktemp("ed_cache"), split="test", progress=False,
+                                   log=lambda _: None)[0]
+
+
+@pytest.fixture(scope="module")
 def chat_inputs(media, tmp_path_factory) -> dict:
     """A turn with speech and video after a two-utterance history (the first with media, the second none)."""
     history = tmp_path_factory.mktemp("chat_in") / "history.json"
@@ -114,6 +136,7 @@ import numpy as np
 from empatheia_jax import chat, evaluate, speech_eval, trainer, video_eval
 
 workdir, shards, out, inputs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+ed_shards = sys.argv[5]
 model, tokenizer, config, meta = trainer.load_trained(workdir)
 speech = speech_eval.SpeechEval(shards, "test", train_split=config.data.train_split, examples=16,
                                 progress=False)
@@ -129,6 +152,9 @@ for rows in (speech, video):
     for name, values in rows.reference_columns().items():
         columns.setdefault(name, {}).update(values)
 columns["chance"] = evaluate.chance_levels(model.config)
+overrides = {"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)}
+ed = evaluate.evaluate(model, tokenizer, ed_shards, "test", batch_size=4, max_len=int(config.data.max_len),
+                       max_new_tokens=4, pipeline_overrides=overrides, progress=False, template="coe")
 n = inputs["max_new_tokens"]
 encoder = chat.encoder_from_manifest(meta["encoder"])
 r = chat.respond(model, tokenizer, text=inputs["text"], audio=inputs["audio"], video=inputs["video"],
@@ -141,18 +167,20 @@ c = chat.respond(model, tokenizer, text=inputs["text"], encoder=encoder, max_new
 np.savez(out + "_controls.npz", input_ids=c.input_ids, **c.features)
 plain = chat.respond(model, tokenizer, text=inputs["text"], encoder=encoder, max_new_tokens=12,
                      max_len=int(config.data.max_len) + 12 + 2 * model.config.n_signal + 2)
-json.dump({"eval": columns, "table": evaluate.format_table(columns), "text": r.text, "reply": r.reply,
-           "emotion": r.emotion, "features": sorted(r.features), "controls_text": c.text,
+json.dump({"eval": columns, "table": evaluate.format_table(columns), "ed": ed, "text": r.text,
+           "reply": r.reply, "emotion": r.emotion, "features": sorted(r.features), "controls_text": c.text,
            "plain_text": plain.text},
           open(out + ".json", "w"))
 """
 
 
 @pytest.fixture(scope="module")
-def reference(trained, shards, chat_inputs, cli_env, tmp_path_factory) -> tuple[dict, dict]:
-    """(json, arrays) of `evaluate.evaluate/baselines/chance_levels` and `chat.respond` on the trained run."""
+def reference(trained, shards, chat_inputs, ed_shards, cli_env, tmp_path_factory) -> tuple[dict, dict]:
+    """(json, arrays) of `evaluate.evaluate/baselines/chance_levels` and `chat.respond` on the trained run,
+    and `evaluate.evaluate(template="coe")` on the ED csv's text-only shards."""
     out = tmp_path_factory.mktemp("reference") / "ref"
-    p = subprocess.run([sys.executable, "-c", REFERENCE, trained[0], shards, out, json.dumps(chat_inputs)],
+    p = subprocess.run([sys.executable, "-c", REFERENCE, trained[0], shards, out, json.dumps(chat_inputs),
+                        ed_shards],
                        env=cli_env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert p.returncode == 0, p.stderr[-4000:]
     with np.load(f"{out}.npz") as z:
@@ -175,13 +203,17 @@ def test_train_prints_its_result_and_no_library_info(trained):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def test_eval_prints_the_table_and_its_json_equals_the_library(trained, reference, cli_env, tmp_path):
+def test_eval_prints_the_table_and_its_json_equals_the_library(trained, shards, reference, cli_env, tmp_path):
+    """--template overall overrides the stage the coe checkpoint was trained for: every head and row."""
     out = tmp_path / "nested" / "metrics.json"  # a missing parent folder is created
     p = ok(cli(cli_env, "eval", "--ckpt", trained[0], "--split", "test", "--nogenerate", "--batch_size", 4,
-               "--json", out))
+               "--json", out, "--template", "overall"))
     assert_quiet(p.stderr)
+    assert "template: overall (--template)" in p.stderr
     got, want = json.loads(out.read_text()), reference[0]["eval"]
-    assert list(got) == ["trained", "baseline", "mean_style", "pipeline_tts", "gold", "chance", "targets"]
+    assert list(got) == ["trained", "baseline", "mean_style", "pipeline_tts", "gold", "chance", "targets",
+                         "template", "shards", "split"]
+    assert (got.pop("template"), got.pop("shards"), got.pop("split")) == ("overall", str(shards), "test")
     targets = got.pop("targets")
     assert targets == ("targets: speech_content=kokoro, video_content=face_render, speech_style=kokoro, "
                        "video_style=face_render")
@@ -200,9 +232,75 @@ def test_eval_prints_the_table_and_its_json_equals_the_library(trained, referenc
         assert got[column].keys() == want[column].keys(), column
         for k, v in want[column].items():
             assert got[column][k] == v, (column, k, got[column][k], v)
-    # the printed table is the library's, then the line saying which targets are real
-    assert p.stdout.strip() == reference[0]["table"].strip() + "\n" + targets
+    # the printed table is the library's, then the lines saying which targets are real and what was scored
+    assert p.stdout.strip() == (reference[0]["table"].strip() + "\n" + targets
+                                + f"\ntemplate: overall; data: {shards} split test")
     assert "| emotion_acc_cls" in p.stdout and "| speech_content_l2" in p.stdout
+
+
+def test_eval_data_csv_imports_prepares_and_scores_the_trained_stage(trained, reference, ed_csv, cli_env,
+                                                                    tmp_path):
+    """`eval --data FILE.csv` on the coe checkpoint: the csv is imported and prepared text-only into
+    --data_cache, scored on the CoE prompt (the stage it was trained for) with every turn a row, and the
+    result equals the library on the same dialogues prepared apart; no baseline (no train split)."""
+    out, cache = tmp_path / "metrics.json", tmp_path / "cache"
+    p = ok(cli(cli_env, "eval", "--ckpt", trained[0], "--data", ed_csv, "--data_cache", cache,
+               "--batch_size", 4, "--max_new_tokens", 4, "--json", out))
+    assert_quiet(p.stderr)
+    got = json.loads(out.read_text())
+    assert list(got) == ["trained", "chance", "targets", "template", "shards", "split"]
+    assert (got["template"], got["split"], got["targets"]) == ("coe", "test", "targets: none")
+    shards = Path(got["shards"])
+    assert shards.name == "shards" and shards.parent.parent == cache
+    assert shards.parent.name.startswith("test-avamerg7-")
+    assert json.loads((shards / "manifest.json").read_text())["media"] == "none"
+    for line in (f"imported {ed_csv} (EmpatheticDialogues csv) as split 'test': 3 dialogues, 4 turns; "
+                 "1 csv quirk(s) skipped",
+                 f"text-only shards ready in {shards}",
+                 "template: coe (the stage this checkpoint was trained for)", "note: no baseline column"):
+        assert line in p.stderr, line
+    trained_col, want = got["trained"], reference[0]["ed"]
+    assert trained_col == want  # same programs as the library call: bit-identical
+    assert trained_col["num_examples"] == trained_col["num_generated"] == len(ED_UIDS)  # every turn
+    assert trained_col["eval_loss"] == trained_col["emp"] > 0  # L_emp is the coe formula
+    assert "speech_content_l2" not in trained_col and "emotion_acc_cls" not in trained_col  # no head ran
+    assert "emotion_acc_text" in trained_col and "dist1_corpus" in trained_col
+    # the report: one row per metric of the two columns, then targets and what was scored
+    rows = [line.split("|")[1].strip() for line in p.stdout.splitlines() if line.startswith("| ")][1:]
+    assert sorted(rows) == sorted(set(trained_col) | set(got["chance"]))
+    assert p.stdout.strip().endswith(f"targets: none\ntemplate: coe; data: {shards} split test")
+
+
+def test_eval_data_errors_are_one_line(trained, shards, ed_csv, cli_env, tmp_path):
+    """A missing file, a csv that is not ED, an empty one, one with nothing to evaluate, --data with --shards
+    and a missing split of a --data folder fail before the model loads; a media template on text-only data
+    after it, naming the data and --template coe."""
+    ckpt = trained[0]
+    assert_user_error(cli(cli_env, "eval", "--ckpt", ckpt, "--data", tmp_path / "no.csv"),
+                      f"--data {tmp_path / 'no.csv'}: no such file or folder")
+    other = tmp_path / "other.csv"
+    other.write_text("a,b\n1,2\n")
+    assert_user_error(cli(cli_env, "eval", "--ckpt", ckpt, "--data", other), f"--data {other}",
+                      "not an EmpatheticDialogues csv, missing columns")
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    assert_user_error(cli(cli_env, "eval", "--ckpt", ckpt, "--data", empty), f"--data {empty}", "empty file")
+    header_only = write_ed_csv(tmp_path / "header.csv", conversations=())
+    assert_user_error(cli(cli_env, "eval", "--ckpt", ckpt, "--data", header_only), f"--data {header_only}",
+                      "no dialogue to evaluate")
+    assert_user_error(cli(cli_env, "eval", "--ckpt", ckpt, "--data", ed_csv, "--shards", shards),
+                      "--data or --shards, not both")
+    assert_user_error(cli(cli_env, "eval", "--ckpt", ckpt, "--data", shards, "--split", "nosuch"),
+                      f"{shards} has no split 'nosuch'")
+    assert_user_error(cli(cli_env, "eval", "--ckpt", ckpt, "--template", "bogus"), "--template")
+    p = cli(cli_env, "eval", "--ckpt", ckpt, "--data", ed_csv, "--data_cache", tmp_path / "cache",
+            "--template", "overall")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    line = [x for x in stderr_lines(p.stderr) if x.startswith("error: ")]
+    assert len(line) == 1 and p.stdout == "", p.stderr[-3000:]
+    for name in (str(tmp_path / "cache"), "split 'test'", "4 of 4 records are text-only",
+                 "the overall template", "--template coe"):
+        assert name in line[0], (name, line[0])
 
 
 def test_chat_writes_features_equal_to_respond(trained, reference, chat_inputs, cli_env, tmp_path):
