@@ -6,7 +6,7 @@ in exactly one place. HF Linear weights are [out, in]; ours are [in, out], hence
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import jax.numpy as jnp
@@ -45,7 +45,8 @@ def param_names(cfg: LlamaConfig) -> list[ParamName]:
 IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)
 
 
-def _variable(model: Llama, path: tuple[str | int, ...]):
+def variable(model: Llama, path: tuple[str | int, ...]):
+    """The nnx.Param at `path` (a ParamName.path) of a model, concrete or abstract."""
     obj = model
     for p in path:
         obj = obj[p] if isinstance(p, int) else getattr(obj, p)
@@ -54,6 +55,38 @@ def _variable(model: Llama, path: tuple[str | int, ...]):
 
 class ConversionError(ValueError):
     """A checkpoint that does not fit the config: names the tensor and what was wrong."""
+
+
+def _check_names(cfg: LlamaConfig, available: Iterable[str]) -> list[ParamName]:
+    names = param_names(cfg)
+    available = set(available)
+    missing = [n.hf for n in names if n.hf not in available]
+    if missing:
+        raise ConversionError(f"checkpoint is missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+    expected = {n.hf for n in names}
+    unexpected = sorted(
+        k for k in available if k not in expected and not k.endswith(IGNORED_HF_TENSORS)
+        and not (cfg.tie_word_embeddings and k == "lm_head.weight")
+    )
+    if unexpected:
+        raise ConversionError(f"checkpoint has tensors this config does not expect: {unexpected[:5]}")
+    return names
+
+
+def _check_shape(name: ParamName, hf_shape: tuple[int, ...], ours: tuple[int, ...]) -> None:
+    """`hf_shape` as the checkpoint stores it ([out, in] for a Linear), `ours` as our parameter is."""
+    want = ours[::-1] if name.transpose else ours
+    if tuple(hf_shape) != tuple(want):
+        raise ConversionError(f"tensor {name.hf!r} has shape {tuple(hf_shape)}, config expects {tuple(want)}")
+
+
+def check_hf_tensors(model: Llama, shapes: Mapping[str, tuple[int, ...]]) -> list[ParamName]:
+    """Every error `load_hf_tensors` can raise, from the tensor names and shapes alone (`model` may be
+    abstract), so a streaming converter fails before it writes anything. Returns the tensors to copy."""
+    names = _check_names(model.config, shapes)
+    for name in names:
+        _check_shape(name, tuple(shapes[name.hf]), tuple(variable(model, name.path).shape))
+    return names
 
 
 def load_hf_tensors(
@@ -67,28 +100,12 @@ def load_hf_tensors(
 
     Raises ConversionError naming the first missing tensor, every unexpected one, or a shape mismatch.
     """
-    cfg = model.config
-    names = param_names(cfg)
-    missing = [n.hf for n in names if n.hf not in available]
-    if missing:
-        raise ConversionError(f"checkpoint is missing tensor {missing[0]!r} ({len(missing)} missing in all)")
-    expected = {n.hf for n in names}
-    unexpected = sorted(
-        k for k in available if k not in expected and not k.endswith(IGNORED_HF_TENSORS)
-        and not (cfg.tie_word_embeddings and k == "lm_head.weight")
-    )
-    if unexpected:
-        raise ConversionError(f"checkpoint has tensors this config does not expect: {unexpected[:5]}")
-    for name in progress(names):
+    for name in progress(_check_names(model.config, available)):
         value = np.asarray(get_tensor(name.hf))
+        var = variable(model, name.path)
+        _check_shape(name, value.shape, var.shape)
         if name.transpose:
             value = value.T
-        var = _variable(model, name.path)
-        if value.shape != var.shape:
-            raise ConversionError(
-                f"tensor {name.hf!r} has shape {tuple(value.shape)[::-1] if name.transpose else value.shape}"
-                f", config expects {var.shape[::-1] if name.transpose else var.shape}"
-            )
         var[...] = jnp.asarray(value, dtype=var.dtype)
 
 
@@ -96,7 +113,7 @@ def hf_tensors(model: Llama) -> Iterator[tuple[str, np.ndarray]]:
     """Yields (HF name, array) for the whole model with added-token rows folded into the vocab tables."""
     cfg = model.config
     for name in param_names(cfg):
-        value = np.asarray(_variable(model, name.path)[...])
+        value = np.asarray(variable(model, name.path)[...])
         if name.path[0] == "embed_tokens" and cfg.extra_vocab:
             value = np.concatenate([value, np.asarray(model.embed_extra[...])], axis=0)
         if name.path[0] == "lm_head" and cfg.extra_vocab:
