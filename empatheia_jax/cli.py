@@ -69,6 +69,12 @@ flags.DEFINE_float("repetition_penalty", 1.0, "eval/chat: HF's repetition penalt
 flags.DEFINE_integer("no_repeat_ngram_size", 0, "eval/chat: HF's no_repeat_ngram_size (0 = off)",
                      lower_bound=0)
 flags.DEFINE_string("json", None, "eval: also write the metrics table as JSON here")
+flags.DEFINE_string("report", None, "eval: a report folder: report.md (table, per-class tables and plots), "
+                    "metrics.json, per_class.json, per_class_*.png, predictions_*.jsonl")
+flags.DEFINE_list("vote_templates", [], "eval: emotion voting (E3RG): these templates also predict each "
+                  "record's emotion with the same model; the majority decides (rows emotion*_acc_vote)")
+flags.DEFINE_multi_string("vote_ckpt", [], "eval: emotion voting: these checkpoints also predict each "
+                          "record's emotion, each on the template of the stage it was trained for")
 flags.DEFINE_integer("speech_examples", 16, "eval: test replies spoken by Kokoro for the speech rows (MCD, "
                      "speaker similarity, F0, duration); 0 = no speech rows", lower_bound=0)
 flags.DEFINE_integer("video_examples", 6, "eval: test replies drawn by the face generator for the video rows "
@@ -237,8 +243,17 @@ def _eval() -> int:
                                          examples=FLAGS.video_examples)
         except video_eval.VideoEvalUnavailable as e:
             print(f"note: no video rows: {e}", file=sys.stderr)
+    voting = bool(FLAGS.vote_templates or FLAGS.vote_ckpt)
+    details: dict[str, Any] | None = {} if FLAGS.report or voting else None
     columns = {"trained": evaluate.evaluate(model, tokenizer, shards, split, speech=speech, video=video,
-                                            **kwargs)}
+                                            details=details, **kwargs)}
+    voters: dict[str, list[dict[str, Any]]] = {}
+    if details is not None and "predictions" in details:
+        voters[stage.name] = details["predictions"]
+    if voting:
+        voters.update(_voters(model, tokenizer, shards, split, kwargs, exclude=stage.name))
+        columns["trained"].update(evaluate.vote_metrics(list(voters.values())))
+        columns["trained"]["num_voters"] = float(len(voters))
     if FLAGS.untrained:  # loss, classifier and feature rows: an untrained head's features drive no generator
         fresh, tok, _, _ = _load_trained(restore=False)
         columns["untrained"] = evaluate.evaluate(fresh, tok, shards, split, name="untrained", **kwargs)
@@ -262,11 +277,46 @@ def _eval() -> int:
     targets = speech_eval.describe_targets(manifest)
     print(targets)
     print(f"template: {stage.name}; data: {shards} split {split}")
+    extra = {"targets": targets, "template": stage.name, "shards": str(shards), "split": split}
+    if voting:
+        extra["voters"] = list(voters)
     if FLAGS.json:
         Path(FLAGS.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(FLAGS.json).write_text(json.dumps({**columns, "targets": targets, "template": stage.name,
-                                                "shards": str(shards), "split": split}, indent=1))
+        Path(FLAGS.json).write_text(json.dumps({**columns, **extra}, indent=1))
+    if FLAGS.report:
+        notes = [f"checkpoint: {FLAGS.ckpt} (step {meta.get('step', '?')})",
+                 f"template: {stage.name} ({why})", f"data: {shards} split {split}", targets]
+        if voting:
+            notes.append(f"emotion voting over {len(voters)} voters: {', '.join(voters)}")
+        per_class = evaluate.per_class_report(details, evaluate.emotion_map_of(manifest))
+        report = evaluate.write_report(FLAGS.report, columns, notes=notes, per_class=per_class,
+                                       predictions=voters, extra=extra)
+        print(f"report: {report}", file=sys.stderr)
     return 0
+
+
+def _voters(model: Any, tokenizer: Any, shards: str, split: str, kwargs: dict[str, Any], *, exclude: str
+            ) -> dict[str, list[dict[str, Any]]]:
+    """The generations of every other voter (`--vote_templates` with this model, `--vote_ckpt` each on its
+    trained stage), named for the report: `template:<name>` / `ckpt<i>:<template>`."""
+    from empatheia_jax import evaluate, trainer
+
+    gen = {k: kwargs[k] for k in ("batch_size", "max_len", "max_new_tokens", "repetition_penalty",
+                                  "no_repeat_ngram_size", "pipeline_overrides")}
+    gen["batch_size"] = kwargs["generate_batch_size"] or kwargs["batch_size"]
+    out: dict[str, list[dict[str, Any]]] = {}
+    for name in FLAGS.vote_templates:
+        if name not in TEMPLATE_NAMES:
+            raise app.UsageError(f"--vote_templates {name}: expected one of {', '.join(TEMPLATE_NAMES)}")
+        if name != exclude:
+            out[f"template:{name}"] = evaluate.generate_predictions(model, tokenizer, shards, split,
+                                                                    template=name, **gen)
+    for i, ckpt in enumerate(FLAGS.vote_ckpt, 1):
+        other, tok, _, meta = trainer.load_trained(ckpt)
+        stage = _trained_stage(meta)
+        out[f"ckpt{i}:{stage or 'overall'}"] = evaluate.generate_predictions(other, tok, shards, split,
+                                                                             template=stage, **gen)
+    return out
 
 
 def _prepare_cached(ed_json: str, split: str, emotion_map: str) -> tuple[str, bool]:

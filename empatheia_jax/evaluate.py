@@ -343,6 +343,72 @@ def plot_per_class(per_class: Mapping[str, Mapping[str, float]], title: str, pat
     return path
 
 
+def per_class_report(details: Mapping[str, Any], emotion_map: schema.EmotionMap
+                     ) -> dict[str, dict[str, dict[str, float]]]:
+    """The paper's Figure 6 for one run: {plot: `per_class_accuracy`} for every prediction it made.
+
+    From the generations (`evaluate(details=...)["predictions"]`): emotion_text (CoE step 2 on the shards'
+    emotion classes), emotion32_text (the 32 ED labels) and, for the Pipeline baseline,
+    {age,gender,timbre}_text.
+    From the teacher-forced SD classifiers ("classified"): {emotion,age,gender,timbre}_cls. Plots without a
+    labelled example are left out.
+    """
+    vocab = {"emotion": emotion_map.classes, "age": schema.AGES, "gender": schema.GENDERS,
+             "timbre": schema.TIMBRES}
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    preds = details.get("predictions") or []
+    if preds:
+        out["emotion_text"] = per_class_accuracy(preds, "emotion", vocab["emotion"])
+        out["emotion32_text"] = per_class_accuracy(preds, "emotion_fine", schema.ED_EMOTIONS_32)
+        for name in ("age", "gender", "timbre"):
+            if any(name in p for p in preds):
+                out[f"{name}_text"] = per_class_accuracy(preds, name, vocab[name])
+    classified = list((details.get("classified") or {}).values())
+    for name in LABELS:
+        rows = [{"labels": c["labels"], name: c[f"{name}_cls"]} for c in classified if f"{name}_cls" in c]
+        if rows:
+            out[f"{name}_cls"] = per_class_accuracy(rows, name, vocab[name])
+    return {k: v for k, v in out.items() if v}
+
+
+def write_report(
+    directory: str | os.PathLike,
+    columns: Mapping[str, Mapping[str, float]],
+    *,
+    notes: Sequence[str] = (),
+    per_class: Mapping[str, Mapping[str, Mapping[str, float]]] | None = None,
+    predictions: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """An evaluation report folder: report.md (the notes, the metrics table, the per-class tables with
+    their plots), metrics.json (the columns, the notes' `extra` fields), per_class.json and
+    per_class_<plot>.png, and predictions_<voter>.jsonl per voter (`write_predictions`). Returns report.md.
+
+    Markdown and PNG because that is what a reader opens; JSON because that is what a script compares.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    per_class = dict(per_class or {})
+    lines = ["# Evaluation report", ""]
+    lines += [f"- {n}" for n in notes]
+    lines += ["", "## Metrics", "", format_table(columns).strip(), ""]
+    if per_class:
+        lines += ["## Per-class accuracy", ""]
+    for plot, table in per_class.items():
+        png = plot_per_class(table, plot.replace("_", " "), directory / f"per_class_{plot}.png")
+        lines += [f"### {plot}", "", f"![{plot}]({png.name})", ""]
+        lines += ["| class | accuracy | n |", "|---|---|---|"]
+        lines += [f"| {c} | {v['accuracy']:.4f} | {int(v['n'])} |" for c, v in table.items()]
+        lines.append("")
+    for voter, preds in (predictions or {}).items():
+        write_predictions(preds, directory / f"predictions_{voter}.jsonl")
+    (directory / "metrics.json").write_text(json.dumps({**columns, **(extra or {})}, indent=1))
+    (directory / "per_class.json").write_text(json.dumps(per_class, indent=1))
+    report = directory / "report.md"
+    report.write_text("\n".join(lines))
+    return report
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Jitted programs (shared with chat.py)
 # ----------------------------------------------------------------------------------------------------------
@@ -529,7 +595,8 @@ def _check_model_and_data(
         raise ValueError(f"the tokenizer's added-token ids {ids} differ from the model's {cfg.token_ids}")
 
 
-def _emotion_map(manifest: Mapping[str, Any]) -> schema.EmotionMap:
+def emotion_map_of(manifest: Mapping[str, Any]) -> schema.EmotionMap:
+    """The emotion classes of a shards folder (its manifest's map; avamerg7 for older folders)."""
     name = ((manifest.get("emotion_map") or {}).get("name")) or "avamerg7"
     return schema.EmotionMap.load(name)
 
@@ -566,7 +633,8 @@ def teacher_forced_metrics(
     `template` picks the stage (`eval_stage`): its prompt, its loss formula and the heads it runs.
 
     `collect` (a dict) receives, per record index, the predicted {speech,video}_content rows over the gold
-    reply (as many as its target has) and {speech,video}_style: what speech_eval.py / video_eval.py render.
+    reply (as many as its target has) and {speech,video}_style: what speech_eval.py / video_eval.py render;
+    also the gold "labels" and each classifier's argmax "{emotion,age,gender,timbre}_cls" (reports).
 
     Loss terms are the model's own (`Empatheia.loss` under `eval_stage`), aggregated over the split by their
     item counts (tokens for emp/signal_ce, valid rows for ccl_*, examples with the target for sal_*, labelled
@@ -607,6 +675,10 @@ def teacher_forced_metrics(
         if collect is not None:
             for b in np.flatnonzero(real):
                 got = collect.setdefault(int(batch["record_index"][b]), {})
+                got["labels"] = {name: int(batch[name][b]) for name in LABELS}
+                for name in LABELS:  # the SD classifiers' predictions: per-class accuracy in reports
+                    if f"{name}_logits" in out:
+                        got[f"{name}_cls"] = int(np.argmax(out[f"{name}_logits"][b]))
                 for kind in ("speech", "video"):
                     if f"{kind}_content" in out and f"{kind}_style" in out:
                         rows = int(batch[f"{kind}_content_mask"][b].sum())
@@ -715,7 +787,7 @@ def generate_predictions(
     manifest = check_split(shards_dir, split)
     stage = eval_stage(cfg, template)
     _check_model_and_data(model, tokenizer, manifest, shards_dir, split, stage)
-    emap = _emotion_map(manifest)
+    emap = emotion_map_of(manifest)
     fields = pipeline_config_fields(cfg, stage, pipeline_overrides)
     pcfg = ip.PipelineConfig(stage=stage.template_stage, max_len=max_len, include_target=False, **fields)
     spliced = cfg.has_media and pcfg.template_spec().has_media  # placeholders to fill with features
@@ -810,8 +882,13 @@ def evaluate(
     video: video_eval.VideoEval | None = None,
     name: str = "trained",
     template: str | None = None,
+    details: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     """All metrics of `model` on `split` of `shards_dir` (see the module docstring for the definitions).
+
+    `details` (a dict) receives what a report draws besides the metrics: "predictions" (the parsed
+    generations, `generate_predictions`) and "classified" ({record_index: {"labels", "<label>_cls"}}, the
+    teacher-forced classifier predictions); `per_class_report` turns them into Figure 6's accuracies.
 
     `template` (`eval_stage`; default: overall under the model's ablations, or the Pipeline baseline) sets
     the prompt, the loss formula and the heads both passes run: a template whose stage runs neither CS nor
@@ -838,9 +915,12 @@ def evaluate(
                   template=template)
     if not {"cs", "sd"} <= eval_stage(model.config, template).heads:
         speech = video = None  # rendered from C and S, which this stage's forward does not compute
-    collected: dict[int, dict[str, np.ndarray]] | None = {} if speech or video else None
+    collected: dict[int, dict[str, Any]] | None = {} if speech or video or details is not None else None
     result = teacher_forced_metrics(model, tokenizer, shards_dir, split, weights=weights, collect=collected,
                                     **common)
+    if details is not None:
+        details["classified"] = {i: {k: v for k, v in c.items() if k == "labels" or k.endswith("_cls")}
+                                 for i, c in (collected or {}).items()}
     for rows in (speech, video):
         if rows is not None and collected:
             result.update(rows.model_rows(name, collected))
@@ -850,6 +930,8 @@ def evaluate(
                                      no_repeat_ngram_size=no_repeat_ngram_size,
                                      **{**common, "batch_size": generate_batch_size or batch_size})
         result.update(text_metrics(preds))
+        if details is not None:
+            details["predictions"] = preds
         if predictions_path is not None:
             write_predictions(preds, predictions_path)
     return {k: result[k] for k in sorted(result, key=_metric_order)}
@@ -1021,6 +1103,9 @@ __all__ = [
     "TemplateError",
     "eval_stage",
     "evaluate",
+    "per_class_report",
+    "write_report",
+    "emotion_map_of",
     "feature_distances",
     "format_table",
     "generate_predictions",

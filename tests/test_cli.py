@@ -271,6 +271,59 @@ def test_eval_data_csv_imports_prepares_and_scores_the_trained_stage(trained, re
     assert p.stdout.strip().endswith(f"targets: none\ntemplate: coe; data: {shards} split test")
 
 
+def test_eval_report_with_per_class_plots_and_emotion_voting(trained, ed_csv, cli_env, tmp_path):
+    """`--report` writes the Markdown report, metrics.json, the per-class tables and PNGs and each voter's
+    predictions; `--vote_templates` / `--vote_ckpt` add the voters, and the vote rows equal a hand count of
+    the majority over the voters' written predictions (earliest voter wins a tie, unparsed abstains)."""
+    import collections
+
+    from PIL import Image
+
+    report = tmp_path / "report"
+    p = ok(cli(cli_env, "eval", "--ckpt", trained[0], "--data", ed_csv, "--data_cache", tmp_path / "cache",
+               "--batch_size", 4, "--max_new_tokens", 6, "--report", report, "--vote_templates", "ccl,coe",
+               "--vote_ckpt", trained[0]))
+    assert_quiet(p.stderr)
+    assert f"report: {report / 'report.md'}" in p.stderr
+    metrics = json.loads((report / "metrics.json").read_text())
+    assert metrics["voters"] == ["coe", "template:ccl", "ckpt1:coe"]  # the main template is not voted twice
+    voters = [[json.loads(x) for x in (report / f"predictions_{v}.jsonl").read_text().splitlines()]
+              for v in metrics["voters"]]
+    assert [len(v) for v in voters] == [len(ED_UIDS)] * 3
+    assert voters[2] == voters[0]  # the same checkpoint on the same template: the same generations
+
+    def hand_vote(key: str) -> float:
+        hits = []
+        for i, gold in enumerate(voters[0]):
+            cast = [v[i][key] for v in voters if v[i][key] >= 0]
+            counts = collections.Counter(cast)
+            winner = next((c for c in cast if counts[c] == max(counts.values())), -1)
+            hits.append(winner == gold["labels"][key])
+        return sum(hits) / len(hits)
+
+    trained_col = metrics["trained"]
+    assert trained_col["num_voters"] == 3
+    assert trained_col["emotion_acc_vote"] == pytest.approx(hand_vote("emotion"))
+    assert trained_col["emotion32_acc_vote"] == pytest.approx(hand_vote("emotion_fine"))
+    # per class: the coe generations against their gold labels, by hand
+    per_class = json.loads((report / "per_class.json").read_text())
+    assert set(per_class) == {"emotion_text", "emotion32_text"}  # the coe stage runs no classifier
+    from empatheia_jax.schema import EmotionMap
+
+    classes = EmotionMap.load("avamerg7").classes
+    by_class = collections.defaultdict(list)
+    for pred in voters[0]:
+        by_class[classes[pred["labels"]["emotion"]]].append(pred["emotion"] == pred["labels"]["emotion"])
+    assert per_class["emotion_text"] == {c: {"accuracy": pytest.approx(sum(h) / len(h)), "n": len(h)}
+                                         for c, h in by_class.items()}
+    text = (report / "report.md").read_text()
+    for plot in per_class:
+        with Image.open(report / f"per_class_{plot}.png") as im:
+            assert im.format == "PNG"
+        assert f"![{plot}](per_class_{plot}.png)" in text
+    assert "| emotion_acc_vote" in text and "emotion voting over 3 voters" in text
+
+
 def test_eval_data_errors_are_one_line(trained, shards, ed_csv, cli_env, tmp_path):
     """A missing file, a csv that is not ED, an empty one, one with nothing to evaluate, --data with --shards
     and a missing split of a --data folder fail before the model loads; a media template on text-only data

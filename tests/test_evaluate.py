@@ -309,3 +309,46 @@ def test_per_class_accuracy_and_its_plot(tmp_path):
 
     with Image.open(path) as im:
         assert im.format == "PNG" and im.size[0] > 300
+
+
+def test_per_class_report_and_the_report_folder(tmp_path):
+    """Figure 6 from both passes (generations and classifiers) and the folder a reader opens; every figure
+    checked against a hand count of the hand-made predictions."""
+    emap = schema.EmotionMap.load("avamerg7")
+    sad, joy = emap.classes.index("sad"), emap.classes.index("happy")
+    fine = schema.ED_EMOTIONS_32.index("sad")
+    preds = [
+        {"record_index": 0, "emotion": sad, "emotion_fine": fine, "reply": "a",
+         "labels": {"emotion": sad, "emotion_fine": fine, "age": 1}},
+        {"record_index": 1, "emotion": -1, "emotion_fine": -1, "reply": "b",  # a parse failure
+         "labels": {"emotion": sad, "emotion_fine": fine, "age": 2}},
+        {"record_index": 2, "emotion": sad, "emotion_fine": fine, "reply": "c",
+         "labels": {"emotion": joy, "emotion_fine": -1, "age": -1}},
+    ]
+    classified = {0: {"labels": {"emotion": sad, "age": 1, "gender": 0, "timbre": -1}, "emotion_cls": sad,
+                      "age_cls": 1, "gender_cls": 1},
+                  1: {"labels": {"emotion": sad, "age": 2, "gender": 0, "timbre": -1}, "emotion_cls": joy,
+                      "age_cls": 2, "gender_cls": 0}}
+    got = ev.per_class_report({"predictions": preds, "classified": classified}, emap)
+    assert set(got) == {"emotion_text", "emotion32_text", "emotion_cls", "age_cls", "gender_cls"}
+    assert got["emotion_text"] == {"sad": {"accuracy": 0.5, "n": 2.0}, emap.classes[joy]: {"accuracy": 0.0,
+                                                                                           "n": 1.0}}
+    assert got["emotion32_text"] == {"sad": {"accuracy": 0.5, "n": 2.0}}
+    assert got["emotion_cls"] == {"sad": {"accuracy": 0.5, "n": 2.0}}
+    assert got["age_cls"] == {schema.AGES[1]: {"accuracy": 1.0, "n": 1.0},
+                              schema.AGES[2]: {"accuracy": 1.0, "n": 1.0}}
+    assert got["gender_cls"] == {"male": {"accuracy": 0.5, "n": 2.0}}  # timbre: no labelled example
+
+    columns = {"trained": {"emotion_acc_text": 1 / 3, "num_generated": 3.0},
+               "chance": {"emotion_acc_text": 0.2}}
+    report = ev.write_report(tmp_path / "r", columns, notes=["template: coe"], per_class=got,
+                             predictions={"coe": preds}, extra={"split": "test"})
+    folder = report.parent
+    assert json.loads((folder / "metrics.json").read_text()) == {**columns, "split": "test"}
+    assert json.loads((folder / "per_class.json").read_text()) == got
+    assert [json.loads(line) for line in (folder / "predictions_coe.jsonl").read_text().splitlines()] == preds
+    text = report.read_text()
+    assert "- template: coe" in text and ev.format_table(columns).strip() in text
+    for plot in got:
+        assert f"![{plot}](per_class_{plot}.png)" in text and (folder / f"per_class_{plot}.png").is_file()
+    assert "| sad | 0.5000 | 2 |" in text
