@@ -58,6 +58,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.window_batches = 8
     c.data.worker_count = 0
     c.data.read_threads = 1
+    # text-only shards (stage coe on EmpatheticDialogues): the shards whose features/targets the model is
+    # built for, so that the later stages (on media shards) can init_from this run
+    c.data.features_like = ""
 
     c.train = ml_collections.ConfigDict()
     c.train.batch_size = 32  # global examples per optimizer step

@@ -363,6 +363,24 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def holdout(dialogues: list[dict[str, Any]], fraction: float, seed: int = 0
+            ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(kept, held): a conversation-level hold-out of about `fraction` of the dialogues.
+
+    A dialogue is held when sha256("{seed}:{conversation_id}") read as a number in [0, 1) is below
+    `fraction`: every turn of a conversation lands on one side (no context leaks into the dev part), the
+    choice of one conversation never depends on the others (adding a file does not reshuffle it), and the
+    same seed gives the same split on any machine. Order is kept on both sides.
+    """
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"holdout fraction must be in (0, 1), got {fraction}")
+    kept, held = [], []
+    for d in dialogues:
+        h = hashlib.sha256(f"{seed}:{d['conversation_id']}".encode()).digest()
+        (held if int.from_bytes(h[:8], "big") / 2**64 < fraction else kept).append(d)
+    return kept, held
+
+
 def write_outputs(result: ImportResult, csv_path: str, out_dir: str, split: str) -> tuple[str, str]:
     """Write `{split}.json` and `{split}.import_report.txt`; returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
@@ -396,12 +414,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", required=True, help="raw AvaMERG directory to write {split}.json into")
     ap.add_argument("--split", default=None, help="split name (default: from the file name, e.g. valid)")
+    ap.add_argument("--holdout", default=None, metavar="NAME:FRACTION",
+                    help="also write NAME.json with about FRACTION of the conversations (whole "
+                    "conversations, by a seeded hash of their id), e.g. dev:0.2; the split keeps the rest")
+    ap.add_argument("--holdout-seed", type=int, default=0, help="seed of the --holdout hash")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument("--verbose", action="store_true",
                     help="library logging (absl, jax, transformers, ...) at INFO instead of WARNING")
     args = ap.parse_args(argv)
     logs.configure(args.verbose)
     split = args.split or split_from_filename(args.csv)
+    held_name, fraction = None, 0.0
+    if args.holdout:
+        held_name, _, frac = args.holdout.partition(":")
+        try:
+            fraction = float(frac)
+        except ValueError:
+            fraction = -1.0
+        if not held_name or held_name == split or not 0.0 < fraction < 1.0:
+            ap.error(f"--holdout {args.holdout}: expected NAME:FRACTION with NAME other than {split!r} and "
+                     "FRACTION in (0, 1), e.g. dev:0.2")
     result = convert_ed_csv(args.csv, progress=not args.quiet)
     problems = validate_dialogues(
         result.dialogues, source=f"{split}.json", media_dir=None, emotion_map=EmotionMap.load("avamerg7")
@@ -411,7 +443,18 @@ def main(argv: list[str] | None = None) -> int:
             print(p, file=sys.stderr)
         print(f"error: conversion gave {len(problems)} schema problem(s); nothing written", file=sys.stderr)
         return 1
+    held: list[dict[str, Any]] = []
+    if held_name:
+        result.dialogues, held = holdout(result.dialogues, fraction, args.holdout_seed)
     json_path, report_path = write_outputs(result, args.csv, args.out, split)
+    if held_name:
+        held_path = os.path.join(args.out, f"{held_name}.json")
+        _write_atomic(held_path, dumps(held))
+        with open(report_path, "a", encoding="utf-8") as f:
+            turns = sum(len(d["turns"]) for d in held)
+            f.write(f"\nholdout: {held_name}.json {len(held)} dialogues, {turns} turns "
+                    f"(fraction {fraction}, seed {args.holdout_seed})\n")
+        print(f"holdout: {len(held)} dialogues -> {held_path}", file=sys.stderr)
     print(
         f"{len(result.dialogues)} dialogues, {result.num_turns} turns -> {json_path}; "
         f"{len(result.quirks)} quirk(s) -> {report_path}",

@@ -192,6 +192,32 @@ def model_config_overrides(config: ml_collections.ConfigDict, manifest: Mapping[
     return over
 
 
+def model_manifest(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The manifest a run's model is built from: `config.data.shards`'.
+
+    Text-only shards (`data.prepare --text-only`, e.g. EmpatheticDialogues for stage coe) carry no
+    features, so a model built from them would have no media input to hand to the later stages. Such a
+    run takes its feature dims, encoder and generator-target dims from `config.data.features_like` (the
+    shards whose media the later stages read, e.g. the AvaMERG sample's): the model is then the one those
+    stages build, and `init_from` chains into them.
+    """
+    manifest = load_manifest(config.data.shards)
+    if manifest.get("media") != "none":
+        return manifest
+    like = str(config.data.get("features_like", "") or "")
+    if not like:
+        raise config_lib.ConfigError(
+            f"data.shards={config.data.shards} is text-only (prepared with --text-only): set "
+            "data.features_like to the shards whose features and targets the model is built for (e.g. the "
+            "AvaMERG sample's), so that its later stages can follow"
+        )
+    ref = load_manifest(like)
+    if ref.get("media") == "none":
+        raise config_lib.ConfigError(f"data.features_like={like} is text-only too: it has no features")
+    targets = {**(manifest.get("targets") or {}), "kinds": (ref.get("targets") or {}).get("kinds", {})}
+    return {**manifest, "features": ref["features"], "encoder": ref.get("encoder"), "targets": targets}
+
+
 def build_model(
     config: ml_collections.ConfigDict, manifest: Mapping[str, Any], mesh: Mesh | None = None
 ) -> tuple[Empatheia, Any]:
@@ -255,6 +281,8 @@ def pipeline_fields(
         model.config, stage, {"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)}
     )
     fields.update(
+        # the model's dims: the shards' (checked), or its own on text-only shards under a text template
+        feature_dims=(model.config.audio_dim, model.config.video_dim),
         max_len=int(config.data.max_len),
         worker_count=int(config.data.worker_count),
         read_threads=int(config.data.read_threads),
@@ -666,7 +694,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
         (workdir / "config.json").write_text(json.dumps(config_lib.to_json(config), indent=1))
 
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-    manifest = load_manifest(config.data.shards)
+    manifest = model_manifest(config)
     model, tokenizer = build_model(config, manifest, mesh)
     tx, lr_schedule = make_tx(config, schedule)
     with jax.set_mesh(mesh):
@@ -888,7 +916,7 @@ def untrained_model(config: ml_collections.ConfigDict, meta: Mapping[str, Any]) 
     """The run's model before its first step: its backbone (the converted folder, or the random one rebuilt
     from the run's seed and shards), fresh heads, LoRA B = 0. Shared by training checkpoints and exports."""
     if not meta["backbone"]:
-        return build_model(config, load_manifest(config.data.shards))[0]
+        return build_model(config, model_manifest(config))[0]
     model = Empatheia(EmpatheiaConfig.from_dict(meta["model_config"]), rngs=nnx.Rngs(config.seed + 1))
     llm, _ = load_checkpoint(meta["backbone"])
     copy_backbone(llm, model.llm)

@@ -138,6 +138,36 @@ def test_cli_writes_split_and_report(tmp_path):
     assert sum(line.startswith("merged-row: ") for line in report.splitlines()) == 5
 
 
+def test_holdout_is_whole_conversations_seeded_and_stable(real, tmp_path):
+    """--holdout dev:0.2: whole conversations by a seeded hash of their id, disjoint, covering, about the
+    fraction; the same seed gives the same split, and one conversation's side never depends on the others."""
+    import hashlib
+
+    kept, held = import_ed.holdout(real.dialogues, 0.2, seed=0)
+    ids = [d["conversation_id"] for d in real.dialogues]
+    assert sorted(d["conversation_id"] for d in kept + held) == sorted(ids)
+    assert not {d["conversation_id"] for d in kept} & {d["conversation_id"] for d in held}
+    assert 0.17 < len(held) / len(ids) < 0.23
+    for d in real.dialogues[:50]:  # an independent recomputation of the rule
+        u = int(hashlib.sha256(f"0:{d['conversation_id']}".encode()).hexdigest()[:16], 16) / 2**64
+        assert (d in held) == (u < 0.2)
+    half = {d["conversation_id"] for d in real.dialogues[::2]}
+    assert import_ed.holdout(real.dialogues[::2], 0.2, seed=0)[1] == [d for d in held
+                                                                       if d["conversation_id"] in half]
+    assert import_ed.holdout(real.dialogues, 0.2, seed=1)[1] != held
+    with pytest.raises(ValueError, match="fraction"):
+        import_ed.holdout(real.dialogues, 1.0)
+
+    assert import_ed.main(["--csv", REAL_CSV, "--out", str(tmp_path), "--quiet", "--holdout", "dev:0.2"]) == 0
+    assert json.loads((tmp_path / "dev.json").read_text()) == held
+    assert json.loads((tmp_path / "valid.json").read_text()) == kept
+    report = (tmp_path / "valid.import_report.txt").read_text()
+    assert f"holdout: dev.json {len(held)} dialogues" in report
+    for bad in ("dev", "dev:1.5", "valid:0.2", ":0.2", "dev:x"):
+        with pytest.raises(SystemExit):
+            import_ed.main(["--csv", REAL_CSV, "--out", str(tmp_path / "bad"), "--quiet", "--holdout", bad])
+
+
 # ------------------------------------------------------------------------------------- synthetic cases
 
 HEADER = "conv_id,utterance_idx,context,prompt,speaker_idx,utterance,selfeval,tags\r\n"

@@ -512,6 +512,35 @@ def test_stages_chain_with_init_from(tok, shards, tmp_path, cli_env):
     assert any(not np.array_equal(a[k], b[k]) for k in cs)
 
 
+def test_coe_on_text_only_shards_builds_the_media_model_and_chains_into_ccl(tok, shards, tmp_path, cli_env):
+    """Stage coe on text-only shards (the reference model's EmpatheticDialogues stage): the model takes its
+    feature and target dims from data.features_like, so ccl on the media shards init_from's it; without
+    features_like the run refuses with the key named."""
+    from data import prepare as prep
+    from empatheia_jax.checkpoint import read_meta
+
+    text = tmp_path / "text_shards"
+    prep.prepare(Path(shards).parent / "raw", text, media="none", progress=False, log=lambda _: None)
+    coe, ccl = tmp_path / "coe", tmp_path / "ccl"
+    p = subprocess.run(cli_args(tok, text, tmp_path / "bad", "--config.stage=coe"), env=cli_env,
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 2 and "data.features_like" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    run_cli(cli_args(tok, text, coe, "--config.stage=coe", "--config.schedule.coe.steps=2",
+                     f"--config.data.features_like={shards}"), cli_env)
+    media = json.loads((Path(shards) / "manifest.json").read_text())
+    _, meta = read_meta(coe / "checkpoints")
+    assert (meta["model_config"]["audio_dim"], meta["model_config"]["video_dim"]) == (
+        media["features"]["audio_dim"], media["features"]["video_dim"])
+    assert meta["encoder"] == media["encoder"]  # chat encodes media as the later stages' shards did
+    run_cli(cli_args(tok, shards, ccl, "--config.stage=ccl", "--config.schedule.ccl.steps=2",
+                     f"--config.init_from={coe}"), cli_env)
+    a, b = final_state(coe, 2), final_state(ccl, 2)
+    lora = [k for k in a if k[0] == "params" and "lora_b" in "/".join(k)]
+    assert lora and any(np.abs(a[k]).max() > 0 for k in lora)  # coe on text trained the adapters ...
+    for k in lora:  # ... and ccl on media starts from them
+        np.testing.assert_array_equal(a[k], b[k], err_msg=str(k))
+
+
 def test_cli_rejects_a_bad_config_with_the_key(tok, shards, tmp_path, cli_env):
     args = cli_args(tok, shards, tmp_path / "bad", "--config.optim.lr=-0.5")
     p = subprocess.run(args, env=cli_env, capture_output=True, text=True, timeout=300, cwd=REPO)

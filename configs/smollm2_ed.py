@@ -1,0 +1,43 @@
+"""The reference model's first stage: SmolLM2-135M-Instruct learns the Chain of Empathy on real dialogue.
+
+Stage coe on EmpatheticDialogues (the shipped validation csv, imported with a conversation-level dev
+hold-out and prepared text-only; launch/ed_reference.sh builds it), so that the emotion of CoE step 2 is
+learnt from 4.7k real listener turns instead of the sample's few hundred. The model is the demo's
+(`configs/smollm2_demo.py`: same backbone, LoRA and demo-sized VAEs, feature dims from the sample's shards
+via data.features_like), so the later stages run on the sample with `configs/smollm2_demo.py` and
+`init_from` this run, and `make demo` can chat with the result.
+
+Schedule, picked on the dev part only (docs/benchmarks.md): batch 8, lr 2e-4 with cosine decay, dev loss
+every 200 steps, the best-dev-loss checkpoint kept beside the latest. Float32 on CPU; on an accelerator
+set `--config.model.llm.dtype=bfloat16`. Checkpoints every 100 steps (~10-15 minutes on 2 CPU cores), so a
+run longer than a session resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+from configs import smollm2_demo
+
+
+def get_config(arg: str | None = None):
+    c = smollm2_demo.get_config(arg)
+    c.stage = "coe"
+    c.data.shards = "work/ed_shards"
+    c.data.features_like = "work/shards"
+    c.data.train_split = "train"
+    c.data.eval_split = "dev"
+    c.data.max_len = 320  # ED turns with their CoE target: ~120-300 tokens; longer histories lose old turns
+    c.train.batch_size = 8
+    c.train.grad_accum = 1
+    c.train.log_every = 20
+    c.train.eval_every = 200
+    c.train.eval_batches = 0  # the whole dev part
+    c.optim.lr = 2e-4
+    c.optim.warmup_steps = 50
+    c.optim.end_lr_ratio = 0.1
+    c.schedule.coe.steps = 3000  # ~5 epochs of the train part
+    c.checkpoint.every = 100
+    c.checkpoint.keep = 2
+    c.checkpoint.keep_best = True
+    c.checkpoint.best_metric = "eval/loss"
+    c.checkpoint.best_mode = "min"
+    return c

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The reference model: stage coe on EmpatheticDialogues, then ccl, sac and overall on the AvaMERG sample.
+#
+#   bash launch/ed_reference.sh RUNDIR [--config.FIELD=VALUE ...]
+#
+#   RUNDIR   the run folder, best outside the work tree (e.g. ~/runs/ed_reference): RUNDIR/ed holds the
+#            imported csv (train + a conversation-level dev hold-out) and its text-only shards, RUNDIR/coe
+#            the ED stage, RUNDIR/{ccl,sac,overall} the sample stages, RUNDIR/report the dev evaluation
+#   extra    --config.* overrides for the coe stage (e.g. --config.schedule.coe.steps=1000)
+#
+# Needs `make demo`'s converted backbone and sample shards (WORK=work by default: work/smollm2,
+# work/shards). Every step skips what is done and the training resumes from its last checkpoint, so
+# re-running the command continues an interrupted run (a run longer than a session, on CPU). Environment:
+# ED_CSV (default data/ed/empathetic_dialogues_validation.csv), HOLDOUT (dev:0.15), WORK (work), PY,
+# SAMPLE_STAGES=0 to stop after the coe stage, EVAL_FLAGS (extra `empatheia eval` flags).
+set -euo pipefail
+
+if [[ $# -lt 1 ]]; then
+    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2
+    exit 2
+fi
+RUN=$1
+shift
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+WORK=${WORK:-work}
+ED_CSV=${ED_CSV:-data/ed/empathetic_dialogues_validation.csv}
+HOLDOUT=${HOLDOUT:-dev:0.15}
+read -r -a EXTRA_EVAL <<< "${EVAL_FLAGS:-}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$RUN/jax_cache}
+
+for need in "$WORK/smollm2/COMPLETE" "$WORK/shards/manifest.json"; do
+    if [[ ! -f $need ]]; then
+        echo "[ed_reference] $need is missing: run \`make demo\` first (or set WORK)" >&2
+        exit 2
+    fi
+done
+COMMON=(--config.model.backbone="$WORK/smollm2" --config.data.features_like="$WORK/shards")
+
+mkdir -p "$RUN/ed"
+if [[ ! -f "$RUN/ed/raw/dev.json" ]]; then
+    echo "[ed_reference] importing $ED_CSV (train + $HOLDOUT, whole conversations)"
+    "$PY" -m data.import_ed --csv "$ED_CSV" --out "$RUN/ed/raw" --split train --holdout "$HOLDOUT"
+fi
+if [[ ! -f "$RUN/ed/shards/manifest.json" ]]; then
+    echo "[ed_reference] preparing text-only shards"
+    "$PY" -m data.prepare --raw "$RUN/ed/raw" --out "$RUN/ed/shards" --text-only --overwrite
+fi
+
+echo "[ed_reference] stage coe on EmpatheticDialogues -> $RUN/coe"
+"$PY" -m empatheia_jax.cli train --config configs/smollm2_ed.py --workdir "$RUN/coe" \
+    "${COMMON[@]}" --config.data.shards="$RUN/ed/shards" "$@"
+
+echo "[ed_reference] dev evaluation of the coe stage -> $RUN/report"
+"$PY" -m empatheia_jax.cli eval --ckpt "$RUN/coe" --data "$RUN/ed/shards" --split dev \
+    --report "$RUN/report" --no_repeat_ngram_size 4 ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
+
+if [[ ${SAMPLE_STAGES:-1} == 0 ]]; then
+    exit 0
+fi
+prev=$RUN/coe
+for stage in ccl sac overall; do
+    echo "[ed_reference] stage $stage on the sample -> $RUN/$stage"
+    "$PY" -m empatheia_jax.cli train --config configs/smollm2_demo.py --config.stage="$stage" \
+        --config.init_from="$prev" --workdir "$RUN/$stage" --config.model.backbone="$WORK/smollm2" \
+        --config.data.shards="$WORK/shards"
+    prev=$RUN/$stage
+done
+echo "[ed_reference] done: $RUN/overall (chat: empatheia chat --ckpt $RUN/overall --text ...)"
