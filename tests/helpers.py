@@ -368,8 +368,23 @@ FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes"
 TINY_ROWS = 16
 
 
-def tiny_empatheia(tok, shards: Path):
-    """A 2-layer d=32 Empatheia over the tokenizer `tok` with the feature dims of the tiny shards."""
+def read_shard_split(out: Path, split: str) -> list[dict]:
+    """Every record of `split` of a shards folder, decoded, in shard order."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    from empatheia_jax.shard_format import decode_shard_record, shard_paths
+
+    recs = []
+    for p in shard_paths(out, split):
+        r = ArrayRecordReader(str(p))
+        recs += [decode_shard_record(b, shard=p, index=i) for i, b in enumerate(r.read_all())]
+        r.close()
+    return recs
+
+
+def tiny_empatheia(tok, shards: Path | None = None, dims: tuple[int, int] | None = None):
+    """A 2-layer d=32 Empatheia over the tokenizer `tok` with the feature dims of the tiny shards (or
+    `dims` = (audio_dim, video_dim))."""
     import json
 
     from flax import nnx
@@ -378,15 +393,17 @@ def tiny_empatheia(tok, shards: Path):
     from empatheia_jax.models.llama import Llama, LlamaConfig
     from empatheia_jax.models.lora import LoraConfig
 
-    feats = json.loads((shards / "manifest.json").read_text())["features"]
+    if dims is None:
+        feats = json.loads((shards / "manifest.json").read_text())["features"]
+        dims = (feats["audio_dim"], feats["video_dim"])
     llm = Llama(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id), rngs=nnx.Rngs(0))
     heads = dict(n_signal=4, lora=LoraConfig(rank=4, alpha=8.0), max_speech_len=TINY_ROWS,
                  max_video_len=TINY_ROWS, vae_d_model=16, vae_heads=2, vae_layers=1, cs_latent=8,
                  sd_queries=2, sd_code_dim=8, sd_latent=4, fuse_dim=16)
-    dims = {"audio_dim": feats["audio_dim"], "video_dim": feats["video_dim"]}
-    return Empatheia.from_llm(llm, tok, {**dims, **heads}, rngs=nnx.Rngs(1))
+    return Empatheia.from_llm(llm, tok, {"audio_dim": dims[0], "video_dim": dims[1], **heads},
+                              rngs=nnx.Rngs(1))
 
 
 def load_smollm2_tokenizer(tmp_path_factory):

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import make_raw, synthetic_dialogue
+from helpers import make_raw, read_shard_split, synthetic_dialogue
 
 from data import prepare as prep
 from empatheia_jax import schema
@@ -20,7 +20,6 @@ from empatheia_jax.shard_format import (
     ShardRecordError,
     decode_shard_record,
     load_manifest,
-    shard_paths,
     verify_shards,
 )
 from empatheia_jax.targets import TargetReader, make_standin_targets
@@ -46,17 +45,6 @@ def prepared(tmp_path_factory):
     return raw, out, manifest
 
 
-def read_split(out, split):
-    recs = []
-    from array_record.python.array_record_module import ArrayRecordReader
-
-    for p in shard_paths(out, split):
-        r = ArrayRecordReader(str(p))
-        recs += [decode_shard_record(b, shard=p, index=i) for i, b in enumerate(r.read_all())]
-        r.close()
-    return recs
-
-
 def test_records_match_json_media_and_targets(prepared):
     raw, out, manifest = prepared
     enc = get_encoder("lite")
@@ -69,7 +57,7 @@ def test_records_match_json_media_and_targets(prepared):
     assert all(v["source"] == "stand-in" for v in manifest["targets"]["kinds"].values())
     assert list(manifest["splits"]) == ["train", "valid"]  # sample_meta.json is no split
     for split, objs in SPLITS.items():
-        recs = read_split(out, split)
+        recs = read_shard_split(out, split)
         assert len(recs) == manifest["splits"][split]["records"] == sum(len(o["turns"]) for o in objs)
         assert manifest["targets"]["coverage"][split] == {k: len(recs) for k in targets.kinds}
         by_uid = {r["uid"]: r for r in recs}
@@ -103,7 +91,7 @@ def test_records_match_json_media_and_targets(prepared):
                 for kind, a in r["targets"].items():
                     np.testing.assert_array_equal(a, targets.get(kind, r["response_utt_id"]))
     # spot-check label values themselves (not only agreement with schema.labels_for)
-    r0 = {r["uid"]: r for r in read_split(out, "valid")}["c3:0"]
+    r0 = {r["uid"]: r for r in read_shard_split(out, "valid")}["c3:0"]
     assert r0["labels"]["emotion"] == schema.EMOTIONS_7.index("fear")
     assert r0["labels"]["gender"] == schema.GENDERS.index("male") and r0["labels"][
         "age"
@@ -168,7 +156,7 @@ def test_invalid_input_fails_listing_problems_or_skips(tmp_path):
         and "train\tbad2" in report
         and "diabad2utt2_1" in report
     )
-    assert {r["uid"] for r in read_split(out, "train")} == {"ok1:0", "ok1:1"}
+    assert {r["uid"] for r in read_shard_split(out, "train")} == {"ok1:0", "ok1:1"}
     assert verify_shards(out) == []
 
 
@@ -189,7 +177,7 @@ def test_cli_overwrite_interrupt_and_workers(prepared, tmp_path, monkeypatch):
     assert len(m["splits"]["train"]["shards"]) == 5
     # workers=2 gives exactly the records of the in-process run
     for split in ("train", "valid"):
-        a, b = read_split(out, split), read_split(out_ref, split)
+        a, b = read_shard_split(out, split), read_shard_split(out_ref, split)
         assert [r["uid"] for r in a] == [r["uid"] for r in b]
         for ra, rb in zip(a, b, strict=True):
             np.testing.assert_array_equal(ra["audio_feats"], rb["audio_feats"])
@@ -229,7 +217,7 @@ def test_tfds_builder_without_tensorflow(prepared, tmp_path):
     ds = tfds.data_source("avamerg", data_dir=str(tmp_path / "tfds"))
     for split, objs in SPLITS.items():
         assert len(ds[split]) == sum(len(o["turns"]) for o in objs)
-        ref = {r["uid"]: r for r in read_split(out, split)}
+        ref = {r["uid"]: r for r in read_shard_split(out, split)}
         for i in range(len(ds[split])):
             got = from_tfds_example(ds[split][i])
             want = ref[got["uid"]]

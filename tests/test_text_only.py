@@ -18,16 +18,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FAST, TINY_ROWS, load_smollm2_tokenizer, make_raw, synthetic_dialogue
+from helpers import (
+    FAST,
+    load_smollm2_tokenizer,
+    make_raw,
+    read_shard_split,
+    synthetic_dialogue,
+    tiny_empatheia,
+)
 
 from data import import_ed
 from data import prepare as prep
 from empatheia_jax import schema
 from empatheia_jax.shard_format import (
     MissingMediaError,
-    decode_shard_record,
     load_manifest,
-    shard_paths,
     verify_shards,
 )
 
@@ -62,17 +67,6 @@ def write_ed_csv(path: Path, conversations=ED_CONVERSATIONS) -> Path:
     return path
 
 
-def read_split(out: Path, split: str) -> list[dict]:
-    from array_record.python.array_record_module import ArrayRecordReader
-
-    recs = []
-    for p in shard_paths(out, split):
-        r = ArrayRecordReader(str(p))
-        recs += [decode_shard_record(b, shard=p, index=i) for i, b in enumerate(r.read_all())]
-        r.close()
-    return recs
-
-
 @pytest.fixture(scope="module")
 def ed_shards(tmp_path_factory) -> Path:
     """The csv above imported (data.import_ed) into RAW without any media folder, then `--text-only`."""
@@ -92,7 +86,7 @@ def test_text_only_prepare_of_an_imported_ed_csv(ed_shards):
     info = m["splits"]["test"]
     assert info["records"] == info["text_only_records"] == 4 and info["text_only_dialogues"] == 3
     assert verify_shards(ed_shards) == []
-    recs = {r["uid"]: r for r in read_split(ed_shards, "test")}
+    recs = {r["uid"]: r for r in read_shard_split(ed_shards, "test")}
     assert sorted(recs) == ED_UIDS
     em = schema.EmotionMap.load("avamerg7")
     for conv_id, emotion, prompt, utts in ED_CONVERSATIONS[:3]:
@@ -174,7 +168,7 @@ def test_media_optional_is_per_dialogue_and_a_missing_file_is_still_named(option
     assert m["skipped"]["dialogues"] == [{"split": "train", "conversation_id": "part", "problems": 2}]
     info = m["splits"]["train"]
     assert (info["records"], info["text_only_records"], info["text_only_dialogues"]) == (3, 1, 1)
-    recs = {r["uid"]: r for r in read_split(out, "train")}
+    recs = {r["uid"]: r for r in read_shard_split(out, "train")}
     assert sorted(recs) == ["bare:0", "full:0", "full:1"]
     bare = recs["bare:0"]  # zero vectors, in the encoder's widths
     assert bare["audio_feats"].shape == (1, 0, 96) and bare["video_feats"].shape == (1, 0, 526)
@@ -209,19 +203,7 @@ def tok(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(tok):
     """A tiny random Empatheia with every head and the lite encoder's feature dims (96, 526)."""
-    from flax import nnx
-
-    from empatheia_jax.models.empatheia import Empatheia
-    from empatheia_jax.models.llama import Llama, LlamaConfig
-    from empatheia_jax.models.lora import LoraConfig
-
-    llm = Llama(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id), rngs=nnx.Rngs(0))
-    heads = dict(n_signal=4, lora=LoraConfig(rank=4, alpha=8.0), max_speech_len=TINY_ROWS,
-                 max_video_len=TINY_ROWS, vae_d_model=16, vae_heads=2, vae_layers=1, cs_latent=8,
-                 sd_queries=2, sd_code_dim=8, sd_latent=4, fuse_dim=16)
-    return Empatheia.from_llm(llm, tok, {"audio_dim": 96, "video_dim": 526, **heads}, rngs=nnx.Rngs(1))
+    return tiny_empatheia(tok, dims=(96, 526))
 
 
 def test_eval_stage_follows_the_template(model):
@@ -261,7 +243,7 @@ def test_coe_template_on_text_only_shards_equals_the_media_shards(model, tok, op
               template="coe")
     got = ev.evaluate(model, tok, text, "train", max_examples=2, **kw)  # records of "full" come first
     want = ev.evaluate(model, tok, media, "train", **kw)
-    assert [r["uid"] for r in read_split(text, "train")][:2] == ["full:0", "full:1"]
+    assert [r["uid"] for r in read_shard_split(text, "train")][:2] == ["full:0", "full:1"]
     assert got == want and got["num_examples"] == got["num_generated"] == 2
     assert got["eval_loss"] == pytest.approx(got["emp"]) and got["emp"] > 0
     assert not {"cls_emotion", "emotion_acc_cls", "speech_content_l2", "kl"} & got.keys()  # no head ran
