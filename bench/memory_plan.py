@@ -547,7 +547,8 @@ def compile_step(config: Any, run: AbstractRun, stage: Any, mesh: Any, micro: in
                            NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"))))
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                sharding=NamedSharding(mesh, PartitionSpec()))
-    compiled = step.lower(run.graphs, run.params, run.frozen, run.opt_state, batch, key).compile()
+    with jax.set_mesh(mesh):  # as the trainer calls it: the model's activation constraints apply
+        compiled = step.lower(run.graphs, run.params, run.frozen, run.opt_state, batch, key).compile()
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, list) else cost

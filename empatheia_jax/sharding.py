@@ -149,6 +149,21 @@ def create_sharded(factory: Callable[[], M], mesh: Mesh, rules=LOGICAL_RULES) ->
     return nnx.merge(graphdef, state)
 
 
+def constrain(x: jax.Array, axes: Sequence[str | None], rules=LOGICAL_RULES) -> jax.Array:
+    """Pins an activation to its logical layout under the mesh being traced for (`jax.set_mesh`).
+
+    Why: parameters carry shardings, activations do not, and GSPMD then propagates the FSDP weights' layout
+    into the hidden states: the compiled 7B step all-gathered the batch and held every example's
+    activations on every device (bench/memory_plan.py, docs/design.md "Memory plan"). A no-op outside a
+    mesh of more than one device (single-device runs, generation), and an axis a dimension does not divide
+    is dropped (`_fit`), so the constraint never changes what runs on one device.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, _fit(logical_to_spec(axes, rules), x.shape, mesh))
+
+
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """Inputs are split over (data, fsdp) on the leading batch dimension and replicated otherwise."""
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1)))

@@ -801,9 +801,10 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
                     trace.flush()
                 batch = step_batch(host_batch, mesh, config.train.grad_accum)
                 t0 = time.perf_counter()
-                params, opt_state, metrics = step_fn(
-                    graphs, params, frozen, opt_state, batch, jax.random.fold_in(key, step)
-                )
+                with jax.set_mesh(mesh):  # traced for the mesh: activations keep the batch layout
+                    params, opt_state, metrics = step_fn(
+                        graphs, params, frozen, opt_state, batch, jax.random.fold_in(key, step)
+                    )
                 metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 if profile and step + 1 == profile[1]:
                     jax.profiler.stop_trace()

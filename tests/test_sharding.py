@@ -6,6 +6,9 @@ device; the parameters are checked to be really split, so the comparison is not 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,3 +124,32 @@ def test_sharded_lora_train_step_matches_unsharded(mesh, sharded_model):
         assert np.abs(np.asarray(v1[...]) - np.asarray(v0)).max() > 0, f"{path} did not move"
         np.testing.assert_allclose(np.asarray(flat_8[path][...]), np.asarray(v1[...]), atol=1e-5, rtol=0,
                                    err_msg=str(path))
+
+
+def test_activations_keep_the_batch_layout_on_an_fsdp_mesh():
+    """`sharding.constrain` pins hidden states and logits to the batch layout: the LoRA step compiled for
+    an fsdp=8 mesh under `jax.set_mesh` needs well under the temporary memory of the same step traced
+    without it, where the constraints are no-ops and GSPMD follows the FSDP weights into the activations
+    (the 7B memory plan's finding: every device held the whole micro-batch's activations)."""
+    fsdp = sharding.make_mesh(1, 8, 1)
+    cfg = dataclasses.replace(CFG, vocab_size=512)
+
+    def build() -> Llama:
+        model = Llama(cfg, rngs=nnx.Rngs(0))
+        apply_lora(model, LORA, rngs=nnx.Rngs(1))
+        return model
+
+    graphdef, lora, rest = nnx.split(sharding.create_sharded(build, fsdp), nnx.LoRAParam, ...)
+    tx, step = make_step(graphdef)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (16, 256))
+    ids = jax.device_put(jnp.asarray(ids, jnp.int32), sharding.batch_sharding(fsdp, 2))
+    with jax.set_mesh(fsdp):
+        opt_state = jax.jit(tx.init)(lora)
+
+    def temp(on_mesh: bool) -> int:
+        with jax.set_mesh(fsdp) if on_mesh else contextlib.nullcontext():
+            compiled = step.lower(lora, rest, opt_state, ids).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    constrained, free = temp(True), temp(False)
+    assert constrained < 0.6 * free, (constrained, free)  # measured: 14.6 vs 34.9 MiB

@@ -21,6 +21,8 @@ import numpy as np
 from flax import nnx, struct
 from flax.core import FrozenDict
 
+from empatheia_jax.sharding import constrain
+
 # ----------------------------------------------------------------------------------------------------------
 # Config
 # ----------------------------------------------------------------------------------------------------------
@@ -346,6 +348,9 @@ class DecoderLayer(nnx.Module):
         return x, new_kv
 
 
+# hidden states [B, T, D]: split over the batch only (the embed axis of the weights is FSDP's, not theirs)
+_HIDDEN = ("batch", "length", None)
+
 _REMAT_POLICIES = {
     "full": None,
     "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
@@ -435,7 +440,8 @@ class Llama(nnx.Module):
             key_slot = jnp.arange(cache.max_len)
         mask = key_valid[:, None, :] & (key_slot[None, None, :] <= query_slot[None, :, None])
         inv_freq = jnp.asarray(rope_inv_freq(cfg))  # a compile-time constant
-        x = x.astype(cfg.compute_dtype)
+        # activations split over the batch like the inputs (a no-op off a multi-device mesh)
+        x = constrain(x.astype(cfg.compute_dtype), _HIDDEN)
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.keys[i], cache.values[i])
@@ -448,6 +454,7 @@ class Llama(nnx.Module):
                 x, new_kv = fn(layer_state, x, positions, inv_freq, mask, kv, index)
             else:
                 x, new_kv = layer(x, positions, inv_freq, mask, kv, index)
+            x = constrain(x, _HIDDEN)
             if new_kv is not None:
                 new_keys.append(new_kv[0])
                 new_values.append(new_kv[1])
@@ -467,14 +474,14 @@ class Llama(nnx.Module):
                 we = self.embed_extra[...].astype(h.dtype)
                 extra = jnp.einsum("btd,vd->btv", h, we, preferred_element_type=jnp.float32)
                 out = jnp.concatenate([out, extra], axis=-1)
-            return out
+            return constrain(out, ("batch", "length", "vocab"))
         w = self.lm_head.kernel[...].astype(h.dtype)
         out = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
         if cfg.extra_vocab:
             we = self.lm_head_extra[...].astype(h.dtype)
             extra = jnp.einsum("btd,dv->btv", h, we, preferred_element_type=jnp.float32)
             out = jnp.concatenate([out, extra], axis=-1)
-        return out
+        return constrain(out, ("batch", "length", "vocab"))
 
     def __call__(
         self,
