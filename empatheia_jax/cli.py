@@ -61,6 +61,8 @@ flags.DEFINE_enum("template", None, list(TEMPLATE_NAMES), "eval: the stage whose
 flags.DEFINE_bool("untrained", False, "eval: also evaluate the untrained model (same config, fresh heads)")
 flags.DEFINE_bool("generate", True, "eval: generate the CoE text (emotion accuracy from text, Dist-n)")
 flags.DEFINE_integer("batch_size", 8, "eval: batch size", lower_bound=1)
+flags.DEFINE_integer("max_examples", 0, "eval: score the first N records of the split only (0 = all; a "
+                     "quick look at a large file before the whole run)", lower_bound=0)
 flags.DEFINE_integer("generate_batch_size", 0, "eval: batch size of the generation (0 = --batch_size)",
                      lower_bound=0)
 flags.DEFINE_integer("max_new_tokens", 160, "eval/chat: generation budget", lower_bound=1)
@@ -219,6 +221,7 @@ def _eval() -> int:
         no_repeat_ngram_size=FLAGS.no_repeat_ngram_size,
         pipeline_overrides={"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)},
         template=stage.name,
+        max_examples=FLAGS.max_examples or None,
     )
     manifest = evaluate.check_split(shards, split)
     # text-only data under a template that reads media: one line now, not a failure inside the pipeline
@@ -302,7 +305,7 @@ def _voters(model: Any, tokenizer: Any, shards: str, split: str, kwargs: dict[st
     from empatheia_jax import evaluate, trainer
 
     gen = {k: kwargs[k] for k in ("batch_size", "max_len", "max_new_tokens", "repetition_penalty",
-                                  "no_repeat_ngram_size", "pipeline_overrides")}
+                                  "no_repeat_ngram_size", "pipeline_overrides", "max_examples")}
     gen["batch_size"] = kwargs["generate_batch_size"] or kwargs["batch_size"]
     out: dict[str, list[dict[str, Any]]] = {}
     for name in FLAGS.vote_templates:

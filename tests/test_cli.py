@@ -282,14 +282,15 @@ def test_eval_report_with_per_class_plots_and_emotion_voting(trained, ed_csv, cl
     report = tmp_path / "report"
     p = ok(cli(cli_env, "eval", "--ckpt", trained[0], "--data", ed_csv, "--data_cache", tmp_path / "cache",
                "--batch_size", 4, "--max_new_tokens", 6, "--report", report, "--vote_templates", "ccl,coe",
-               "--vote_ckpt", trained[0]))
+               "--vote_ckpt", trained[0], "--max_examples", 3))
     assert_quiet(p.stderr)
     assert f"report: {report / 'report.md'}" in p.stderr
     metrics = json.loads((report / "metrics.json").read_text())
     assert metrics["voters"] == ["coe", "template:ccl", "ckpt1:coe"]  # the main template is not voted twice
     voters = [[json.loads(x) for x in (report / f"predictions_{v}.jsonl").read_text().splitlines()]
               for v in metrics["voters"]]
-    assert [len(v) for v in voters] == [len(ED_UIDS)] * 3
+    assert [len(v) for v in voters] == [3] * 3  # --max_examples: the first 3 of the 4 records, every voter
+    assert metrics["trained"]["num_examples"] == metrics["trained"]["num_generated"] == 3
     assert voters[2] == voters[0]  # the same checkpoint on the same template: the same generations
 
     def hand_vote(key: str) -> float:
