@@ -500,7 +500,7 @@ def prepare(
         for kind, info in reader.summary().items():
             flag = "  <-- STAND-IN, not generator features" if info["stand_in"] else ""
             log(f"targets {kind}: dim {info['dim']}, source {info['source']}{flag}")
-    else:
+    elif media != "none":  # a text-only run is for the text stages, which read no target
         log("no --targets: records carry no generator targets (stages 2-4 need them)")
 
     out.mkdir(parents=True, exist_ok=True)

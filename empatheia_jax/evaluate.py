@@ -661,7 +661,8 @@ def teacher_forced_metrics(
     n_real = 0
     # Terms of the stage (an ablated term would only show a 0), and the signal-token CE when there are any.
     reported = {*stage.loss_terms, *((losses.SIGNAL_CE,) if cfg.has_sd else ())}
-    for batch in _progress(pipe, total=len(pipe), desc=f"eval {split} (teacher-forced)", enabled=progress):
+    total = len(pipe) if max_examples is None else min(len(pipe), -(-max_examples // batch_size))
+    for batch in _progress(pipe, total=total, desc=f"eval {split} (teacher-forced)", enabled=progress):
         real = batch["record_index"] >= 0
         if max_examples is not None:
             real &= batch["record_index"] < max_examples
@@ -833,8 +834,9 @@ def generate_predictions(
                 text = tokenizer.decode(new, skip_special_tokens=False)
                 pred = parse_generation(text, emap, pipeline_baseline=stage.pipeline_baseline)
                 pred.update(record_index=e["record_index"], uid=e["uid"], labels=e["labels"],
-                            prompt_tokens=len(prompts[r]), num_new=int(gen.num_new[r]), text=text,
-                            signal_complete=signal <= set(new))
+                            prompt_tokens=len(prompts[r]), num_new=int(gen.num_new[r]), text=text)
+                if pcfg.template_spec().has_signal:  # signal_rate only where the target has them
+                    pred["signal_complete"] = signal <= set(new)
                 preds[e["record_index"]] = pred
             bar.update(1)
         out += [preds[i] for i in sorted(preds)]
