@@ -26,14 +26,7 @@ WORKDIR=$2
 shift 2
 cd "$(dirname "$0")/.."
 
-if [[ -n "${PY:-}" ]]; then
-    :
-elif [[ -x .venv/bin/python ]]; then
-    PY=.venv/bin/python
-else
-    PY=$(sed -n '1s/^#! *//p' "$(command -v empatheia)")
-fi
-export PY
+source launch/find_python.sh
 read -r -a VARIANT_LIST <<< "${VARIANTS:-full no_coe no_media no_cs no_sd pipeline}"
 read -r -a EXTRA_EVAL <<< "${EVAL_FLAGS:-}"
 

@@ -22,7 +22,7 @@ fi
 RUN=$1
 shift
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
+source launch/find_python.sh
 WORK=${WORK:-work}
 ED_CSV=${ED_CSV:-data/ed/empathetic_dialogues_validation.csv}
 HOLDOUT=${HOLDOUT:-dev:0.15}

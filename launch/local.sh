@@ -31,16 +31,8 @@ WORKDIR=$2
 shift 2
 cd "$(dirname "$0")/.."
 
-if [[ -n "${PY:-}" ]]; then
-    TRAIN=("$PY" -m empatheia_jax.cli train)
-elif [[ -x .venv/bin/python ]]; then
-    PY=.venv/bin/python
-    TRAIN=("$PY" -m empatheia_jax.cli train)
-else
-    TRAIN=(empatheia train)
-    # the interpreter the console script runs (its shebang), so the stage listing below imports the same
-    PY=$(sed -n '1s/^#! *//p' "$(command -v empatheia)")
-fi
+source launch/find_python.sh
+TRAIN=("$PY" -m empatheia_jax.cli train)
 
 # "stage final_step" per stage to train, resolved the way the trainer resolves them (config file, its
 # argument and the --config.* overrides; stages.stage_plan drops the stages the ablations empty).
