@@ -626,6 +626,7 @@ def teacher_forced_metrics(
     progress: bool = True,
     compiler_options: Mapping[str, Any] | None = None,
     collect: dict[int, dict[str, np.ndarray]] | None = None,
+    collect_features: bool = True,
     template: str | None = None,
 ) -> dict[str, float]:
     """Loss terms, SD classifier accuracies and C/S feature metrics over `split`, teacher-forced.
@@ -635,6 +636,8 @@ def teacher_forced_metrics(
     `collect` (a dict) receives, per record index, the predicted {speech,video}_content rows over the gold
     reply (as many as its target has) and {speech,video}_style: what speech_eval.py / video_eval.py render;
     also the gold "labels" and each classifier's argmax "{emotion,age,gender,timbre}_cls" (reports).
+    `collect_features=False` keeps only the labels and classes: a report of a large split would otherwise
+    hold every record's predicted content rows in memory.
 
     Loss terms are the model's own (`Empatheia.loss` under `eval_stage`), aggregated over the split by their
     item counts (tokens for emp/signal_ce, valid rows for ccl_*, examples with the target for sal_*, labelled
@@ -680,7 +683,7 @@ def teacher_forced_metrics(
                 for name in LABELS:  # the SD classifiers' predictions: per-class accuracy in reports
                     if f"{name}_logits" in out:
                         got[f"{name}_cls"] = int(np.argmax(out[f"{name}_logits"][b]))
-                for kind in ("speech", "video"):
+                for kind in ("speech", "video") if collect_features else ():
                     if f"{kind}_content" in out and f"{kind}_style" in out:
                         rows = int(batch[f"{kind}_content_mask"][b].sum())
                         got[f"{kind}_content"] = np.asarray(out[f"{kind}_content"][b, :rows], np.float32)
@@ -919,7 +922,7 @@ def evaluate(
         speech = video = None  # rendered from C and S, which this stage's forward does not compute
     collected: dict[int, dict[str, Any]] | None = {} if speech or video or details is not None else None
     result = teacher_forced_metrics(model, tokenizer, shards_dir, split, weights=weights, collect=collected,
-                                    **common)
+                                    collect_features=bool(speech or video), **common)
     if details is not None:
         details["classified"] = {i: {k: v for k, v in c.items() if k == "labels" or k.endswith("_cls")}
                                  for i, c in (collected or {}).items()}
