@@ -380,6 +380,11 @@ def _token_ends(tokenizer: Any, ids: Sequence[int]) -> list[int]:
     return [len(tokenizer.decode(list(ids[: i + 1]), **kw)) for i in range(len(ids))]
 
 
+def emotion_map_name(cfg: Any) -> str:
+    """The emotion map whose classes the model's heads predict (8 classes: E3RG's, else AvaMERG's 7)."""
+    return "e3rg8" if cfg.num_emotions == 8 else "avamerg7"
+
+
 def respond(
     model: Empatheia,
     tokenizer: Any,
@@ -454,7 +459,7 @@ def respond(
             notes.append(f"the generation lacked {len(missing)} of the {2 * cfg.n_signal} signal tokens; "
                          "they were appended after the reply (untrained model, or max_new_tokens too small)")
 
-    emap = schema.EmotionMap.load("e3rg8" if cfg.num_emotions == 8 else "avamerg7")
+    emap = schema.EmotionMap.load(emotion_map_name(cfg))
     parsed = ev.parse_generation(raw, emap, pipeline_baseline=cfg.pipeline_baseline)
     response = np.zeros(len(final), np.int32)
     if final:

@@ -200,8 +200,9 @@ def _eval() -> int:
         evaluate.check_split(shards, split)
     model, tokenizer, config, meta = _load_trained()
     if ed_json is not None:  # labels in the model's emotion classes (as chat maps them)
-        emotion_map = "e3rg8" if model.config.num_emotions == 8 else "avamerg7"
-        shards, _ = _prepare_cached(ed_json, split, emotion_map)
+        from empatheia_jax.chat import emotion_map_name
+
+        shards, _ = _prepare_cached(ed_json, split, emotion_map_name(model.config))
     shards = shards or config.data.shards
     if not FLAGS.shards and not FLAGS.data and not Path(shards).is_dir():
         raise FileNotFoundError(f"shards folder {shards} (the run's config.data.shards) does not exist; "
