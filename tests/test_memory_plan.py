@@ -105,3 +105,32 @@ def test_plan_command_compiles_the_step_and_remat_shrinks_temporaries(tmp_path):
     assert full["flops_xla"] > none["flops_xla"]
     # The trainer's MFU convention is the same for both (it counts the model, not the schedule).
     assert full["flops_trainer"] == none["flops_trainer"] > 0
+
+
+def test_micro_batch_loop_does_not_keep_every_layers_gathered_weights(plan):
+    """The step's micro-batch loop re-gathers each layer's FSDP-sharded weights where it uses them.
+
+    Frozen weights are the same in every micro-batch, so XLA's loop-invariant code motion would hoist each
+    layer's all-gather (and dtype cast) out of the `lax.scan` and keep every layer's whole weights alive for
+    the step: 0.83 GiB more temporaries per 7B layer at fsdp=8 (docs/design.md, "Hoisted weight gathers").
+    Compiled here at 1 and 2 layers of the 7B shapes (T=256, fsdp=8, grad_accum 4): one more layer may add
+    its activations and its own transient gather, far less than the 0.75 GiB of a layer kept gathered."""
+    import jax
+
+    from empatheia_jax import config as config_lib
+    from empatheia_jax import sharding
+
+    config = plan.load_config(CONFIG, "coe")
+    stage = config_lib.resolve_stage(config)
+    manifest = plan.feature_dims(config, plan.AUDIO_DIM, plan.VIDEO_DIM)
+    mesh = sharding.make_mesh(data=1, fsdp=8, tensor=1, devices=jax.devices()[:8])
+    temps = {}
+    for depth in (1, 2):
+        cfg = plan.empatheia_config(config, plan.llm_config(config, depth, "full"), manifest)
+        run = plan.place(*plan.build_abstract(config, cfg), stage, mesh)
+        temps[depth] = plan.compile_step(config, run, stage, mesh, micro=8, accum=4, seq=256,
+                                         options=plan.compiler_options()).temp
+    llm = plan.llm_config(config)
+    layer_bytes = 4 * (4 * llm.hidden_size**2 + 3 * llm.hidden_size * llm.intermediate_size)  # fp32, whole
+    growth = temps[2] - temps[1]
+    assert growth < 0.25 * layer_bytes, (temps, layer_bytes)
