@@ -70,6 +70,8 @@ flags.DEFINE_float("repetition_penalty", 1.0, "eval/chat: HF's repetition penalt
                    lower_bound=1e-6)
 flags.DEFINE_integer("no_repeat_ngram_size", 0, "eval/chat: HF's no_repeat_ngram_size (0 = off)",
                      lower_bound=0)
+flags.DEFINE_bool("score_emotions", False, "eval: also choose CoE step 2 among the 32 ED labels by "
+                  "likelihood after the model's own step 1 (rows emotion*_acc_scored; CoE templates)")
 flags.DEFINE_string("json", None, "eval: also write the metrics table as JSON here")
 flags.DEFINE_string("report", None, "eval: a report folder: report.md (table, per-class tables and plots), "
                     "metrics.json, per_class.json, per_class_*.png, predictions_*.jsonl")
@@ -225,6 +227,8 @@ def _eval() -> int:
         max_examples=FLAGS.max_examples or None,
     )
     manifest = evaluate.check_split(shards, split)
+    if FLAGS.score_emotions:
+        kwargs["score_emotions"] = True
     # text-only data under a template that reads media: one line now, not a failure inside the pipeline
     shard_format.check_media_for_template(manifest, shards, split, stage=stage.name,
                                           needs_media=stage.template_spec(model.config.n_signal).has_media,

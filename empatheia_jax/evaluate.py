@@ -40,22 +40,23 @@ from flax import nnx
 from empatheia_jax import input_pipeline as ip
 from empatheia_jax import losses, schema, shard_format, speech_eval, stages, video_eval
 from empatheia_jax import templates as tpl
-from empatheia_jax.generation import eos_token_ids, generate_tokens, left_pad
+from empatheia_jax.generation import eos_token_ids, generate_tokens, left_pad, score_continuations
 from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
 
 # Metric names, in the order tables show them.
 LOSS_METRICS = ("eval_loss", "emp", "ppl", "reply_ppl", "signal_ce", "ccl_speech", "ccl_video", "sal_speech",
                 "sal_video", "cls_emotion", "cls_age", "cls_gender", "cls_timbre", "kl")
 TEXT_METRICS = ("emotion_acc_text", "emotion32_acc_text", "emotion_acc_vote", "emotion32_acc_vote",
-                "coe_parse_rate", "emotion_parse_rate", "emotion32_parse_rate", "signal_rate", "dist1_corpus",
+                "emotion_acc_scored", "emotion32_acc_scored", "coe_parse_rate", "emotion_scored_rate",
+                "emotion_parse_rate", "emotion32_parse_rate", "signal_rate", "dist1_corpus",
                 "dist2_corpus", "dist1_reply", "dist2_reply", "repetition_rate", "reply_words",
                 "age_acc_text", "gender_acc_text", "timbre_acc_text")
 CLASS_METRICS = ("emotion_acc_cls", "age_acc", "gender_acc", "timbre_acc")
 FEATURE_METRICS = ("speech_content_l2", "video_content_l2", "speech_style_l2", "video_style_l2",
                    "speech_content_cos", "video_content_cos", "speech_style_cos", "video_style_cos")
 COUNT_METRICS = ("num_examples", "num_generated", "skipped_examples")
-METRICS = (*TEXT_METRICS[:4], *CLASS_METRICS, *FEATURE_METRICS, *speech_eval.SPEECH_METRICS,
-           *video_eval.VIDEO_METRICS, *TEXT_METRICS[4:], *LOSS_METRICS, *COUNT_METRICS)
+METRICS = (*TEXT_METRICS[:6], *CLASS_METRICS, *FEATURE_METRICS, *speech_eval.SPEECH_METRICS,
+           *video_eval.VIDEO_METRICS, *TEXT_METRICS[6:], *LOSS_METRICS, *COUNT_METRICS)
 HIGHER_IS_BETTER = frozenset({*CLASS_METRICS, *(set(TEXT_METRICS) - {"repetition_rate", "reply_words"}),
                               "speech_content_cos", "video_content_cos",
                               "speech_style_cos", "video_style_cos", *speech_eval.HIGHER_IS_BETTER,
@@ -234,7 +235,9 @@ def text_metrics(predictions: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     signal_rate: share holding all signal tokens (when "signal_complete" is given); dist{1,2}_corpus
     (`distinct_n`) and dist{1,2}_reply (`distinct_n_per_reply`) over the replies; repetition_rate: share
     of replies with a repeated word 4-gram (`has_repeated_ngram`); reply_words: mean reply length in words
-    (`reply_length`); *_acc_text for the Pipeline baseline's profile line.
+    (`reply_length`); *_acc_text for the Pipeline baseline's profile line. Predictions with the *_scored
+    fields of `generate_predictions(score_emotions=True)` add emotion_acc_scored / emotion32_acc_scored
+    (unscored = wrong) and emotion_scored_rate (share with a CoE to score after).
     """
     if not predictions:
         return {}
@@ -248,6 +251,12 @@ def text_metrics(predictions: Sequence[Mapping[str, Any]]) -> dict[str, float]:
             m.add("emotion_acc_text", p["emotion"] == gold["emotion"], 1)
         if gold.get("emotion_fine", -1) >= 0:
             m.add("emotion32_acc_text", p.get("emotion_fine", -1) == gold["emotion_fine"], 1)
+        if "emotion_fine_scored" in p:  # generate_predictions(score_emotions=True)
+            m.add("emotion_scored_rate", p["emotion_fine_scored"] >= 0, 1)
+            if gold.get("emotion", -1) >= 0:
+                m.add("emotion_acc_scored", p["emotion_scored"] == gold["emotion"], 1)
+            if gold.get("emotion_fine", -1) >= 0:
+                m.add("emotion32_acc_scored", p["emotion_fine_scored"] == gold["emotion_fine"], 1)
         if "signal_complete" in p:
             m.add("signal_rate", bool(p["signal_complete"]), 1)
         for name in ("age", "gender", "timbre"):
@@ -348,7 +357,8 @@ def per_class_report(details: Mapping[str, Any], emotion_map: schema.EmotionMap
     """The paper's Figure 6 for one run: {plot: `per_class_accuracy`} for every prediction it made.
 
     From the generations (`evaluate(details=...)["predictions"]`): emotion_text (CoE step 2 on the shards'
-    emotion classes), emotion32_text (the 32 ED labels) and, for the Pipeline baseline,
+    emotion classes), emotion32_text (the 32 ED labels), emotion32_scored (step 2 chosen by likelihood, with
+    `score_emotions`) and, for the Pipeline baseline,
     {age,gender,timbre}_text.
     From the teacher-forced SD classifiers ("classified"): {emotion,age,gender,timbre}_cls. Plots without a
     labelled example are left out.
@@ -360,6 +370,9 @@ def per_class_report(details: Mapping[str, Any], emotion_map: schema.EmotionMap
     if preds:
         out["emotion_text"] = per_class_accuracy(preds, "emotion", vocab["emotion"])
         out["emotion32_text"] = per_class_accuracy(preds, "emotion_fine", schema.ED_EMOTIONS_32)
+        if any("emotion_fine_scored" in p for p in preds):
+            out["emotion32_scored"] = per_class_accuracy(preds, "emotion_fine_scored", schema.ED_EMOTIONS_32,
+                                                         gold_key="emotion_fine")
         for name in ("age", "gender", "timbre"):
             if any(name in p for p in preds):
                 out[f"{name}_text"] = per_class_accuracy(preds, name, vocab[name])
@@ -775,6 +788,7 @@ def generate_predictions(
     progress: bool = True,
     compiler_options: Mapping[str, Any] | None = None,
     template: str | None = None,
+    score_emotions: bool = False,
 ) -> list[dict[str, Any]]:
     """Greedy generations for the records of `split`, parsed (`parse_generation`), in record order.
 
@@ -784,6 +798,11 @@ def generate_predictions(
     features are spliced through `inputs_embeds`. Examples whose prompt does not fit `max_len` are left out.
     Each dict: record_index, uid, labels, prompt_tokens, num_new, text (the new tokens decoded with special
     tokens, up to the end token), signal_complete, and the fields of `parse_generation`.
+
+    `score_emotions` (CoE templates) also chooses CoE step 2 among the 32 ED labels by likelihood after the
+    model's own step 1 (`score_emotion_labels`): "emotion_word_scored", "emotion_fine_scored" (index in
+    `schema.ED_EMOTIONS_32`, -1 when the text had no CoE to condition on), "emotion_scored" (its class) and
+    "emotion_label_logprobs" (the 32 log-likelihoods, in label order; absent when unscored).
     """
     if batch_size < 1:  # a negative size would make the batching loop empty: no predictions, no error
         raise ValueError(f"generate_predictions: batch_size must be >= 1, got {batch_size}")
@@ -801,6 +820,11 @@ def generate_predictions(
     eos = eos_token_ids(model.llm, tokenizer)
     signal = set(cfg.signal_ids)
     window = batch_size * _SORT_WINDOW_BATCHES
+    spec = pcfg.template_spec()
+    if score_emotions and not (spec.use_coe and spec.has_response and not spec.pipeline_baseline):
+        raise TemplateError(f"score_emotions needs a Chain-of-Empathy target; template {stage.name!r} "
+                            "has none")
+    labels = label_continuations(tokenizer) if score_emotions else None
     out: list[dict[str, Any]] = []
     bar = _progress(None, total=-(-n // batch_size), desc=f"eval {split} (generation)", enabled=progress)
     for w0 in range(0, n, window):
@@ -838,9 +862,12 @@ def generate_predictions(
                 pred = parse_generation(text, emap, pipeline_baseline=stage.pipeline_baseline)
                 pred.update(record_index=e["record_index"], uid=e["uid"], labels=e["labels"],
                             prompt_tokens=len(prompts[r]), num_new=int(gen.num_new[r]), text=text)
-                if pcfg.template_spec().has_signal:  # signal_rate only where the target has them
+                if spec.has_signal:  # signal_rate only where the target has them
                     pred["signal_complete"] = signal <= set(new)
                 preds[e["record_index"]] = pred
+            if labels is not None:
+                _add_scored_emotions(model, tokenizer, chunk, prompts, preds, labels, emap, builder, pcfg,
+                                     spliced, compiler_options)
             bar.update(1)
         out += [preds[i] for i in sorted(preds)]
     bar.close()
@@ -848,6 +875,61 @@ def generate_predictions(
 
 
 _SORT_WINDOW_BATCHES = 16  # prompts are length-sorted within windows of this many batches
+_SCORE_ROWS = 2  # prefixes per label-scoring call: its KV cache is repeated once per label (32x)
+
+
+def label_continuations(tokenizer: Any, labels: Sequence[str] = schema.ED_EMOTIONS_32) -> list[list[int]]:
+    """Token ids of each label as it follows a CoE step-2 header in a target (`format_coe`: "is: sad\\n\\n"):
+    the word with its leading space and the step separator, so a label that is a prefix of a longer word
+    is not favoured and every label is scored to the end of its step."""
+    return [list(tokenizer(f" {w}\n\n", add_special_tokens=False)["input_ids"]) for w in labels]
+
+
+def score_emotion_labels(
+    model: Empatheia,
+    prefixes: Sequence[Sequence[int]],
+    labels: Sequence[Sequence[int]],
+    *,
+    pad_token_id: int = 0,
+    inputs_embeds: jax.Array | None = None,
+) -> np.ndarray:
+    """log P(label | prefix) [len(prefixes), len(labels)]: rank classification of CoE step 2.
+
+    A prefix is the prompt plus the model's own generated text through the step-2 header
+    (`templates.emotion_step_prefix`), so the label is chosen after the model's own step 1, never after the
+    gold event scenario (ED's situation text, which often names the emotion)."""
+    return score_continuations(model.llm, prefixes, labels, pad_token_id=pad_token_id,
+                               inputs_embeds=inputs_embeds)
+
+
+def _add_scored_emotions(model, tokenizer, chunk, prompts, preds, labels, emap, builder, pcfg, spliced,
+                         compiler_options) -> None:
+    """Sets the *_scored fields of this batch's predictions (`generate_predictions(score_emotions=True)`)."""
+    todo = []
+    for r, e in enumerate(chunk):
+        pred = preds[e["record_index"]]
+        head = tpl.emotion_step_prefix(tpl.strip_signal_tokens(pred["text"]))
+        pred.update(emotion_word_scored="", emotion_fine_scored=-1, emotion_scored=-1)
+        if head is not None:
+            todo.append((pred, e, prompts[r] + list(tokenizer(head, add_special_tokens=False)["input_ids"])))
+    for g in range(0, len(todo), _SCORE_ROWS):
+        group = todo[g : g + _SCORE_ROWS]
+        rows = group + [group[-1]] * (_SCORE_ROWS - len(group))  # one program shape
+        ids, _ = left_pad([p for _, _, p in rows], builder.pad_id)
+        embeds = None
+        if spliced:
+            af, am = _pad_rows([e["aud_feats"] for _, e, _ in rows], pcfg.max_aud, builder.audio_dim)
+            vf, vm = _pad_rows([e["vid_feats"] for _, e, _ in rows], pcfg.max_vid, builder.video_dim)
+            embeds = embed_prompts(model, ids, af, am, vf, vm, compiler_options=compiler_options)
+        scores = score_emotion_labels(model, [p for _, _, p in rows], labels, pad_token_id=builder.pad_id,
+                                      inputs_embeds=embeds)
+        for (pred, _, _), row in zip(group, scores[: len(group)], strict=True):
+            fine = int(np.argmax(row))
+            word = schema.ED_EMOTIONS_32[fine]
+            coarse = emotion_class(word, emap)
+            pred.update(emotion_word_scored=word, emotion_fine_scored=fine,
+                        emotion_scored=-1 if coarse is None else int(coarse),
+                        emotion_label_logprobs=[round(float(x), 4) for x in row])
 
 
 def _pad_rows(rows: Sequence[np.ndarray], max_rows: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -888,6 +970,7 @@ def evaluate(
     name: str = "trained",
     template: str | None = None,
     details: dict[str, Any] | None = None,
+    score_emotions: bool = False,
 ) -> dict[str, float]:
     """All metrics of `model` on `split` of `shards_dir` (see the module docstring for the definitions).
 
@@ -904,7 +987,9 @@ def evaluate(
     gender_acc, timbre_acc; {speech,video}_{content,style}_{l2,cos}; num_examples, skipped_examples.
     generate_text: `text_metrics` (emotion_acc_text, emotion32_acc_text, parse rates, signal_rate, Dist-1/2 in
     both conventions, repetition_rate, reply_words),
-    num_generated (Pipeline baseline: also age/gender/timbre_acc_text). `generate_batch_size` (default
+    num_generated (Pipeline baseline: also age/gender/timbre_acc_text); with `score_emotions` (CoE templates)
+    also emotion_acc_scored / emotion32_acc_scored / emotion_scored_rate: step 2 chosen among the 32 ED
+    labels by likelihood after the model's own step 1 (`score_emotion_labels`). `generate_batch_size` (default
     `batch_size`) batches the generation apart from the teacher-forced pass: decoding holds a KV cache, not
     [B, T, vocab] logits, so it affords more rows per step, and each decode step reads every weight once
     whatever the batch. `repetition_penalty`/`no_repeat_ngram_size` are HF's (generation.generate_tokens).
@@ -932,7 +1017,7 @@ def evaluate(
     if generate_text:
         preds = generate_predictions(model, tokenizer, shards_dir, split, max_new_tokens=max_new_tokens,
                                      repetition_penalty=repetition_penalty,
-                                     no_repeat_ngram_size=no_repeat_ngram_size,
+                                     no_repeat_ngram_size=no_repeat_ngram_size, score_emotions=score_emotions,
                                      **{**common, "batch_size": generate_batch_size or batch_size})
         result.update(text_metrics(preds))
         if details is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import jax
@@ -310,6 +311,74 @@ def generate_tokens(
         prompt_length=ids.shape[1],
         num_new=lengths,
     )
+
+
+def _score_program(graphdef, state, prefix_ids, prefix_mask, inputs_embeds, cont_ids, cont_mask):
+    """log P(continuation k | prefix b) for every pair: [B, K].
+
+    One prefill per prefix writes the KV cache; the cache is then repeated K times and all continuations are
+    read teacher-forced in one call, so a prefix is never run K times.
+    """
+    model: Llama = nnx.merge(graphdef, state)
+    cfg = model.config
+    b, p = prefix_ids.shape
+    k, c = cont_ids.shape
+    cache = KVCache.init(cfg, b, p + c)
+    positions = jnp.maximum(jnp.cumsum(prefix_mask.astype(jnp.int32), axis=1) - 1, 0)
+    x = model.embed(prefix_ids) if inputs_embeds is None else inputs_embeds
+    hidden, cache = model.decode(x, positions=positions, attention_mask=prefix_mask, cache=cache)
+    first = jax.nn.log_softmax(model.logits(hidden[:, -1:])[:, 0], axis=-1)[:, cont_ids[:, 0]]  # [B, K]
+    if c == 1:
+        return first
+    rows = jax.tree.map(lambda a: jnp.repeat(a, k, axis=0) if a.ndim else a, cache)  # row b*K + j
+    tokens = jnp.tile(cont_ids[:, :-1], (b, 1))  # [B*K, C-1]: each continuation but its last token
+    start = jnp.repeat(jnp.sum(prefix_mask, axis=1, dtype=jnp.int32), k)[:, None]
+    logits, _ = model(tokens, positions=start + jnp.arange(c - 1, dtype=jnp.int32),
+                      attention_mask=jnp.ones_like(tokens, bool), cache=rows)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    targets = jnp.tile(cont_ids[:, 1:], (b, 1))
+    rest = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0] * jnp.tile(cont_mask[:, 1:], (b, 1))
+    return first + rest.sum(-1).reshape(b, k)
+
+
+_SCORERS: dict[Any, Any] = {}
+
+
+def score_continuations(
+    model: Llama,
+    prefixes: Sequence[Sequence[int]],
+    continuations: Sequence[Sequence[int]],
+    *,
+    pad_token_id: int = 0,
+    inputs_embeds: jax.Array | None = None,
+) -> np.ndarray:
+    """Log-likelihood of each continuation after each prefix, [len(prefixes), len(continuations)] float32.
+
+    Rank classification (choosing among fixed answers by likelihood, e.g. the 32 ED emotion labels after
+    the CoE's step-2 header) without running a prefix once per answer. Prefixes are left-padded to a
+    bucket like `generate_tokens` prompts (`inputs_embeds` aligned with them replaces their embeddings);
+    continuations are right-padded and only their own tokens are summed. The cache is repeated once per
+    continuation, so memory grows with len(prefixes) x len(continuations): callers batch a few prefixes.
+    """
+    if not continuations or any(len(c) == 0 for c in continuations):
+        raise ValueError("every continuation needs at least one token")
+    ids, mask = left_pad(prefixes, pad_token_id)
+    if inputs_embeds is not None and tuple(inputs_embeds.shape[:2]) != ids.shape:
+        raise ValueError(f"inputs_embeds has shape {tuple(inputs_embeds.shape)}, expected {ids.shape} + (D,)")
+    width = max(len(c) for c in continuations)
+    cont = np.full((len(continuations), width), pad_token_id, np.int32)
+    cont_mask = np.zeros((len(continuations), width), np.float32)
+    for j, c in enumerate(continuations):
+        cont[j, : len(c)] = c
+        cont_mask[j, : len(c)] = 1.0
+    graphdef, state = nnx.split(model)
+    with _LOCK:
+        fn = _SCORERS.get(graphdef)
+        if fn is None:
+            options = _CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
+            fn = _SCORERS[graphdef] = jax.jit(partial(_score_program, graphdef), compiler_options=options)
+    return np.asarray(fn(state, jnp.asarray(ids), jnp.asarray(mask), inputs_embeds, jnp.asarray(cont),
+                         jnp.asarray(cont_mask)))
 
 
 def _encode(tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:

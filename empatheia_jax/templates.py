@@ -416,6 +416,26 @@ def parse_coe(text: str) -> dict[str, str]:
     return out
 
 
+def emotion_step_prefix(text: str) -> str | None:
+    """Generated CoE text up to where the step-2 emotion word begins, for scoring labels there.
+
+    With a step-2 header: the text through it ("... Secondly, the emotion of the speaker is:"). Without one
+    (the model skipped the step): the text before the first header after step 1, followed by the canonical
+    step-2 header, so the label is still chosen after the model's own event scenario. None when the text
+    has no CoE header at all (a bare reply: nothing to condition the step on).
+    """
+    heads = list(_COE_HEAD_RE.finditer(text))
+    for m in heads:
+        if "speaker" in m.group("phrase").lower():
+            return text[: m.end()].rstrip(" \t")
+    if not heads:
+        return None
+    _, ordinal, phrase = COE_STEPS[1]
+    later = [m for m in heads if "event" not in m.group("phrase").lower()]
+    before = text[: later[0].start()] if later else text
+    return f"{before.rstrip()}\n\n{ordinal}, {phrase}:"
+
+
 _PIPE_RE = {
     "emotion": re.compile(r"^\s*emotion\s*:\s*(.*)$", re.IGNORECASE | re.MULTILINE),
     "profile": re.compile(r"^\s*profile\s*:\s*(.*)$", re.IGNORECASE | re.MULTILINE),
@@ -458,6 +478,7 @@ __all__ = [
     "added_tokens",
     "chat_format",
     "clean_text",
+    "emotion_step_prefix",
     "extend_tokenizer",
     "format_chat",
     "format_coe",

@@ -54,7 +54,7 @@ echo "[ed_reference] stage coe on EmpatheticDialogues -> $RUN/coe"
 
 echo "[ed_reference] dev evaluation of the coe stage -> $RUN/report"
 "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/coe" --data "$RUN/ed/shards" --split dev \
-    --report "$RUN/report" --no_repeat_ngram_size 4 ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
+    --report "$RUN/report" --no_repeat_ngram_size 4 --score_emotions ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
 
 if [[ ${SAMPLE_STAGES:-1} == 0 ]]; then
     exit 0

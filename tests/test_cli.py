@@ -282,7 +282,7 @@ def test_eval_report_with_per_class_plots_and_emotion_voting(trained, ed_csv, cl
     report = tmp_path / "report"
     p = ok(cli(cli_env, "eval", "--ckpt", trained[0], "--data", ed_csv, "--data_cache", tmp_path / "cache",
                "--batch_size", 4, "--max_new_tokens", 6, "--report", report, "--vote_templates", "ccl,coe",
-               "--vote_ckpt", trained[0], "--max_examples", 3))
+               "--vote_ckpt", trained[0], "--max_examples", 3, "--score_emotions"))
     assert_quiet(p.stderr)
     assert f"report: {report / 'report.md'}" in p.stderr
     metrics = json.loads((report / "metrics.json").read_text())
@@ -291,7 +291,9 @@ def test_eval_report_with_per_class_plots_and_emotion_voting(trained, ed_csv, cl
               for v in metrics["voters"]]
     assert [len(v) for v in voters] == [3] * 3  # --max_examples: the first 3 of the 4 records, every voter
     assert metrics["trained"]["num_examples"] == metrics["trained"]["num_generated"] == 3
-    assert voters[2] == voters[0]  # the same checkpoint on the same template: the same generations
+    unscored = [{k: v for k, v in p.items() if "scored" not in k and k != "emotion_label_logprobs"}
+                for p in voters[0]]  # only the main template's predictions are scored
+    assert voters[2] == unscored  # the same checkpoint on the same template: the same generations
 
     def hand_vote(key: str) -> float:
         hits = []
@@ -306,9 +308,14 @@ def test_eval_report_with_per_class_plots_and_emotion_voting(trained, ed_csv, cl
     assert trained_col["num_voters"] == 3
     assert trained_col["emotion_acc_vote"] == pytest.approx(hand_vote("emotion"))
     assert trained_col["emotion32_acc_vote"] == pytest.approx(hand_vote("emotion_fine"))
+    # --score_emotions: the scored rows recount from the written predictions
+    scored = [p["emotion_fine_scored"] == p["labels"]["emotion_fine"] for p in voters[0]]
+    assert trained_col["emotion32_acc_scored"] == pytest.approx(sum(scored) / len(scored))
+    assert trained_col["emotion_scored_rate"] == pytest.approx(
+        sum(p["emotion_fine_scored"] >= 0 for p in voters[0]) / len(voters[0]))
     # per class: the coe generations against their gold labels, by hand
     per_class = json.loads((report / "per_class.json").read_text())
-    assert set(per_class) == {"emotion_text", "emotion32_text"}  # the coe stage runs no classifier
+    assert set(per_class) == {"emotion_text", "emotion32_text", "emotion32_scored"}  # coe runs no classifier
     from empatheia_jax.schema import EmotionMap
 
     classes = EmotionMap.load("avamerg7").classes

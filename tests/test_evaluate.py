@@ -164,6 +164,69 @@ def test_generations_are_scored_from_their_parse_and_equal_unbatched_decoding(mo
         assert preds[i]["prompt_tokens"] == len(ex["input_ids"])
 
 
+def test_scored_emotion_is_the_most_likely_ed_label_after_the_generated_step_1(model, tok, shards,
+                                                                              monkeypatch):
+    """`score_emotions`: CoE step 2 is chosen among the 32 ED labels by likelihood after the model's OWN
+    generated step 1 (here rigged generations: a full CoE, one that skipped step 2, and a bare reply). The
+    choice must equal the argmax of an independent full forward (no cache, no padding, media spliced) of
+    prompt + generated text through the header + " label" + the step separator."""
+    from empatheia_jax import generation
+
+    texts = [tpl.format_coe({"event_scenario": "my dog ran away", "speaker_emotion": "joyful"}, "oh no"),
+             "Firstly, the event scenario of this conversation is: I won\n\nFinally, the response is: yay",
+             "just some words"]
+    reader = ip.ShardReader.for_split(shards, "test")
+    cfg = ip.PipelineConfig(stage="overall", max_len=MAX_LEN, include_target=False, **PIPE)
+    examples = [ip.build_example(reader[i], "overall", tok, cfg) for i in range(3)]
+    rigged = {tuple(ex["input_ids"].tolist()): tok(t, add_special_tokens=False)["input_ids"]
+              for ex, t in zip(examples, texts, strict=True)}
+
+    def fake_generate(llm, prompts, max_new_tokens, **kw):  # the rigged text of each prompt, then stop
+        news = [rigged[tuple(p)] for p in prompts]
+        ids, mask = left_pad(prompts, kw["pad_token_id"])
+        width = max(len(n) for n in news)
+        new = np.array([n + [kw["pad_token_id"]] * (width - len(n)) for n in news], np.int32)
+        return generation.Generation(np.concatenate([ids, new], 1), np.concatenate([mask, new > -1], 1),
+                                     ids.shape[1], np.array([len(n) for n in news]))
+
+    monkeypatch.setattr(ev, "generate_tokens", fake_generate)
+    preds = ev.generate_predictions(model, tok, shards, "test", batch_size=2, max_len=MAX_LEN,
+                                    progress=False, compiler_options=FAST, score_emotions=True)
+    assert [p["text"] for p in preds] == texts
+
+    emap = schema.EmotionMap.load("avamerg7")
+    heads = [texts[0].split(" joyful")[0], texts[1].split("\n\nFinally")[0] + "\n\n" + "Secondly, the "
+             "emotion of the speaker is:"]
+    forward = jax.jit(lambda m, ids, *feats: m.llm.logits(m.llm.decode(m.embed_inputs(ids, *feats))[0]),
+                      compiler_options=FAST)
+    for ex, head, pred in zip(examples[:2], heads, preds[:2], strict=True):
+        prefix = ex["input_ids"].tolist() + tok(head, add_special_tokens=False)["input_ids"]
+        n_aud, n_vid = len(ex["aud_feats"]), len(ex["vid_feats"])
+        scores = []
+        for word in ED:
+            label = tok(f" {word}\n\n", add_special_tokens=False)["input_ids"]
+            ids = jnp.asarray([prefix + label])
+            logits = forward(model, ids, jnp.asarray(ex["aud_feats"][None]), jnp.ones((1, n_aud), bool),
+                             jnp.asarray(ex["vid_feats"][None]), jnp.ones((1, n_vid), bool))
+            logp = np.asarray(jax.nn.log_softmax(logits[0], -1))
+            scores.append(sum(logp[len(prefix) - 1 + i, t] for i, t in enumerate(label)))
+        np.testing.assert_allclose(pred["emotion_label_logprobs"], scores, atol=2e-4, rtol=0)
+        best = int(np.argmax(scores))
+        assert np.sort(scores)[-1] - np.sort(scores)[-2] > 1e-4  # a clear winner, not a float tie
+        assert pred["emotion_fine_scored"] == best and pred["emotion_word_scored"] == ED[best]
+        assert pred["emotion_scored"] == (-1 if (c := emap.project(ED[best])) is None else c)
+    assert preds[2]["emotion_fine_scored"] == -1 and preds[2]["emotion_word_scored"] == ""  # no CoE: unscored
+    assert "emotion_label_logprobs" not in preds[2]
+    m = ev.text_metrics(preds)
+    assert m["emotion_scored_rate"] == pytest.approx(2 / 3)
+    gold_fine = [p["labels"]["emotion_fine"] for p in preds]
+    assert m["emotion32_acc_scored"] == pytest.approx(np.mean(
+        [p["emotion_fine_scored"] == g for p, g in zip(preds, gold_fine, strict=True) if g >= 0]))
+    with pytest.raises(ev.TemplateError, match="score_emotions needs a Chain-of-Empathy target"):
+        ev.generate_predictions(model, tok, shards, "test", template="sac", score_emotions=True,
+                                progress=False, compiler_options=FAST)
+
+
 def test_parse_and_score_of_rigged_generations():
     emap = schema.EmotionMap.load("avamerg7")
     coe = {"event_scenario": "my dog ran away", "speaker_emotion": "Terrified", "emotion_cause": "the dog",

@@ -180,6 +180,31 @@ def test_inputs_embeds_replace_the_prompt_embeddings(pair):
         generate_tokens(model, prompts, 8, inputs_embeds=jnp.zeros((2, 5, 32)))
 
 
+def test_score_continuations_equals_hf_log_likelihoods(pair):
+    """Rank classification: log P(continuation | prefix) from one cached prefill per prefix equals the sum of
+    HF's log-softmax over each concatenated sequence run alone (ragged prefixes and continuations)."""
+    hf, model = pair
+    prefixes = _prompts([5, 12, 9], seed=3)
+    continuations = _prompts([1, 3, 2, 4], seed=4)
+    got = generation.score_continuations(model, prefixes, continuations, pad_token_id=0)
+    want = np.zeros((len(prefixes), len(continuations)))
+    for b, p in enumerate(prefixes):
+        for k, c in enumerate(continuations):
+            with torch.no_grad():
+                logits = hf(torch.tensor([p + c])).logits[0].double()
+            logp = torch.log_softmax(logits, -1)
+            want[b, k] = sum(float(logp[len(p) - 1 + i, t]) for i, t in enumerate(c))
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=0)
+    assert len({int(np.argmax(r)) for r in want}) > 1 or np.ptp(want) > 0.1  # the scores discriminate
+    # inputs_embeds aligned with the padded prefixes give the same scores as the token ids
+    ids, _ = left_pad(prefixes, 0)
+    embeds = model.embed(jnp.asarray(ids))
+    via_embeds = generation.score_continuations(model, prefixes, continuations, inputs_embeds=embeds)
+    np.testing.assert_allclose(via_embeds, got, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="at least one token"):
+        generation.score_continuations(model, prefixes, [[5], []])
+
+
 def test_sampling_seeded_temperature_and_top_p(pair):
     _, model = pair
     prompts = _prompts([7, 4], seed=5)

@@ -228,3 +228,17 @@ def test_extend_tokenizer_idempotent_and_chat_wrap(smollm2_tokenizer_dir):
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nPROMPT<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_emotion_step_prefix_ends_where_the_step_2_word_begins():
+    """Label scoring conditions on the generated text through the step-2 header; a generation that skipped
+    step 2 gets the canonical header after its step 1; a bare reply has nothing to condition on."""
+    full = tpl.format_coe({"event_scenario": "I lost my dog", "speaker_emotion": "sad"}, "So sorry.")
+    head = "Firstly, the event scenario of this conversation is: I lost my dog\n\n" \
+           "Secondly, the emotion of the speaker is:"
+    assert tpl.emotion_step_prefix(full) == head
+    assert tpl.emotion_step_prefix(full.replace("is: sad", "is sad")) == head[:-1]  # no colon: none added
+    step_1 = "Firstly, the event scenario of this conversation is: I lost my dog"
+    assert tpl.emotion_step_prefix(step_1 + "\n\nFinally, the response is: x") == head
+    assert tpl.emotion_step_prefix(step_1) == head
+    assert tpl.emotion_step_prefix("I am so sorry to hear that.") is None
