@@ -6,17 +6,20 @@
 #   RUNDIR   the run folder, best outside the work tree (e.g. ~/runs/ed_reference): RUNDIR/ed holds the
 #            imported csv (train + a conversation-level dev hold-out) and its text-only shards, RUNDIR/coe
 #            the ED stage, RUNDIR/{ccl,sac,overall} the sample stages, RUNDIR/report the dev evaluation
+#            of the coe stage, RUNDIR/report_final that of the final model, RUNDIR/export the final model
+#            (PEFT adapter + heads) with its model card (README.md, card.json)
 #   extra    --config.* overrides for the coe stage (e.g. --config.schedule.coe.steps=1000)
 #
 # Needs `make demo`'s converted backbone and sample shards (WORK=work by default: work/smollm2,
 # work/shards). Every step skips what is done and the training resumes from its last checkpoint, so
 # re-running the command continues an interrupted run (a run longer than a session, on CPU). Environment:
 # ED_CSV (default data/ed/empathetic_dialogues_validation.csv), HOLDOUT (dev:0.15), WORK (work), PY,
-# SAMPLE_STAGES=0 to stop after the coe stage, EVAL_FLAGS (extra `empatheia eval` flags).
+# SAMPLE_STAGES=0 to stop after the coe stage, EVAL_FLAGS (extra `empatheia eval` flags), DEVICE (the
+# card's device line).
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 RUN=$1
@@ -67,4 +70,12 @@ for stage in ccl sac overall; do
         --config.data.shards="$WORK/shards"
     prev=$RUN/$stage
 done
-echo "[ed_reference] done: $RUN/overall (chat: empatheia chat --ckpt $RUN/overall --text ...)"
+echo "[ed_reference] dev evaluation of the final model (CoE prompt) -> $RUN/report_final"
+"$PY" -m empatheia_jax.cli eval --ckpt "$RUN/overall" --data "$RUN/ed/shards" --split dev --template coe \
+    --report "$RUN/report_final" --no_repeat_ngram_size 4 --score_emotions ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
+echo "[ed_reference] export + model card -> $RUN/export"
+"$PY" -m empatheia_jax.cli export --ckpt "$RUN/overall" --out "$RUN/export" --overwrite
+"$PY" -m empatheia_jax.model_card "$RUN/export" --metrics "$RUN/report_final/metrics.json" \
+    --workdir "$RUN/coe" --workdir "$RUN/ccl" --workdir "$RUN/sac" --workdir "$RUN/overall" \
+    --command "bash launch/ed_reference.sh $RUN" --device "${DEVICE:-$(nproc)-core CPU}"
+echo "[ed_reference] done: $RUN/export (chat: empatheia chat --ckpt $RUN/export --text ...)"

