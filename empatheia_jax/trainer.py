@@ -361,21 +361,19 @@ def make_step(stage: stages.Stage, weights: losses.LossWeights) -> stages.TrainS
         counts = nnx.merge(graphs.model, params, frozen).loss_counts(flat)
         keys = example_keys(key, (accum, micro))
 
-        def micro_step(carry, xs):
-            acc, weights_in = carry
-            # The weights ride in the carry through a barrier, so XLA cannot see them as loop-invariant:
-            # otherwise its loop-invariant code motion hoists every layer's FSDP all-gather (and dtype
-            # cast) out of the micro-batch loop and keeps all of them alive for the whole step
-            # (docs/design.md, "Hoisted weight gathers").
-            p, f = jax.lax.optimization_barrier(weights_in)
-            mb, k = xs
+        def micro_step(acc, xs):
+            # One barrier over the weights AND this micro-batch: its outputs depend on the loop, so XLA
+            # cannot treat the weights as loop-invariant; otherwise its loop-invariant code motion hoists
+            # every layer's FSDP all-gather (and dtype cast) out of the micro-batch loop and keeps all of
+            # them alive for the whole step (docs/design.md, "Hoisted weight gathers").
+            p, f, (mb, k) = jax.lax.optimization_barrier((params, frozen, xs))
             (_, metrics), grads = grad_fn(p, graphs.model, f, mb, k, counts=counts)
-            return (jax.tree.map(jnp.add, acc, (grads, metrics)), (p, f)), None
+            return jax.tree.map(jnp.add, acc, (grads, metrics)), None
 
         first = jax.tree.map(lambda x: x[0], (batch, keys))
         shapes = jax.eval_shape(lambda: grad_fn(params, graphs.model, frozen, *first, counts=counts))
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][1]))
-        ((grads, metrics), _), _ = jax.lax.scan(micro_step, (zeros, (params, frozen)), (batch, keys))
+        (grads, metrics), _ = jax.lax.scan(micro_step, zeros, (batch, keys))
 
         grad_norm = optax.global_norm(grads)
         ok = jnp.isfinite(metrics["total"]) & jnp.isfinite(grad_norm)
