@@ -43,11 +43,13 @@ same HLO with other fusion and scheduling decisions, so temp is an estimate ther
 exact). `--layers A,B` compiles two depths and extrapolates temp and FLOPs linearly to the full depth
 (params/opt/batch are computed at the full depth, not extrapolated); rows say so.
 
-Finding (jax 0.10.2): the step constrains no activation sharding, and GSPMD all-gathers the micro-batch
-instead of keeping it split over data x fsdp, so every device holds the activations of the whole
-micro-batch; temp is several times the hand count of docs/design.md ("Memory plan of the 7B step").
-The plan reports the step as it is; `residuals` (the JAX-level saved values per shard) is what a
-batch-sharded step would keep between forward and backward.
+Findings it led to (docs/design.md, "Memory plan of the 7B step"): without activation constraints GSPMD
+all-gathered the micro-batch onto every device (fixed by `sharding.constrain`), and XLA hoisted every
+layer's FSDP weight gather out of the micro-batch loop (fixed by the barrier in `trainer.make_step`);
+the 7B overall step at fsdp=8, full remat went from 63 to 8 GiB of temporaries. `residuals` (the
+JAX-level saved values per shard) is what the remat policy keeps between forward and backward.
+Extrapolate the overall stage from 4 and 8 layers (`--layers 4,8`): at 2 layers its peak falls at another
+point of the program than at 4, and the line through 2 and 4 overstates 32 layers (15.5 vs 8.0 GiB).
 """
 
 from __future__ import annotations
