@@ -76,9 +76,11 @@ def stage_summary(workdir: str | Path) -> dict[str, Any]:
 
 
 def build_card(export: str | Path, metrics: Mapping[str, Any], workdirs: Sequence[str | Path] = (), *,
-               command: str = "", device: str = "", notes: str = "") -> dict[str, Any]:
+               command: str = "", device: str = "", notes: str = "",
+               subset: Mapping[str, Any] | None = None, subset_examples: int | None = None) -> dict[str, Any]:
     """card.json's content: the export's meta, the eval report's trained column and where it was measured,
-    and each training workdir's summary."""
+    and each training workdir's summary. `subset` (an eval report of the same data with `--max_examples
+    subset_examples`) is kept as "ci_subset": a figure a test can re-measure in CI time."""
     export = Path(export)
     meta_path = export / "empatheia_config.json"
     if not meta_path.is_file():
@@ -87,6 +89,12 @@ def build_card(export: str | Path, metrics: Mapping[str, Any], workdirs: Sequenc
         raise CardError("the eval report has no 'trained' column (write it with `empatheia eval --json`)")
     meta = json.loads(meta_path.read_text())
     model_config = meta.get("model_config", {})
+    ci_subset = None
+    if subset is not None:
+        if "trained" not in subset or not subset_examples:
+            raise CardError("the subset report needs a 'trained' column and its --max_examples")
+        ci_subset = {"max_examples": int(subset_examples), "split": subset.get("split"),
+                     "metrics": dict(subset["trained"])}
     return {
         "format": CARD_FORMAT,
         "date": date.today().isoformat(),
@@ -103,6 +111,7 @@ def build_card(export: str | Path, metrics: Mapping[str, Any], workdirs: Sequenc
             "split": metrics.get("split"),
             "metrics": dict(metrics["trained"]),
         },
+        "ci_subset": ci_subset,
         "training": [stage_summary(w) for w in workdirs],
         "command": command,
         "device": device,
@@ -167,6 +176,11 @@ def render(card: Mapping[str, Any]) -> str:
     for name in HEADLINE:
         if name in m:
             lines.append(f"| {name} | {_fmt(m[name])} |")
+    if card.get("ci_subset"):
+        sub = card["ci_subset"]
+        shown = ", ".join(f"{k} {_fmt(sub['metrics'][k])}" for k in HEADLINE[:2] if k in sub["metrics"])
+        lines += ["", f"On the first {sub['max_examples']} records of the same split (what the project's "
+                      f"test re-measures): {shown}."]
     if card.get("notes"):
         lines += ["", "## Notes", "", card["notes"]]
     lines += ["", "## License", ""] + [f"- {x}" for x in card["license"]]
@@ -201,11 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--command", default="", help="the command that trained it")
     parser.add_argument("--device", default="", help="where it trained (e.g. '2-core CPU')")
     parser.add_argument("--notes", default="")
+    parser.add_argument("--subset_metrics", default=None, help="the same eval with --max_examples N")
+    parser.add_argument("--subset_examples", type=int, default=None, help="that N")
     args = parser.parse_args(argv)
     try:
         metrics = json.loads(Path(args.metrics).read_text())
+        subset = json.loads(Path(args.subset_metrics).read_text()) if args.subset_metrics else None
         card = build_card(args.export, metrics, args.workdir, command=args.command, device=args.device,
-                          notes=args.notes)
+                          notes=args.notes, subset=subset, subset_examples=args.subset_examples)
     except (OSError, json.JSONDecodeError, CardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

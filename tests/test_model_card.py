@@ -41,8 +41,10 @@ def test_card_copies_the_measured_figures_and_sums_the_training_time(tmp_path):
                            "eval_loss": 1.2},
                "chance": {"emotion32_acc_text": 1 / 32}, "template": "coe", "shards": "/runs/ref/ed/shards",
                "split": "dev"}
+    subset = {"trained": {"emotion32_acc_scored": 0.40625, "emotion32_acc_text": 0.375}, "split": "dev"}
     card = model_card.build_card(export, metrics, [coe, overall], command="bash launch/ed_reference.sh R",
-                                 device="2-core CPU")
+                                 device="2-core CPU", subset=subset, subset_examples=64)
+    assert card["ci_subset"] == {"max_examples": 64, "split": "dev", "metrics": subset["trained"]}
     coe_s, overall_s = card["training"]
     # 20 x 5 + 20 x 6 (the last record of step 40) + 10 x 4
     assert coe_s == {"workdir": "coe", "stage": "coe", "steps": 50, "train_seconds": 260.0, "batch_size": 8,
@@ -61,7 +63,8 @@ def test_card_copies_the_measured_figures_and_sums_the_training_time(tmp_path):
     for line in ("| emotion32_acc_scored | 0.4125 |", "| emotion32_acc_text | 0.3800 |",
                  "| num_examples | 881 |", "| coe | coe | 50 | 8 | 0.0002 | ed/shards (train) | 0.07 h |",
                  "LoRA rank 16, alpha 32.0 on q_proj, v_proj", "bash launch/ed_reference.sh R",
-                 "CC BY-NC 4.0"):
+                 "CC BY-NC 4.0", "On the first 64 records of the same split (what the project's test "
+                 "re-measures): emotion32_acc_scored 0.4062, emotion32_acc_text 0.3750."):
         assert line in text, line
     assert "eval_loss" not in text  # the full report stays in card.json
     assert not list(export.glob(".*.tmp"))
@@ -73,6 +76,8 @@ def test_card_errors_name_what_is_missing(tmp_path, capsys):
     export = _export(tmp_path)
     with pytest.raises(model_card.CardError, match="no 'trained' column"):
         model_card.build_card(export, {"baseline": {}})
+    with pytest.raises(model_card.CardError, match="needs a 'trained' column and its --max_examples"):
+        model_card.build_card(export, {"trained": {}}, subset={"trained": {}})
     with pytest.raises(model_card.CardError, match="not a training workdir"):
         model_card.build_card(export, {"trained": {}}, [tmp_path / "nowhere"])
     with pytest.raises(model_card.CardError, match="no card.json"):
