@@ -225,10 +225,9 @@ def _eval() -> int:
         pipeline_overrides={"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)},
         template=stage.name,
         max_examples=FLAGS.max_examples or None,
+        score_emotions=FLAGS.score_emotions,
     )
     manifest = evaluate.check_split(shards, split)
-    if FLAGS.score_emotions:
-        kwargs["score_emotions"] = True
     # text-only data under a template that reads media: one line now, not a failure inside the pipeline
     shard_format.check_media_for_template(manifest, shards, split, stage=stage.name,
                                           needs_media=stage.template_spec(model.config.n_signal).has_media,

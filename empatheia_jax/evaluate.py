@@ -800,8 +800,9 @@ def generate_predictions(
     tokens, up to the end token), signal_complete, and the fields of `parse_generation`.
 
     `score_emotions` (CoE templates) also chooses CoE step 2 among the 32 ED labels by likelihood after the
-    model's own step 1 (`score_emotion_labels`): "emotion_word_scored", "emotion_fine_scored" (index in
-    `schema.ED_EMOTIONS_32`, -1 when the text had no CoE to condition on), "emotion_scored" (its class) and
+    model's own step 1 (`label_continuations`, `score_continuations`): "emotion_word_scored",
+    "emotion_fine_scored" (index in `schema.ED_EMOTIONS_32`, -1 when the text had no CoE to condition on),
+    "emotion_scored" (its class) and
     "emotion_label_logprobs" (the 32 log-likelihoods, in label order; absent when unscored).
     """
     if batch_size < 1:  # a negative size would make the batching loop empty: no predictions, no error
@@ -885,26 +886,13 @@ def label_continuations(tokenizer: Any, labels: Sequence[str] = schema.ED_EMOTIO
     return [list(tokenizer(f" {w}\n\n", add_special_tokens=False)["input_ids"]) for w in labels]
 
 
-def score_emotion_labels(
-    model: Empatheia,
-    prefixes: Sequence[Sequence[int]],
-    labels: Sequence[Sequence[int]],
-    *,
-    pad_token_id: int = 0,
-    inputs_embeds: jax.Array | None = None,
-) -> np.ndarray:
-    """log P(label | prefix) [len(prefixes), len(labels)]: rank classification of CoE step 2.
-
-    A prefix is the prompt plus the model's own generated text through the step-2 header
-    (`templates.emotion_step_prefix`), so the label is chosen after the model's own step 1, never after the
-    gold event scenario (ED's situation text, which often names the emotion)."""
-    return score_continuations(model.llm, prefixes, labels, pad_token_id=pad_token_id,
-                               inputs_embeds=inputs_embeds)
-
-
 def _add_scored_emotions(model, tokenizer, chunk, prompts, preds, labels, emap, builder, pcfg, spliced,
                          compiler_options) -> None:
-    """Sets the *_scored fields of this batch's predictions (`generate_predictions(score_emotions=True)`)."""
+    """Sets the *_scored fields of this batch's predictions (`generate_predictions(score_emotions=True)`):
+    rank classification of CoE step 2 by `score_continuations`. A prefix is the prompt plus the model's own
+    generated text through the step-2 header (`templates.emotion_step_prefix`), so the label is chosen after
+    the model's own step 1, never after the gold event scenario (ED's situation text, which often names the
+    emotion)."""
     todo = []
     for r, e in enumerate(chunk):
         pred = preds[e["record_index"]]
@@ -921,8 +909,8 @@ def _add_scored_emotions(model, tokenizer, chunk, prompts, preds, labels, emap, 
             af, am = _pad_rows([e["aud_feats"] for _, e, _ in rows], pcfg.max_aud, builder.audio_dim)
             vf, vm = _pad_rows([e["vid_feats"] for _, e, _ in rows], pcfg.max_vid, builder.video_dim)
             embeds = embed_prompts(model, ids, af, am, vf, vm, compiler_options=compiler_options)
-        scores = score_emotion_labels(model, [p for _, _, p in rows], labels, pad_token_id=builder.pad_id,
-                                      inputs_embeds=embeds)
+        scores = score_continuations(model.llm, [p for _, _, p in rows], labels, pad_token_id=builder.pad_id,
+                                     inputs_embeds=embeds)
         for (pred, _, _), row in zip(group, scores[: len(group)], strict=True):
             fine = int(np.argmax(row))
             word = schema.ED_EMOTIONS_32[fine]
@@ -989,7 +977,8 @@ def evaluate(
     both conventions, repetition_rate, reply_words),
     num_generated (Pipeline baseline: also age/gender/timbre_acc_text); with `score_emotions` (CoE templates)
     also emotion_acc_scored / emotion32_acc_scored / emotion_scored_rate: step 2 chosen among the 32 ED
-    labels by likelihood after the model's own step 1 (`score_emotion_labels`). `generate_batch_size` (default
+    labels by likelihood after the model's own step 1 (`generation.score_continuations`).
+    `generate_batch_size` (default
     `batch_size`) batches the generation apart from the teacher-forced pass: decoding holds a KV cache, not
     [B, T, vocab] logits, so it affords more rows per step, and each decode step reads every weight once
     whatever the batch. `repetition_penalty`/`no_repeat_ngram_size` are HF's (generation.generate_tokens).

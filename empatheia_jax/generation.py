@@ -159,6 +159,14 @@ def _select(logits: jax.Array, key: jax.Array, temperature, top_p, do_sample: bo
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def _prefill(model: Llama, input_ids, attention_mask, inputs_embeds, max_len: int):
+    """Runs left-padded prompts into a fresh cache of `max_len` slots: (hidden [B, P, D], cache)."""
+    cache = KVCache.init(model.config, input_ids.shape[0], max_len)
+    positions = jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
+    x = model.embed(input_ids) if inputs_embeds is None else inputs_embeds
+    return model.decode(x, positions=positions, attention_mask=attention_mask, cache=cache)
+
+
 def _program(graphdef, state, input_ids, attention_mask, inputs_embeds, max_new_tokens, temperature, top_p,
              repetition_penalty, key, eos_ids, pad_token_id, *, new_bucket: int, do_sample: bool,
              penalize: bool, no_repeat_ngram_size: int):
@@ -167,12 +175,8 @@ def _program(graphdef, state, input_ids, attention_mask, inputs_embeds, max_new_
     The repetition controls read `seq`/`valid`: the prompt columns followed by the tokens written so far.
     """
     model: Llama = nnx.merge(graphdef, state)
-    cfg = model.config
     b, p = input_ids.shape
-    cache = KVCache.init(cfg, b, p + new_bucket)
-    positions = jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
-    x = model.embed(input_ids) if inputs_embeds is None else inputs_embeds
-    hidden, cache = model.decode(x, positions=positions, attention_mask=attention_mask, cache=cache)
+    hidden, cache = _prefill(model, input_ids, attention_mask, inputs_embeds, p + new_bucket)
     seq = jnp.concatenate([input_ids, jnp.full((b, new_bucket), pad_token_id, jnp.int32)], axis=1)
     valid = jnp.concatenate([attention_mask, jnp.ones((b, new_bucket), bool)], axis=1)
 
@@ -320,13 +324,9 @@ def _score_program(graphdef, state, prefix_ids, prefix_mask, inputs_embeds, cont
     read teacher-forced in one call, so a prefix is never run K times.
     """
     model: Llama = nnx.merge(graphdef, state)
-    cfg = model.config
     b, p = prefix_ids.shape
     k, c = cont_ids.shape
-    cache = KVCache.init(cfg, b, p + c)
-    positions = jnp.maximum(jnp.cumsum(prefix_mask.astype(jnp.int32), axis=1) - 1, 0)
-    x = model.embed(prefix_ids) if inputs_embeds is None else inputs_embeds
-    hidden, cache = model.decode(x, positions=positions, attention_mask=prefix_mask, cache=cache)
+    hidden, cache = _prefill(model, prefix_ids, prefix_mask, inputs_embeds, p + c)
     first = jax.nn.log_softmax(model.logits(hidden[:, -1:])[:, 0], axis=-1)[:, cont_ids[:, 0]]  # [B, K]
     if c == 1:
         return first
