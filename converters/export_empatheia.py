@@ -1,6 +1,6 @@
 """Exports a trained Empatheia (a training workdir / checkpoint) as one self-describing folder; loads it.
 
-    export_trained(ckpt, out, *, step=None, mode="peft", overwrite=False) -> out
+    export_trained(ckpt, out, *, step=None, mode="peft", overwrite=False, dtype="float32") -> out
     load_exported(out) -> (model, tokenizer, config, meta)      # = trainer.load_trained(out)
 
 Why a folder of its own: a training checkpoint holds only what the run could change (the frozen backbone is
@@ -16,7 +16,8 @@ OUT/ (written under OUT.tmp-* and renamed onto OUT when complete; `empatheia_con
                                 entry), targets (the shards' target kinds and sources), backbone (the
                                 converted backbone folder, absolute), backbone_source (that folder's HF
                                 source), include_backbone, nonfinite_skipped, exported_from
-    heads.safetensors           every parameter outside the backbone, float32, named by its nnx state path
+    heads.safetensors           every parameter outside the backbone, in the stored dtype (float32 unless
+                                `dtype=` says bfloat16/float16), named by its nnx state path
                                 ("aud_proj.kernel", "content_sync.speech...", "style_dis.speech_in.shift")
     tokenizer*                  the run's tokenizer, extended with <Aud>/<Vid>/<AUDi>/<VIDi>
     mode "peft":
@@ -60,6 +61,7 @@ from converters.export_hf import (
     check_out_dir,
     checked_lora_config,
     load_peft_tensors,
+    store_dtype,
     write_merged,
     write_peft,
 )
@@ -77,7 +79,7 @@ ADAPTER_FILE = "adapter_model.safetensors"
 FORMAT = "empatheia_jax.export"
 FORMAT_VERSION = 1
 MODES = ("peft", "merged")
-_EXPORT_KEYS = ("format", "format_version", "mode", "backbone_source", "exported_from")
+_EXPORT_KEYS = ("format", "format_version", "mode", "backbone_source", "exported_from", "stored_dtype")
 _RUN_KEYS = ("step", "model_config", "config", "stage", "encoder", "backbone", "include_backbone")
 _HF_VOCAB_TABLES = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -95,11 +97,12 @@ def _head_variables(model: Empatheia) -> dict[str, nnx.Variable]:
     }
 
 
-def head_tensors(model: Empatheia) -> dict[str, np.ndarray]:
-    """{state path: float32 array} of the projections, CS and SD (float32: numpy has no bfloat16, and an
-    upcast loses nothing)."""
+def head_tensors(model: Empatheia, dtype: str = "float32") -> dict[str, np.ndarray]:
+    """{state path: array} of the projections, CS and SD, stored as `dtype` (export_hf.STORE_DTYPES)."""
+    np_dtype = store_dtype(dtype)
     variables = _head_variables(model)
-    return {k: np.ascontiguousarray(np.asarray(v[...], np.float32)) for k, v in variables.items()}
+    return {k: np.ascontiguousarray(np.asarray(v[...], np.float32).astype(np_dtype))
+            for k, v in variables.items()}
 
 
 def load_head_tensors(model: Empatheia, tensors: dict[str, np.ndarray], where: str) -> None:
@@ -142,11 +145,14 @@ def export_model(
     *,
     mode: str = "peft",
     overwrite: bool = False,
+    dtype: str = "float32",
 ) -> Path:
     """Writes the export folder of an in-memory model (`export_trained` after loading, or a notebook);
-    `tokenizer`/`meta` are `trainer.load_trained`'s. See the module docstring for the layout."""
+    `tokenizer`/`meta` are `trainer.load_trained`'s. See the module docstring for the layout. `dtype` is
+    the stored dtype of every written weight (loading casts back to the model's)."""
     if mode not in MODES:
         raise ExportError(f"mode={mode!r} is not one of {MODES}")
+    store_dtype(dtype)
     if tokenizer is None:
         raise ExportError("no tokenizer: the export must carry the tokenizer with the added tokens")
     out = Path(out)
@@ -170,6 +176,7 @@ def export_model(
         backbone=backbone,
         backbone_source=_backbone_source(backbone) if backbone else None,
         exported_from=str(meta.get("exported_from") or ""),
+        stored_dtype=dtype,
     )
     missing = [k for k in _RUN_KEYS if k not in record]
     if missing:
@@ -178,10 +185,10 @@ def export_model(
     with AtomicDir(out, overwrite) as tmp:
         if mode == "peft":
             write_peft(llm, checked_lora_config(llm, model.config.lora), tmp, record["backbone_source"],
-                       tokenizer)
+                       tokenizer, dtype=dtype)
         else:
-            write_merged(llm, tokenizer, tmp, always_index=True)  # both save the tokenizer
-        save_file(head_tensors(model), str(tmp / HEADS_FILE), metadata=SAFETENSORS_METADATA)
+            write_merged(llm, tokenizer, tmp, dtype=dtype, always_index=True)  # both save the tokenizer
+        save_file(head_tensors(model, dtype), str(tmp / HEADS_FILE), metadata=SAFETENSORS_METADATA)
         # Last: a folder holding empatheia_config.json has every other file.
         (tmp / EXPORT_CONFIG).write_text(json.dumps(record, indent=1) + "\n")
     return out
@@ -194,6 +201,7 @@ def export_trained(
     step: int | None = None,
     mode: str = "peft",
     overwrite: bool = False,
+    dtype: str = "float32",
 ) -> Path:
     """Exports a training workdir, its checkpoints folder, one step folder or another export folder.
 
@@ -203,6 +211,7 @@ def export_trained(
     """
     if mode not in MODES:
         raise ExportError(f"mode={mode!r} is not one of {MODES}")
+    store_dtype(dtype)
     src, out = Path(ckpt), Path(out)
     if not src.exists():
         raise CheckpointError(f"no trained checkpoint at {src}: pass a training workdir, its checkpoints "
@@ -215,7 +224,7 @@ def export_trained(
     model, tokenizer, _, meta = load_trained(src, step=step)
     if not is_export(src):
         meta = {**meta, "exported_from": str(src.absolute())}
-    return export_model(model, tokenizer, meta, out, mode=mode, overwrite=overwrite)
+    return export_model(model, tokenizer, meta, out, mode=mode, overwrite=overwrite, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------

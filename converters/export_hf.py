@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
@@ -45,7 +46,10 @@ from empatheia_jax.models.lora import ATTENTION_TARGETS, LoraConfig, LoRALinear,
 PEFT_PREFIX = "base_model.model."
 SAFETENSORS_METADATA = {"format": "pt"}  # transformers refuses safetensors files without a known format
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' own default shard size
-_NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+# Stored dtypes. bfloat16 halves a file at no cost to a model trained in float32 or bfloat16 (SmolLM2 ships
+# in it); float16 has the range problems bf16 avoids. safetensors.numpy reads and writes ml_dtypes.bfloat16.
+_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+STORE_DTYPES = tuple(_NP_DTYPES)
 
 
 class ExportError(ValueError):
@@ -202,13 +206,26 @@ def checked_lora_config(model: Llama, lora_cfg: LoraConfig | None) -> LoraConfig
     return lora_cfg
 
 
+def store_dtype(dtype: str) -> Any:
+    """The numpy dtype a file is stored in, by name (`STORE_DTYPES`); an unknown name is an ExportError."""
+    if dtype not in _NP_DTYPES:
+        raise ExportError(f"dtype={dtype!r} not in {list(_NP_DTYPES)}")
+    return _NP_DTYPES[dtype]
+
+
 def write_peft(
-    model: Llama, lora_cfg: LoraConfig, out: Path, base_model_name_or_path: str | None, tokenizer: Any = None
+    model: Llama,
+    lora_cfg: LoraConfig,
+    out: Path,
+    base_model_name_or_path: str | None,
+    tokenizer: Any = None,
+    dtype: str = "float32",
 ) -> None:
     """Writes the adapter files into an existing (temporary) folder; `export_peft` and the Empatheia export
     wrap it in their own atomic folder."""
+    np_dtype = store_dtype(dtype)
     # Contiguous copies: safetensors.numpy writes the raw buffer and ignores the strides of a transpose.
-    tensors = {k: np.ascontiguousarray(v) for k, v in peft_tensors(model, lora_cfg)}
+    tensors = {k: np.ascontiguousarray(v.astype(np_dtype)) for k, v in peft_tensors(model, lora_cfg)}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata=SAFETENSORS_METADATA)
     adapter_cfg = peft_adapter_config(lora_cfg, base_model_name_or_path, peft_token_indices(model.config))
     (out / "adapter_config.json").write_text(json.dumps(adapter_cfg, indent=2) + "\n")
@@ -325,9 +342,7 @@ def write_merged(
     always_index: bool = False,
 ) -> None:
     """Writes the merged HF checkpoint files into an existing (temporary) folder (see `export_merged`)."""
-    if dtype not in _NP_DTYPES:
-        raise ExportError(f"dtype={dtype!r} not in {sorted(_NP_DTYPES)}")
-    np_dtype = _NP_DTYPES[dtype]
+    np_dtype = store_dtype(dtype)
     hf_config = model.config.to_hf()
     hf_config["dtype"] = dtype
     tensors = ((k, v.astype(np_dtype)) for k, v in merged_hf_tensors(model))
@@ -350,8 +365,7 @@ def export_merged(
 
     Tied models write no `lm_head.weight` (transformers re-ties it from `tie_word_embeddings`).
     """
-    if dtype not in _NP_DTYPES:  # before the output folder is touched
-        raise ExportError(f"dtype={dtype!r} not in {sorted(_NP_DTYPES)}")
+    store_dtype(dtype)  # before the output folder is touched
     with AtomicDir(out_dir, overwrite) as tmp:
         write_merged(model, tokenizer, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes)
     return Path(out_dir)
@@ -372,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--merged", action="store_true", help="full HF checkpoint with LoRA merged")
     parser.add_argument("--base", default=None,
                         help="base_model_name_or_path for the adapter (default: the checkpoint's source)")
-    parser.add_argument("--dtype", default="float32", choices=sorted(_NP_DTYPES),
+    parser.add_argument("--dtype", default="float32", choices=STORE_DTYPES,
                         help="--merged weights dtype")
     parser.add_argument("--max-shard-gb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 1024**3)
     parser.add_argument("--overwrite", action="store_true")

@@ -7,7 +7,7 @@
                     # an ED-format csv: imported, prepared text-only (cached), evaluated
     empatheia chat  --ckpt work/run/overall --text "..." [--audio a.wav] [--video v.mp4] [--history h.json]
                     [--out reply]      # writes reply.npz (features, emotion, profile) and reply.json
-    empatheia export --ckpt work/run/overall --out work/export [--merged] [--overwrite]
+    empatheia export --ckpt work/run/overall --out work/export [--merged] [--dtype bfloat16] [--overwrite]
                     # PEFT adapter (default) or merged HF, + heads.safetensors; load_trained(DIR) reads it
 
 Flags are absl flags; `--config` is an ml-collections config file (`path.py[:arg]`) whose every field can be
@@ -98,6 +98,8 @@ flags.DEFINE_bool("avatar", False, "chat: also render the talking avatar from th
 flags.DEFINE_string("out", None, "chat: output path stem (default: ./chat_reply); export: the folder")
 flags.DEFINE_bool("merged", False, "export: LoRA merged into a full HF checkpoint (default: a PEFT adapter)")
 flags.DEFINE_bool("peft", False, "export: a PEFT adapter on the converted backbone (the default)")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "export: the stored dtype of the "
+                  "weights (bfloat16 halves the files; loading casts back to the model's dtype)")
 flags.DEFINE_bool("overwrite", False, "export: replace an existing --out folder")
 flags.DEFINE_bool("verbose", False, "library logging (absl, orbax, jax, grain, transformers) at INFO")
 
@@ -421,8 +423,8 @@ def _export() -> int:
     if FLAGS.peft and FLAGS.merged:
         raise app.UsageError("export takes --peft or --merged, not both")
     out = export_trained(FLAGS.ckpt, FLAGS.out, step=FLAGS.step, mode="merged" if FLAGS.merged else "peft",
-                         overwrite=FLAGS.overwrite)
-    print(f"exported ({'merged HF' if FLAGS.merged else 'PEFT adapter'} + heads) -> {out}")
+                         overwrite=FLAGS.overwrite, dtype=FLAGS.dtype)
+    print(f"exported ({'merged HF' if FLAGS.merged else 'PEFT adapter'} + heads, {FLAGS.dtype}) -> {out}")
     return 0
 
 

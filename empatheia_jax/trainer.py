@@ -192,6 +192,18 @@ def model_config_overrides(config: ml_collections.ConfigDict, manifest: Mapping[
     return over
 
 
+def check_splits(config: ml_collections.ConfigDict, manifest: Mapping[str, Any]) -> None:
+    """Both splits a run reads must be in its shards before a step is spent: a missing eval split would
+    otherwise surface at the first evaluation, after the training work before it."""
+    have = sorted(manifest.get("splits", {}))
+    keys = ("train_split", "eval_split")
+    bad = [f"data.{k}={config.data[k]!r}" for k in keys if config.data[k] not in have]
+    if bad:
+        raise config_lib.ConfigError(
+            f"{', '.join(bad)}: no such split in {config.data.shards}/manifest.json (it has {have})"
+        )
+
+
 def model_manifest(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """The manifest a run's model is built from: `config.data.shards`'.
 
@@ -691,6 +703,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
     config_lib.validate(config)
     stage = config_lib.resolve_stage(config)
     schedule = config_lib.stage_schedule(config)
+    manifest = model_manifest(config)
+    check_splits(config, manifest)
     workdir = Path(workdir)
     lead = jax.process_index() == 0
     if lead:
@@ -698,7 +712,6 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
         (workdir / "config.json").write_text(json.dumps(config_lib.to_json(config), indent=1))
 
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-    manifest = model_manifest(config)
     model, tokenizer = build_model(config, manifest, mesh)
     tx, lr_schedule = make_tx(config, schedule)
     with jax.set_mesh(mesh):

@@ -14,12 +14,13 @@
 # work/shards). Every step skips what is done and the training resumes from its last checkpoint, so
 # re-running the command continues an interrupted run (a run longer than a session, on CPU). Environment:
 # ED_CSV (default data/ed/empathetic_dialogues_validation.csv), HOLDOUT (dev:0.15), WORK (work), PY,
-# SAMPLE_STAGES=0 to stop after the coe stage, EVAL_FLAGS (extra `empatheia eval` flags), DEVICE (the
+# SAMPLE_STAGES=0 to stop after the coe stage, COE_EVAL=0 to skip the coe stage's dev evaluation (a
+# diagnostic: the card reports the final model's), EVAL_FLAGS (extra `empatheia eval` flags), DEVICE (the
 # card's device line).
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-    sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 RUN=$1
@@ -55,9 +56,11 @@ echo "[ed_reference] stage coe on EmpatheticDialogues -> $RUN/coe"
 "$PY" -m empatheia_jax.cli train --config configs/smollm2_ed.py --workdir "$RUN/coe" \
     "${COMMON[@]}" --config.data.shards="$RUN/ed/shards" "$@"
 
-echo "[ed_reference] dev evaluation of the coe stage -> $RUN/report"
-"$PY" -m empatheia_jax.cli eval --ckpt "$RUN/coe" --data "$RUN/ed/shards" --split dev \
-    --report "$RUN/report" --no_repeat_ngram_size 4 --score_emotions ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
+if [[ ${COE_EVAL:-1} != 0 ]]; then
+    echo "[ed_reference] dev evaluation of the coe stage -> $RUN/report"
+    "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/coe" --data "$RUN/ed/shards" --split dev \
+        --report "$RUN/report" --no_repeat_ngram_size 4 --score_emotions ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
+fi
 
 if [[ ${SAMPLE_STAGES:-1} == 0 ]]; then
     exit 0
@@ -82,5 +85,5 @@ echo "[ed_reference] export + model card -> $RUN/export"
 "$PY" -m empatheia_jax.model_card "$RUN/export" --metrics "$RUN/report_final/metrics.json" \
     --workdir "$RUN/coe" --workdir "$RUN/ccl" --workdir "$RUN/sac" --workdir "$RUN/overall" \
     --subset_metrics "$RUN/report_final/subset64.json" --subset_examples 64 \
-    --command "bash launch/ed_reference.sh $RUN" --device "${DEVICE:-$(nproc)-core CPU}"
+    --command "bash launch/ed_reference.sh $RUN${*:+ $*}" --device "${DEVICE:-$(nproc)-core CPU}"
 echo "[ed_reference] done: $RUN/export (chat: empatheia chat --ckpt $RUN/export --text ...)"

@@ -508,6 +508,11 @@ def test_config_error_is_one_line_naming_every_key(tok, shards, cli_env, tmp_pat
             "--config.optim.b2=3")
     assert_user_error(p, "config.optim.lr=-0.5: must be > 0", "config.optim.b2=3.0")
     assert not (tmp_path / "bad").exists()
+    # A split the shards do not have fails before any step, not at the first evaluation.
+    p = cli(cli_env, "train", "--config", REPO / "configs" / "tiny.py", f"--config.model.tokenizer={tok}",
+            f"--config.data.shards={shards}", f"--workdir={tmp_path / 'bad'}", "--config.data.eval_split=dev")
+    assert_user_error(p, "data.eval_split='dev': no such split", "manifest.json")
+    assert not (tmp_path / "bad").exists()
 
 
 def test_missing_or_incomplete_checkpoint(trained, cli_env, tmp_path):

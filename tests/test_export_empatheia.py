@@ -189,6 +189,33 @@ def test_load_trained_of_an_export_reproduces_the_model(original, exports, batch
             np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
 
 
+def test_bfloat16_export_stores_every_weight_rounded_once(original, tmp_path):
+    """`dtype="bfloat16"` (the committed reference model's format): the adapter and heads files hold bf16,
+    and loading gives each parameter the original rounded to bf16, the frozen backbone untouched."""
+    import ml_dtypes
+    from safetensors import safe_open
+
+    model0, tok, _, meta = original
+    out = export_model(model0, tok, meta, tmp_path / "bf16", mode="peft", dtype="bfloat16")
+    for name in ("adapter_model.safetensors", HEADS_FILE):
+        with safe_open(str(out / name), "np") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}, name
+    model, _, _, meta2 = empatheia_jax.load_trained(out)
+    assert meta2["stored_dtype"] == "bfloat16"
+    changed = 0
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(model, nnx.Param)),
+                                 nnx.to_flat_state(nnx.state(model0, nnx.Param)), strict=True):
+        a, b = np.asarray(a[...]), np.asarray(b[...])
+        want = b if path[0] == "llm" and "lora" not in path and "extra" not in str(path[-1]) else (
+            b.astype(ml_dtypes.bfloat16).astype(b.dtype))
+        np.testing.assert_array_equal(a, want, err_msg=str(path))
+        changed += int(not np.array_equal(a, b))
+    assert changed > 10  # the rounding happened (float32 values are rarely bf16-exact)
+    with pytest.raises(ExportError, match="dtype='int8'"):
+        export_model(model0, tok, meta, tmp_path / "bad", mode="peft", dtype="int8")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_export_folder_layout(run, exports, original):
     from safetensors import safe_open
 
