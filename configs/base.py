@@ -26,6 +26,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.tokenizer = ""  # "" = the backbone folder's tokenizer
     # LlamaConfig fields: a random backbone's whole config, or overrides (dtype, remat) of a converted one.
     c.model.llm = ml_collections.ConfigDict({"dtype": "bfloat16", "param_dtype": "float32", "remat": "none"})
+    # Precision of every float32 dot of the run (process-wide: jax_default_matmul_precision). "float32" is
+    # true f32 everywhere; jax's "default" is TF32 on NVIDIA GPUs and one bf16 pass on TPU. A float32 LoRA
+    # trained under TF32 did not transfer to float32 (docs/design.md "Matmul precision"). bf16 dots are
+    # unaffected, so a bfloat16 model (model.llm.dtype) loses no speed to "float32".
+    c.model.matmul_precision = "float32"
     c.model.lora = ml_collections.ConfigDict(
         {"rank": 16, "alpha": 32.0, "targets": ("q_proj", "k_proj", "v_proj", "o_proj")}
     )

@@ -44,6 +44,8 @@ _CONFIG = config_flags.DEFINE_config_file(
 flags.DEFINE_string("workdir", None, "train: run folder (checkpoints, TensorBoard, metrics.jsonl)")
 flags.DEFINE_string("ckpt", None, "eval/chat/export: a training workdir, its checkpoints folder, one step "
                     "folder or an export folder")
+flags.DEFINE_string("backbone", None, "eval/chat: the converted backbone folder, when the one the run "
+                    "or export recorded has moved (e.g. the packaged reference model on another machine)")
 flags.DEFINE_integer("step", None, "eval/chat/export: checkpoint step (default: the latest)")
 flags.DEFINE_string("split", "test", "eval: the split of the run's shards to evaluate")
 flags.DEFINE_string("shards", None, "eval: shards folder (default: the run's data.shards)")
@@ -111,7 +113,7 @@ def _load_trained(restore: bool = True) -> tuple[Any, Any, Any, dict[str, Any]]:
     from empatheia_jax.checkpoint import CheckpointError
 
     try:
-        return trainer.load_trained(FLAGS.ckpt, step=FLAGS.step, restore=restore)
+        return trainer.load_trained(FLAGS.ckpt, step=FLAGS.step, restore=restore, backbone=FLAGS.backbone)
     except CheckpointError as e:
         message = str(e)
         if message.startswith("--init_from "):

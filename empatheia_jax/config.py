@@ -20,6 +20,8 @@ from empatheia_jax.stages import Stage, StageSkipped, apply_ablations, get_stage
 
 NAN_POLICIES = ("skip", "stop")
 REMAT_POLICIES = ("none", "full", "dots")
+# model.matmul_precision: names jax_default_matmul_precision takes; "default" = the platform's fast default.
+MATMUL_PRECISIONS = ("float32", "tensorfloat32", "bfloat16", "default")
 
 
 class ConfigError(ValueError):
@@ -181,6 +183,9 @@ def validate(
     for name in ("dtype", "param_dtype"):
         if name in config.model.llm and config.model.llm[name] not in _DTYPES:
             bad(f"model.llm.{name}", config.model.llm[name], f"must be one of {sorted(_DTYPES)}")
+    precision = config.model.get("matmul_precision", "float32")
+    if precision not in MATMUL_PRECISIONS:
+        bad("model.matmul_precision", precision, f"must be one of {MATMUL_PRECISIONS}")
     if "remat" in config.model.llm and config.model.llm.remat not in REMAT_POLICIES:
         bad("model.llm.remat", config.model.llm.remat, f"must be one of {REMAT_POLICIES}")
     if config.model.lora.rank < 1:
@@ -230,12 +235,31 @@ def validate(
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
+def set_matmul_precision(config: ml_collections.ConfigDict) -> str:
+    """Sets the run's float32 dot precision process-wide and returns it.
+
+    Process-wide rather than per dot, because a run's model, loss and generation must all compute the same
+    function: a LoRA trained with one precision is tuned to that precision's rounding (docs/design.md
+    "Matmul precision"). Configs from before the key existed mean "float32".
+    """
+    import jax
+
+    precision = config.model.get("matmul_precision", "float32")
+    if precision not in MATMUL_PRECISIONS:
+        raise ConfigError(f"config.model.matmul_precision={precision!r}: must be one of {MATMUL_PRECISIONS}")
+    jax.config.update("jax_default_matmul_precision", None if precision == "default" else precision)
+    return precision
+
+
 __all__ = [
+    "MATMUL_PRECISIONS",
     "NAN_POLICIES",
     "ConfigError",
     "Schedule",
     "resolve_stage",
+    "set_matmul_precision",
     "stage_schedule",
     "to_json",
     "validate",
 ]
+

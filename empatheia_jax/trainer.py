@@ -701,6 +701,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
     """Trains `config.stage` in `workdir` (resuming from its latest checkpoint when there is one)."""
     initialize_distributed(config)
     config_lib.validate(config)
+    config_lib.set_matmul_precision(config)
     stage = config_lib.resolve_stage(config)
     schedule = config_lib.stage_schedule(config)
     manifest = model_manifest(config)
@@ -942,22 +943,31 @@ def untrained_model(config: ml_collections.ConfigDict, meta: Mapping[str, Any]) 
 
 
 def load_trained(
-    path: str | Path, *, step: int | None = None, restore: bool = True
+    path: str | Path, *, step: int | None = None, restore: bool = True, backbone: str | Path | None = None
 ) -> tuple[Empatheia, Any, ml_collections.ConfigDict, dict[str, Any]]:
     """(model, tokenizer, config, meta) from a training workdir, its checkpoints folder, one step folder, or
     an export folder (`converters.export_empatheia`, recognised by its `empatheia_config.json`).
 
     restore=False gives the run's model untrained (same config and backbone, fresh heads, LoRA B = 0): the
-    "untrained" column of `empatheia eval`.
+    "untrained" column of `empatheia eval`. `backbone` replaces the converted-backbone folder the run or
+    export recorded (it moved, or the export came from another machine: the committed reference model).
     """
     from converters.export_empatheia import is_export, load_exported
 
     if is_export(path):
-        return load_exported(path, step=step, restore=restore)
+        loaded = load_exported(path, step=step, restore=restore, backbone=backbone)
+        config_lib.set_matmul_precision(loaded[2])  # the run's numerics, as it trained
+        return loaded
     directory, found = resolve_checkpoint(checkpoints_of(path))
     step = found if step is None else step
     _, meta = read_meta(directory, step)
+    if backbone is not None:
+        if not meta["backbone"]:
+            raise CheckpointError(f"{directory}: the run trained a random backbone; backbone= has nothing to "
+                                  "replace")
+        meta["backbone"] = str(backbone)
     config = ml_collections.ConfigDict(meta["config"])
+    config_lib.set_matmul_precision(config)
     cfg = EmpatheiaConfig.from_dict(meta["model_config"])
     for what, folder in (("backbone", meta["backbone"]), ("tokenizer", config.model.tokenizer)):
         if folder and not Path(folder).is_dir():  # else transformers would look it up as a Hub model id

@@ -73,15 +73,19 @@ for stage in ccl sac overall; do
         --config.data.shards="$WORK/shards"
     prev=$RUN/$stage
 done
-echo "[ed_reference] dev evaluation of the final model (CoE prompt) -> $RUN/report_final"
-"$PY" -m empatheia_jax.cli eval --ckpt "$RUN/overall" --data "$RUN/ed/shards" --split dev --template coe \
+# The export is what gets evaluated, so the card's figures are those of the weights it ships: EXPORT_DTYPE
+# (default bfloat16, half the files of float32) is the stored dtype of the adapter and heads.
+echo "[ed_reference] export (${EXPORT_DTYPE:-bfloat16}) -> $RUN/export"
+"$PY" -m empatheia_jax.cli export --ckpt "$RUN/overall" --out "$RUN/export" --dtype "${EXPORT_DTYPE:-bfloat16}" \
+    --overwrite
+echo "[ed_reference] dev evaluation of the export (CoE prompt) -> $RUN/report_final"
+"$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template coe \
     --report "$RUN/report_final" --no_repeat_ngram_size 4 --score_emotions ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
 # the figure the project's test re-measures in CI time: the first 64 dev records
-"$PY" -m empatheia_jax.cli eval --ckpt "$RUN/overall" --data "$RUN/ed/shards" --split dev --template coe \
+"$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template coe \
     --max_examples 64 --json "$RUN/report_final/subset64.json" --no_repeat_ngram_size 4 --score_emotions \
     ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
-echo "[ed_reference] export + model card -> $RUN/export"
-"$PY" -m empatheia_jax.cli export --ckpt "$RUN/overall" --out "$RUN/export" --overwrite
+echo "[ed_reference] model card -> $RUN/export"
 "$PY" -m empatheia_jax.model_card "$RUN/export" --metrics "$RUN/report_final/metrics.json" \
     --workdir "$RUN/coe" --workdir "$RUN/ccl" --workdir "$RUN/sac" --workdir "$RUN/overall" \
     --subset_metrics "$RUN/report_final/subset64.json" --subset_examples 64 \

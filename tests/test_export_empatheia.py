@@ -189,6 +189,22 @@ def test_load_trained_of_an_export_reproduces_the_model(original, exports, batch
             np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
 
 
+def test_a_moved_backbone_is_given_with_backbone(run, exports, original, batch, tmp_path):
+    """backbone= replaces the folder an export or a run recorded (the packaged reference model is loaded
+    on machines whose converted SmolLM2 lives elsewhere); a folder that is not there is named."""
+    import shutil
+
+    moved = shutil.copytree(run[0] / "backbone", tmp_path / "elsewhere")
+    for src in (exports["peft"], run[2]):
+        model, _, _, meta = empatheia_jax.load_trained(src, step=STEP, backbone=moved)
+        assert meta["backbone"] == str(moved)
+        got, want = _outputs(model, batch), _outputs(original[0], batch)
+        for k in OUTPUTS:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=f"{src} {k}")
+        with pytest.raises(CheckpointError, match="nowhere"):
+            empatheia_jax.load_trained(src, step=STEP, backbone=tmp_path / "nowhere")
+
+
 def test_bfloat16_export_stores_every_weight_rounded_once(original, tmp_path):
     """`dtype="bfloat16"` (the committed reference model's format): the adapter and heads files hold bf16,
     and loading gives each parameter the original rounded to bf16, the frozen backbone untouched."""
@@ -199,7 +215,7 @@ def test_bfloat16_export_stores_every_weight_rounded_once(original, tmp_path):
     out = export_model(model0, tok, meta, tmp_path / "bf16", mode="peft", dtype="bfloat16")
     for name in ("adapter_model.safetensors", HEADS_FILE):
         with safe_open(str(out / name), "np") as f:
-            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}, name
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}, name  # noqa: SIM118
     model, _, _, meta2 = empatheia_jax.load_trained(out)
     assert meta2["stored_dtype"] == "bfloat16"
     changed = 0

@@ -79,6 +79,8 @@ def tiny_config(tok, shards, **overrides):
         ({"train.sd_warmup_batch_size": 0}, "config.train.sd_warmup_batch_size=0: must be >= 1"),
         ({"stage": "sac", "ablations.no_media": True}, "nothing to train"),
         ({"data.shards": "/nonexistent"}, "config.data.shards='/nonexistent'"),
+        ({"data.eval_split": "dev"}, "data.eval_split='dev': no such split"),
+        ({"model.matmul_precision": "tf32"}, "config.model.matmul_precision='tf32': must be one of"),
     ],
 )
 def test_bad_config_fails_before_anything_is_built(tok, shards, tmp_path, overrides, message):
@@ -786,6 +788,25 @@ def test_load_trained_restores_the_trained_parameters_and_outputs(overall_run):
         one = _flat(nnx.state(trainer.load_trained(path, step=1 if path == workdir else None)[0], nnx.Param))
         for k, v in first.items():
             np.testing.assert_array_equal(one[k], v, err_msg=f"{path} {k}")
+
+
+def test_train_and_load_trained_set_the_runs_matmul_precision(overall_run):
+    """A loaded run computes with the precision it trained with (process-wide); a config from before the
+    key means float32, "default" hands the choice back to jax."""
+    cfg, workdir, _, _ = overall_run
+    try:
+        jax.config.update("jax_default_matmul_precision", "bfloat16")
+        trainer.load_trained(workdir)
+        assert jax.config.jax_default_matmul_precision == cfg.model.matmul_precision == "float32"
+        old = ml_collections.ConfigDict({"model": {"backbone": ""}})
+        jax.config.update("jax_default_matmul_precision", "bfloat16")
+        assert config_lib.set_matmul_precision(old) == "float32"
+        assert jax.config.jax_default_matmul_precision == "float32"
+        fast = ml_collections.ConfigDict({"model": {"matmul_precision": "default"}})
+        assert config_lib.set_matmul_precision(fast) == "default"
+        assert jax.config.jax_default_matmul_precision is None
+    finally:
+        jax.config.update("jax_default_matmul_precision", "float32")
 
 
 def test_load_trained_untrained_model_and_bad_step_or_path(overall_run, shards, tmp_path):
