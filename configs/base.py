@@ -116,7 +116,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.checkpoint.every = 200
     c.checkpoint.keep = 3
     c.checkpoint.keep_best = False
-    c.checkpoint.best_metric = "eval/loss"
+    c.checkpoint.best_metric = "eval/total"
     c.checkpoint.best_mode = "min"
     c.checkpoint.async_save = True
 

@@ -38,6 +38,6 @@ def get_config(arg: str | None = None):
     c.checkpoint.every = 100
     c.checkpoint.keep = 2
     c.checkpoint.keep_best = True
-    c.checkpoint.best_metric = "eval/loss"
+    c.checkpoint.best_metric = "eval/total"
     c.checkpoint.best_mode = "min"
     return c

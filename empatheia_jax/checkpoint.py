@@ -240,7 +240,7 @@ class TrainCheckpointer:
         *,
         keep: int = 3,
         keep_best: bool = False,
-        best_metric: str = "eval/loss",
+        best_metric: str = "eval/total",
         best_mode: str = "min",
         async_save: bool = True,
         create: bool = True,

@@ -203,6 +203,11 @@ def validate(
         bad("checkpoint.keep", c.keep, "must be >= 1")
     if c.best_mode not in ("min", "max"):
         bad("checkpoint.best_mode", c.best_mode, "must be 'min' or 'max'")
+    if c.keep_best:
+        choices = best_metric_choices(config)
+        if choices and c.best_metric not in choices:
+            bad("checkpoint.best_metric", c.best_metric, f"the stage's evaluation reports no such metric, so "
+                f"no step would ever rank best; one of {choices}")
 
     # -- paths ----------------------------------------------------------------------------------------------
     if check_paths:
@@ -235,6 +240,23 @@ def validate(
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
+def best_metric_choices(config: ml_collections.ConfigDict) -> list[str]:
+    """The eval metrics `checkpoint.best_metric` can name for the config's stage: the total, each loss term
+    the stage counts, and the groups (ccl, sal, cls, sac) whose terms all count. [] if the stage is invalid
+    (reported on its own)."""
+    from empatheia_jax import losses
+
+    try:
+        terms = set(resolve_stage(config).loss_terms)
+    except (ValueError, StageSkipped):
+        return []
+    names = {losses.TOTAL, *terms}
+    groups = {losses.CCL: losses.CCL_TERMS, losses.SAL: losses.SAL_TERMS, losses.CLS: losses.CLS_TERMS,
+              losses.SAC: (*losses.SAL_TERMS, *losses.CLS_TERMS)}
+    names |= {name for name, members in groups.items() if terms >= set(members)}
+    return sorted(f"eval/{n}" for n in names)
+
+
 def set_matmul_precision(config: ml_collections.ConfigDict) -> str:
     """Sets the run's float32 dot precision process-wide and returns it.
 
@@ -255,6 +277,7 @@ __all__ = [
     "MATMUL_PRECISIONS",
     "NAN_POLICIES",
     "ConfigError",
+    "best_metric_choices",
     "Schedule",
     "resolve_stage",
     "set_matmul_precision",

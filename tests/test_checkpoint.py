@@ -181,7 +181,7 @@ def test_keep_last_k_and_best(tmp_path):
     losses = {1: 0.9, 2: 0.1, 3: 0.5, 4: None, 5: float("nan"), 6: 0.7, 7: None}
     with TrainCheckpointer(tmp_path, keep=2, keep_best=True) as ck:
         for step, loss in losses.items():
-            metrics = None if loss is None else {"eval/loss": loss, "train/loss": 1.0}
+            metrics = None if loss is None else {"eval/total": loss, "train/loss": 1.0}
             assert save_simple(ck, step, metrics)
         ck.wait_until_finished()
         assert ck.all_steps() == [2, 6, 7]
@@ -189,7 +189,7 @@ def test_keep_last_k_and_best(tmp_path):
     assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [2, 6, 7]
     with TrainCheckpointer(tmp_path, keep=2, keep_best=True) as ck:  # a resumed run sees the same
         assert ck.all_steps() == [2, 6, 7] and ck.best_step() == 2
-        save_simple(ck, 8, {"eval/loss": 0.05})
+        save_simple(ck, 8, {"eval/total": 0.05})
         ck.wait_until_finished()
         assert ck.all_steps() == [7, 8] and ck.best_step() == 8
 
@@ -208,7 +208,7 @@ def test_keep_best_max_mode_and_steps_without_metrics(tmp_path):
         assert ck.all_steps() == [3, 4] and ck.best_step() is None
     with TrainCheckpointer(tmp_path / "last", keep=2) as ck:  # keep_best off: metrics do not keep a step
         for step, loss in [(1, 0.1), (2, 0.5), (3, 0.6)]:
-            save_simple(ck, step, {"eval/loss": loss})
+            save_simple(ck, step, {"eval/total": loss})
         ck.wait_until_finished()
         assert ck.all_steps() == [2, 3]
 

@@ -81,6 +81,8 @@ def tiny_config(tok, shards, **overrides):
         ({"data.shards": "/nonexistent"}, "config.data.shards='/nonexistent'"),
         ({"data.eval_split": "dev"}, "data.eval_split='dev': no such split"),
         ({"model.matmul_precision": "tf32"}, "config.model.matmul_precision='tf32': must be one of"),
+        ({"checkpoint.keep_best": True, "checkpoint.best_metric": "eval/loss"},
+         "config.checkpoint.best_metric='eval/loss': the stage's evaluation reports no such metric"),
     ],
 )
 def test_bad_config_fails_before_anything_is_built(tok, shards, tmp_path, overrides, message):
@@ -397,6 +399,25 @@ def complete_steps(workdir: Path) -> list[int]:
     """Steps with a complete checkpoint (orbax renames `<step>.orbax-checkpoint-tmp*` once all is written)."""
     root = workdir / "checkpoints"
     return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
+
+
+def test_keep_best_ranks_steps_by_a_metric_the_evaluation_reports(tok, shards, tmp_path):
+    """checkpoint.keep_best with the default best_metric: the manager's best step is the saved step with
+    the lowest eval/total, and it is kept beside the latest (keep=1). Before session 12 the default named
+    "eval/loss", which no evaluation reports: no step ever ranked best, and keep_best kept nothing."""
+    from empatheia_jax.checkpoint import TrainCheckpointer
+
+    cfg = tiny_config(tok, shards, **{"schedule.coe.steps": 4, "train.eval_every": 2, "checkpoint.every": 1,
+                                      "checkpoint.keep": 1, "checkpoint.keep_best": True})
+    assert cfg.checkpoint.best_metric == "eval/total"
+    trainer.train(cfg, tmp_path)
+    evals = {json.loads(line)["step"]: json.loads(line)["eval/total"]
+             for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"eval/total"' in line}
+    assert sorted(evals) == [2, 4]  # step 2 mid-run, step 4 at the end; both saved with their metrics
+    best = min(evals, key=evals.get)
+    assert complete_steps(tmp_path) == sorted({best, 4})
+    with TrainCheckpointer(tmp_path / "checkpoints", create=False, async_save=False, keep_best=True) as ck:
+        assert ck.best_step() == best
 
 
 def train_steps(workdir: Path) -> list[int]:
