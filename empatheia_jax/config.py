@@ -261,8 +261,8 @@ def set_matmul_precision(config: ml_collections.ConfigDict) -> str:
     """Sets the run's float32 dot precision process-wide and returns it.
 
     Process-wide rather than per dot, because a run's model, loss and generation must all compute the same
-    function: a LoRA trained with one precision is tuned to that precision's rounding (docs/design.md
-    "Matmul precision"). Configs from before the key existed mean "float32".
+    function, as it did in training (docs/design.md "Session 12"). Configs from before the key existed mean
+    "float32".
     """
     import jax
 
