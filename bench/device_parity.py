@@ -11,10 +11,10 @@ arguments, and compare the rows: equal losses (to ~1e-4) mean the same function.
 Why it exists (docs/design.md "Session 12"): a float32 coe run trained on a lent H200 (jax 0.11.2, flax
 0.12.10) reached dev loss 1.2023 there, and the same checkpoint gives 1.2638 on the 2-core CPU (jax 0.10.2).
 `--emulate-tf32` rounds the inputs of every float32 dot to TF32 (10-bit mantissa, round to nearest even;
-float32 accumulation, as cuBLAS does) on any backend: on the CPU it moves that checkpoint's loss by 1e-5,
-so TF32 alone does not explain the gap. On the GPU machine run it under both `JAX_PLATFORMS=cpu` and
-`JAX_PLATFORMS=cuda`: if those agree with each other but not with this CPU's row, the difference is the
-jax/flax versions, not the device.
+float32 accumulation, as cuBLAS does) on any backend: on the CPU it moves that checkpoint's loss by 3e-5,
+so TF32 did not explain the gap (the GPU image's transformers had converted the tokenizer with another eos
+token). On a GPU machine run it under both `JAX_PLATFORMS=cpu` and `JAX_PLATFORMS=cuda`: rows that agree
+there but not with this CPU's point at the software, not the device.
 """
 
 from __future__ import annotations

@@ -144,11 +144,43 @@ def _load_gguf(path: Path):
         raise ConversionError(f"cannot read the GGUF header of {path}: {e}") from e
     if getattr(hf_cfg, "model_type", None) not in ("llama", "mistral"):
         raise ConversionError(f"{path}: model_type={hf_cfg.model_type!r} is not a LLaMA-family decoder")
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    check_gguf_special_tokens(path, tokenizer)  # before the slow part
     hf_model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return hf_model, tokenizer
+
+
+_GGUF_SPECIAL_IDS = {"bos": "tokenizer.ggml.bos_token_id", "eos": "tokenizer.ggml.eos_token_id",
+                     "unk": "tokenizer.ggml.unknown_token_id", "pad": "tokenizer.ggml.padding_token_id"}
+
+
+def check_gguf_special_tokens(path: Path, tokenizer: Any) -> None:
+    """The tokenizer transformers builds from a GGUF must have the special tokens the GGUF's metadata names.
+
+    Why: transformers 5.17 reads SmolLM2's GGUF with eos_token <|im_start|> (the GGUF says <|im_end|>) and
+    no pad token. Every training target ends in the eos token, so a model trained on that conversion learns
+    another end token, and its checkpoint scores worse under a correct conversion (docs/design.md
+    "Session 12"). A special token the GGUF does not name is not checked.
+    """
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+    wrong = []
+    for name, key in _GGUF_SPECIAL_IDS.items():
+        field = fields.get(key)
+        if field is None:
+            continue
+        want, got = int(field.parts[field.data[0]][0]), getattr(tokenizer, f"{name}_token_id", None)
+        if got != want:
+            wrong.append(f"{name}_token {getattr(tokenizer, f'{name}_token', None)!r} (id {got}), the GGUF "
+                         f"says id {want} ({tokenizer.convert_ids_to_tokens(want)!r})")
+    if wrong:
+        import transformers
+
+        raise ConversionError(f"{path}: transformers {transformers.__version__} reads this GGUF's tokenizer "
+                              f"wrongly: {'; '.join(wrong)}. setup.py's pinned transformers reads it right.")
 
 
 def _state_dict_source(hf_model) -> tuple[Callable[[str], np.ndarray], set[str]]:

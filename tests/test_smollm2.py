@@ -109,3 +109,20 @@ def test_every_tokenizer_loader_reads_the_converted_folder_quietly(smollm2):
         loaded = [trainer_tokenizer(folder), pipeline_tokenizer(str(folder))]
     for tok in loaded:
         assert tok.get_vocab() == smollm2[1].get_vocab() and tok.chat_template == smollm2[1].chat_template
+
+
+def test_a_gguf_tokenizer_with_other_special_tokens_is_refused():
+    """transformers 5.17 reads this GGUF with eos <|im_start|>: a model trained on that conversion learns
+    another end token (session 12's GPU run). The pinned transformers reads it right; a wrong eos is named."""
+    from transformers import AutoTokenizer
+
+    from converters.hf_names import ConversionError
+    from converters.hf_to_flax import check_gguf_special_tokens
+
+    path = gguf_path()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    check_gguf_special_tokens(path, tok)
+    tok.eos_token = "<|im_start|>"
+    with pytest.raises(ConversionError, match=r"eos_token '<\|im_start\|>' \(id 1\), the GGUF says id 2 "
+                                              r"\('<\|im_end\|>'\)"):
+        check_gguf_special_tokens(path, tok)
