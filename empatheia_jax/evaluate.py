@@ -450,7 +450,7 @@ def _loss_and_outputs(graphdef, state, batch, stage, weights):
     _, metrics = model.loss(batch, out, stage, weights)
     # the gold reply's own tokens (r^t inside the target): its perplexity, apart from the CoE steps around it
     reply = batch["loss_mask"].astype(bool) & batch["response_mask"].astype(bool)
-    nll, n = losses.token_cross_entropy(out["logits"], batch["target_ids"], reply)
+    nll, n = losses.masked_token_mean(model.token_nll(out, batch["target_ids"], reply), reply)
     return {**metrics, "reply_nll": nll, "reply_tokens": n}, {k: out[k] for k in _KEEP if k in out}
 
 

@@ -110,8 +110,17 @@ def token_cross_entropy(
     m = loss_mask.astype(bool)
     ids = jnp.where(m, target_ids, 0)  # padding ids may be out of range; they are masked anyway
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), ids)
+    return masked_token_mean(ce, m, count=count)
+
+
+def masked_token_mean(
+    nll: jax.Array, loss_mask: jax.Array, *, count: jax.Array | int | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """`token_cross_entropy` from per-token negative log-likelihoods [B, T] (e.g. `Llama.token_nll`, which
+    never holds the whole logits): the mean over loss_mask (denominator `count`) and the local count."""
+    m = loss_mask.astype(bool)
     n = masked_count(m)
-    return _mean(jnp.sum(jnp.where(m, ce, 0.0)), n, count), n
+    return _mean(jnp.sum(jnp.where(m, nll, 0.0)), n, count), n
 
 
 def masked_squared_l2(

@@ -697,6 +697,14 @@ def _check_same(what: str, saved: Any, current: Any, where: Path) -> None:
         )
 
 
+def _function_of(model_config: Mapping[str, Any] | EmpatheiaConfig) -> dict[str, Any]:
+    """What a checkpoint's model must agree on with the run's: its config with the defaults of fields added
+    since it was saved, less the fields that say how a step is computed (`EmpatheiaConfig.function_dict`)."""
+    if not isinstance(model_config, EmpatheiaConfig):
+        model_config = EmpatheiaConfig.from_dict(model_config)
+    return model_config.function_dict()
+
+
 def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult:
     """Trains `config.stage` in `workdir` (resuming from its latest checkpoint when there is one)."""
     initialize_distributed(config)
@@ -746,7 +754,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
     if resuming:
         restored = ckpt.restore(params=saved_state(model, include_backbone), opt_state=nnx.state(optimizer))
         _check_same("stage", restored.meta["stage"], meta["stage"], workdir)
-        _check_same("model", restored.meta["model_config"], meta["model_config"], workdir)
+        _check_same("model", _function_of(restored.meta["model_config"]), _function_of(model.config), workdir)
         nnx.update(model, restored.params)
         nnx.update(optimizer, restored.opt_state)
         data_iter.set_state(own_data_state(restored.data_state))
@@ -757,7 +765,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
         src_dir, src_step = resolve_checkpoint(checkpoints_of(config.init_from))
         with TrainCheckpointer(src_dir, create=False, async_save=False) as src:
             restored = src.restore(src_step, params=saved_state(model, include_backbone))
-        _check_same("model", restored.meta["model_config"], meta["model_config"], Path(config.init_from))
+        _check_same("model", _function_of(restored.meta["model_config"]), _function_of(model.config),
+                    Path(config.init_from))
         nnx.update(model, restored.params)
         log.info("initialised from %s step %d", src_dir, src_step)
     writer = MetricsWriter(workdir, lead)

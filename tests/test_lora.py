@@ -291,6 +291,47 @@ def test_added_rows_filter_trains_new_rows_only(tied):
     np.testing.assert_array_equal(after[("embed_tokens", "embedding")], before[("embed_tokens", "embedding")])
 
 
+def _token_nll(model: Llama, ids: np.ndarray, targets: np.ndarray, chunk: int) -> jax.Array:
+    hidden, _ = model.decode(model.embed(jnp.asarray(ids, jnp.int32)))
+    return model.token_nll(hidden, jnp.asarray(targets, jnp.int32), chunk=chunk)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_chunked_token_nll_equals_torch_cross_entropy(tied):
+    """5 positions a chunk over 12 (a ragged last chunk): torch's per-token CE of the HF model's logits."""
+    hf = tiny_hf(tied)
+    ids, targets = tokens(VOCAB), tokens(VOCAB, seed=1)
+    with torch.no_grad():
+        logits = hf(input_ids=torch.from_numpy(ids)).logits.transpose(1, 2)
+        want = torch.nn.functional.cross_entropy(logits, torch.from_numpy(targets), reduction="none").numpy()
+    ours = ours_from_hf(hf)
+    for chunk in (0, 5, 12):
+        got = np.asarray(_token_nll(ours, ids, targets, chunk))
+        np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL, err_msg=f"chunk {chunk}")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_chunked_token_nll_gives_the_whole_logits_gradients(tied):
+    """What training sees: the gradient of every parameter (LoRA, added rows, the tables) through the
+    recomputed chunks equals the gradient through the whole logits, added-token targets included."""
+    model = with_lora(ours_from_hf(tiny_hf(tied), extra_vocab=3))
+    randomize_added_rows(model)
+    ids, targets = tokens(VOCAB + 3), tokens(VOCAB + 3, seed=1)
+    graphdef, state = nnx.split(model)
+
+    def loss(state, chunk):
+        return _token_nll(nnx.merge(graphdef, state), ids, targets, chunk).mean()
+
+    whole, whole_grads = jax.value_and_grad(loss)(state, 0)
+    chunked, chunked_grads = jax.jit(jax.value_and_grad(loss), static_argnums=1)(state, 5)
+    np.testing.assert_allclose(float(chunked), float(whole), rtol=1e-6)
+    want, got = _leaf_dict(whole_grads), _leaf_dict(chunked_grads)
+    assert want.keys() == got.keys()
+    for path, g in want.items():
+        assert np.abs(g).max() > 0, f"{path}: no gradient to compare"
+        np.testing.assert_allclose(got[path], g, rtol=1e-4, atol=1e-6, err_msg=str(path))
+
+
 def test_trainable_filter_rejects_unknown_group():
     with pytest.raises(ValueError, match="unknown trainable groups"):
         trainable_filter({"lora", "whole_embedding"})

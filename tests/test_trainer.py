@@ -599,10 +599,12 @@ def _flat(state: nnx.State) -> dict[str, np.ndarray]:
             for p, v in nnx.to_flat_state(state)}
 
 
-def test_remat_full_and_dots_give_the_loss_and_gradients_of_none(tok, shards, built):
-    """model.llm.remat (the 7B config uses "full") only trades memory for recomputation: the stage loss,
-    its metrics and the gradients of a train step equal remat "none" (fp32). The jaxpr shows each policy
-    really ran, so a remat setting that was silently ignored would not pass as equal."""
+def test_remat_and_ce_chunk_give_the_loss_and_gradients_of_none(tok, shards, built):
+    """model.llm.remat (the 7B config uses "full") and model.empatheia.ce_chunk (the token loss 5 positions
+    at a time, a ragged last chunk included) only trade memory for recomputation: the stage loss, its
+    metrics and the gradients of a train step equal those of neither (fp32). The jaxpr shows each really
+    ran (one rematerialised block per decoder layer, or the loss's one), so a setting that was silently
+    ignored would not pass as equal."""
     _, stage, _, host = built
     manifest = json.loads((Path(shards) / "manifest.json").read_text())
     batch = {k: jnp.asarray(v[:4]) for k, v in host.items()}
@@ -610,23 +612,28 @@ def test_remat_full_and_dots_give_the_loss_and_gradients_of_none(tok, shards, bu
     grad_fn = jax.value_and_grad(stages.make_loss_fn(stage, losses.LossWeights()), has_aux=True)
     jitted = jax.jit(grad_fn, static_argnums=1, compiler_options=FAST)
     got = {}
-    for remat in ("none", "full", "dots"):
-        cfg = tiny_config(tok, shards, stage="overall", **{"model.llm.remat": remat})
+    variants = {"none": {}, "full": {"model.llm.remat": "full"}, "dots": {"model.llm.remat": "dots"},
+                "ce_chunk": {"model.empatheia.ce_chunk": 5}}
+    assert batch["input_ids"].shape[1] % 5
+    for remat, overrides in variants.items():
+        cfg = tiny_config(tok, shards, stage="overall", **overrides)
         model, _ = trainer.build_model(cfg, manifest)
-        assert model.config.llm.remat == remat
+        assert model.config.llm.remat == overrides.get("model.llm.remat", "none")
+        assert model.config.ce_chunk == overrides.get("model.empatheia.ce_chunk", 0)
         opt = stages.make_optimizer(model, stage, optax.sgd(1.0))
         graphs, params, frozen, _ = stages.split_for_step(model, opt, stage)
         jaxpr = str(jitted.trace(params, graphs.model, frozen, batch, keys).jaxpr)
         # One rematerialised block per decoder layer, under the configured policy.
         policies = re.findall(r"\b(?:remat2|checkpoint)\[[^\]]*?policy=(\S+)", jaxpr, flags=re.S)
-        want = {"none": [], "full": ["None"] * 2, "dots": ["DotsSaveable(only_if_no_batch_dims=True)"] * 2}
+        want = {"none": [], "full": ["None"] * 2, "dots": ["DotsSaveable(only_if_no_batch_dims=True)"] * 2,
+                "ce_chunk": ["None"]}
         assert policies == want[remat], (remat, policies)
         (total, metrics), grads = jitted(params, graphs.model, frozen, batch, keys)
         got[remat] = float(total), {k: float(v) for k, v in metrics.items()}, _flat(grads)
     ref_total, ref_metrics, ref_grads = got["none"]
     assert np.isfinite(ref_total)
     assert sum(np.abs(g).max() > 0 for g in ref_grads.values()) > len(ref_grads) // 2
-    for remat in ("full", "dots"):
+    for remat in ("full", "dots", "ce_chunk"):
         total, metrics, grads = got[remat]
         np.testing.assert_allclose(total, ref_total, rtol=1e-6, err_msg=remat)
         for k, v in ref_metrics.items():
@@ -635,6 +642,21 @@ def test_remat_full_and_dots_give_the_loss_and_gradients_of_none(tok, shards, bu
         for k, g in ref_grads.items():
             err, scale = np.abs(grads[k] - g).max(), np.abs(g).max()
             assert err <= 1e-5 * scale + 1e-9, (remat, k, err, scale)
+
+
+def test_a_checkpoint_may_differ_from_its_run_in_how_a_step_is_computed_only(built, tmp_path):
+    """resume / init_from compare the model configs less remat and ce_chunk, with the defaults of fields a
+    checkpoint predates (the reference model's coe checkpoint has no ce_chunk); anything else is refused."""
+    model = built[2]
+    d = model.config.to_dict()
+    older = {k: v for k, v in d.items() if k != "ce_chunk"}
+    other_execution = {**d, "ce_chunk": 64, "llm": {**d["llm"], "remat": "full"}}
+    run = trainer._function_of(model.config)
+    for saved in (older, other_execution):
+        trainer._check_same("model", trainer._function_of(saved), run, tmp_path)
+    other = {**d, "vae_layers": d["vae_layers"] + 1}
+    with pytest.raises(ValueError, match=r"differs in \['vae_layers'\]"):
+        trainer._check_same("model", trainer._function_of(other), run, tmp_path)
 
 
 class StepRecorder:

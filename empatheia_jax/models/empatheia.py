@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -58,6 +59,11 @@ SD_VAES = ("sd_speech_emotion", "sd_speech_profile", "sd_video_emotion", "sd_vid
 # ----------------------------------------------------------------------------------------------------------
 # Config
 # ----------------------------------------------------------------------------------------------------------
+
+
+# EmpatheiaConfig / LlamaConfig fields that trade memory for compute and leave the function unchanged.
+EXECUTION_FIELDS = ("ce_chunk",)
+LLM_EXECUTION_FIELDS = ("remat",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +128,9 @@ class EmpatheiaConfig:
     use_cs: bool = True
     use_sd: bool = True
     pipeline_baseline: bool = False
+    # Sequence positions whose logits the token loss holds at once (`Llama.token_nll`); 0 = all T at once.
+    # A memory/compute trade (one more output projection per step), not part of the model's function.
+    ce_chunk: int = 0
 
     def __post_init__(self):
         problems = []
@@ -131,6 +140,8 @@ class EmpatheiaConfig:
                      "sd_queries", "sd_code_dim", "sd_latent", "fuse_dim"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
+        if self.ce_chunk < 0:
+            problems.append(f"ce_chunk={self.ce_chunk} must be >= 0 (0: the whole logits at once)")
         if problems:
             raise ValueError("invalid EmpatheiaConfig: " + "; ".join(problems))
         v = self.llm.vocab_size
@@ -243,6 +254,14 @@ class EmpatheiaConfig:
                 v = list(v)
             out[f.name] = v
         return out
+
+    def function_dict(self) -> dict[str, Any]:
+        """`to_dict()` less the fields that say how a step is computed, not what the model computes
+        (`ce_chunk`, the backbone's `remat`): a stage may change them from the checkpoint it resumes or
+        starts from."""
+        d = {k: v for k, v in self.to_dict().items() if k not in EXECUTION_FIELDS}
+        d["llm"] = {k: v for k, v in d["llm"].items() if k not in LLM_EXECUTION_FIELDS}
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> EmpatheiaConfig:
@@ -599,6 +618,15 @@ class Empatheia(nnx.Module):
         """Every denominator of `loss` for this batch, from the batch alone (module-level `loss_counts`)."""
         return loss_counts(self.config, batch)
 
+    def token_nll(self, outputs: Mapping[str, Any], target_ids: jax.Array, mask: jax.Array) -> jax.Array:
+        """-log p(target) at every position [B, T] (float32; any value where mask is 0), from the forward's
+        hidden states in chunks of `config.ce_chunk` positions, or from its whole logits when that is 0. Under
+        jit the whole logits of `__call__` are then never computed: nothing reads them."""
+        ids = jnp.where(mask, target_ids, 0)  # padding ids may be out of range; they are masked anyway
+        if self.config.ce_chunk:
+            return self.llm.token_nll(outputs["hidden"], ids, chunk=self.config.ce_chunk)
+        return optax.softmax_cross_entropy_with_integer_labels(outputs["logits"], ids)
+
     def loss_terms(
         self,
         batch: Mapping[str, jax.Array],
@@ -616,13 +644,13 @@ class Empatheia(nnx.Module):
         """
         cfg = self.config
         count = _count_getter(counts)
-        logits, target_ids = outputs["logits"], batch["target_ids"]
+        target_ids = batch["target_ids"]
         loss_mask = batch["loss_mask"].astype(bool)
         terms: dict[str, jax.Array] = {}
-        emp, n_tok = losses.token_cross_entropy(logits, target_ids, loss_mask, count=count("emp_tokens"))
+        nll = self.token_nll(outputs, target_ids, loss_mask)
+        emp, n_tok = losses.masked_token_mean(nll, loss_mask, count=count("emp_tokens"))
         is_signal = _is_signal_target(cfg, target_ids)
-        sig, n_sig = losses.token_cross_entropy(logits, target_ids, loss_mask & is_signal,
-                                                count=count("signal_tokens"))
+        sig, n_sig = losses.masked_token_mean(nll, loss_mask & is_signal, count=count("signal_tokens"))
         terms[losses.EMP], terms[losses.SIGNAL_CE] = emp, sig
         extra = {"emp_tokens": n_tok, "signal_tokens": n_sig}
         if "speech_content" in outputs:

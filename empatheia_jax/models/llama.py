@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx, struct
 from flax.core import FrozenDict
 
@@ -362,6 +363,14 @@ _REMAT_POLICIES = {
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _project(h: jax.Array, spec: str, w: jax.Array, extra: jax.Array | None) -> jax.Array:
+    """Hidden states [B, T, d] -> float32 logits [B, T, V (+ added)] with `Llama._head`'s weights."""
+    out = jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
+    if extra is not None:
+        out = jnp.concatenate([out, jnp.einsum(spec, h, extra, preferred_element_type=jnp.float32)], axis=-1)
+    return constrain(out, ("batch", "length", "vocab"))
+
+
 class Llama(nnx.Module):
     """LLaMA decoder with an LM head. `model(input_ids)` gives float32 logits [B, T, V + extra_vocab]."""
 
@@ -463,25 +472,46 @@ class Llama(nnx.Module):
             cache = KVCache(tuple(new_keys), tuple(new_values), key_valid, cache.index + t)
         return hidden, cache
 
+    def _head(self) -> tuple[str, jax.Array, jax.Array | None]:
+        """The output projection in the compute dtype: (einsum, pretrained table, added rows or None)."""
+        cfg = self.config
+        if cfg.tie_word_embeddings:
+            spec, w = "btd,vd->btv", self.embed_tokens.embedding[...]
+            we = self.embed_extra[...] if cfg.extra_vocab else None
+        else:
+            spec, w = "btd,dv->btv", self.lm_head.kernel[...]
+            we = self.lm_head_extra[...] if cfg.extra_vocab else None
+        dt = cfg.compute_dtype
+        return spec, w.astype(dt), None if we is None else we.astype(dt)
+
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits over the full (original + added) vocabulary."""
-        cfg = self.config
-        h = hidden.astype(cfg.compute_dtype)
-        if cfg.tie_word_embeddings:
-            w = self.embed_tokens.embedding[...].astype(h.dtype)
-            out = jnp.einsum("btd,vd->btv", h, w, preferred_element_type=jnp.float32)
-            if cfg.extra_vocab:
-                we = self.embed_extra[...].astype(h.dtype)
-                extra = jnp.einsum("btd,vd->btv", h, we, preferred_element_type=jnp.float32)
-                out = jnp.concatenate([out, extra], axis=-1)
-            return constrain(out, ("batch", "length", "vocab"))
-        w = self.lm_head.kernel[...].astype(h.dtype)
-        out = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
-        if cfg.extra_vocab:
-            we = self.lm_head_extra[...].astype(h.dtype)
-            extra = jnp.einsum("btd,dv->btv", h, we, preferred_element_type=jnp.float32)
-            out = jnp.concatenate([out, extra], axis=-1)
-        return constrain(out, ("batch", "length", "vocab"))
+        return _project(hidden.astype(self.config.compute_dtype), *self._head())
+
+    def token_nll(self, hidden: jax.Array, target_ids: jax.Array, *, chunk: int = 0) -> jax.Array:
+        """-log p(target_ids[b, t] | position t) for every position: float32 [B, T].
+
+        chunk > 0 projects `chunk` positions at a time and recomputes each chunk's logits in the backward
+        pass (`jax.checkpoint` inside `lax.map`), so the [B, T, V] float32 logits, their softmax and their
+        gradient never exist whole: the largest tensors of a small model's step (SmolLM2: 49k vocabulary),
+        for the price of one more output projection. chunk = 0 (or >= T) computes them whole.
+        target_ids must be valid ids everywhere (masked positions: any valid id, e.g. 0).
+        """
+        b, t, _ = hidden.shape
+        if chunk <= 0 or chunk >= t:
+            return optax.softmax_cross_entropy_with_integer_labels(self.logits(hidden), target_ids)
+        head = self._head()
+        pad = -t % chunk
+        h = jnp.pad(hidden.astype(self.config.compute_dtype), ((0, 0), (0, pad), (0, 0)))
+        ids = jnp.pad(target_ids, ((0, 0), (0, pad)))
+        n = (t + pad) // chunk
+
+        @jax.checkpoint
+        def one(xs: tuple[jax.Array, jax.Array]) -> jax.Array:
+            return optax.softmax_cross_entropy_with_integer_labels(_project(xs[0], *head), xs[1])
+
+        by_chunk = (h.reshape(b, n, chunk, -1).swapaxes(0, 1), ids.reshape(b, n, chunk).swapaxes(0, 1))
+        return jax.lax.map(one, by_chunk).swapaxes(0, 1).reshape(b, t + pad)[:, :t]
 
     def __call__(
         self,
