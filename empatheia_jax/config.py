@@ -192,6 +192,9 @@ def validate(
         bad("model.lora.rank", config.model.lora.rank, "must be >= 1")
     if config.model.empatheia.n_signal < 1:
         bad("model.empatheia.n_signal", config.model.empatheia.n_signal, "must be >= 1")
+    ce_chunk = config.model.empatheia.get("ce_chunk", 0)
+    if not isinstance(ce_chunk, int) or ce_chunk < 0:
+        bad("model.empatheia.ce_chunk", ce_chunk, "must be an int >= 0 (positions a chunk; 0 = all at once)")
     if config.data.max_len < 16:
         bad("data.max_len", config.data.max_len, "must be >= 16")
 

@@ -81,6 +81,7 @@ def tiny_config(tok, shards, **overrides):
         ({"data.shards": "/nonexistent"}, "config.data.shards='/nonexistent'"),
         ({"data.eval_split": "dev"}, "data.eval_split='dev': no such split"),
         ({"model.matmul_precision": "tf32"}, "config.model.matmul_precision='tf32': must be one of"),
+        ({"model.empatheia.ce_chunk": -64}, "config.model.empatheia.ce_chunk=-64: must be an int >= 0"),
         ({"checkpoint.keep_best": True, "checkpoint.best_metric": "eval/loss"},
          "config.checkpoint.best_metric='eval/loss': the stage's evaluation reports no such metric"),
     ],
