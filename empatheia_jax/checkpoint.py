@@ -334,6 +334,10 @@ class TrainCheckpointer:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
+    def saved_metrics(self, step: int) -> dict[str, float]:
+        """The metrics saved with `step` ({} when none): the final step's hold the run's final evaluation."""
+        return {str(k): float(v) for k, v in (self._mngr.metrics(step) or {}).items()}
+
     def best_step(self) -> int | None:
         """The step with the best `best_metric` among those saved with it; None when no step has it."""
         step = self._mngr.best_step()

@@ -907,7 +907,14 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
                     )
                     break
             eval_metrics = {}
-            if status == "completed":
+            # Run again once complete (a launcher re-runs every stage), a stage trains nothing and reports
+            # the final evaluation saved with its last step instead of evaluating the same weights again.
+            recorded = ckpt.saved_metrics(start) if start == schedule.steps else {}
+            recorded = {k: v for k, v in recorded.items() if k.startswith("eval/")}
+            if status == "completed" and recorded:
+                eval_metrics = recorded
+                log.info("already complete at step %d: its final evaluation is the one saved then", start)
+            elif status == "completed":
                 stages.merge_after_step(model, optimizer, params, opt_state)
                 eval_metrics = {
                     f"eval/{k}": v

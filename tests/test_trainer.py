@@ -421,6 +421,24 @@ def test_keep_best_ranks_steps_by_a_metric_the_evaluation_reports(tok, shards, t
         assert ck.best_step() == best
 
 
+def test_a_completed_stage_run_again_reports_its_saved_final_evaluation(tok, shards, tmp_path, monkeypatch):
+    """launch/ed_reference.sh runs every stage again when it is re-run: a complete stage must not spend an
+    evaluation of the whole dev part (minutes) on the weights it already evaluated, nor log it twice."""
+    cfg = tiny_config(tok, shards, **{"schedule.coe.steps": 2})
+    first = trainer.train(cfg, tmp_path)
+    logged = (tmp_path / "metrics.jsonl").read_text()
+    assert first.eval_metrics and "eval/total" in first.eval_metrics
+
+    def no_evaluation(*args, **kwargs):
+        raise AssertionError("a complete stage was evaluated again")
+
+    monkeypatch.setattr(trainer, "evaluate_loss", no_evaluation)
+    again = trainer.train(cfg, tmp_path)
+    assert (again.status, again.step) == ("completed", 2)
+    assert again.eval_metrics == pytest.approx(first.eval_metrics)
+    assert (tmp_path / "metrics.jsonl").read_text() == logged
+
+
 def train_steps(workdir: Path) -> list[int]:
     """The steps metrics.jsonl logged train metrics for, in file order (a resumed run appends its own)."""
     lines = (workdir / "metrics.jsonl").read_text().splitlines()
