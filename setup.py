@@ -61,7 +61,7 @@ setup(
     description="Empatheia multimodal empathetic LLM in JAX/Flax",
     python_requires=">=3.11",
     packages=find_packages(include=["empatheia_jax*", "converters*", "data*", "configs*"]),
-    package_data={"empatheia_jax": ["resources/*.json"]},
+    package_data={"empatheia_jax": ["resources/*.json", "resources/reference/*"]},
     install_requires=CORE,
     extras_require={
         "convert": CONVERT,

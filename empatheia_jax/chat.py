@@ -456,8 +456,11 @@ def respond(
             nl = [] if any(s in body for s in cfg.signal_ids) else list(
                 tokenizer("\n", add_special_tokens=False)["input_ids"])
             final = body + nl + missing + [new[-1] if ended else eos[0]]
+            # Only stage overall's targets end in them (templates.format_target): a model whose last stage
+            # is another (the reference model: coe, ccl, sac) never emits them.
             notes.append(f"the generation lacked {len(missing)} of the {2 * cfg.n_signal} signal tokens; "
-                         "they were appended after the reply (untrained model, or max_new_tokens too small)")
+                         "they were appended after the reply (only stage overall teaches the model to emit "
+                         "them; after it, max_new_tokens may be too small)")
 
     emap = schema.EmotionMap.load(emotion_map_name(cfg))
     parsed = ev.parse_generation(raw, emap, pipeline_baseline=cfg.pipeline_baseline)

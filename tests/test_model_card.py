@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from configs.base import get_config
+from empatheia_jax import config as config_lib
 from empatheia_jax import model_card
 
 
@@ -19,12 +21,16 @@ def _export(tmp_path):
     return export
 
 
-def _workdir(tmp_path, name, stage, records):
+def _workdir(tmp_path, name, stage, records, stage_lr=None):
     w = tmp_path / name
     w.mkdir()
     data = {"shards": "/runs/ref/ed/shards", "train_split": "train"}
-    (w / "config.json").write_text(json.dumps({"stage": stage, "train": {"batch_size": 8},
-                                               "optim": {"lr": 2e-4}, "data": data}))
+    config = get_config()  # the whole saved config, as the trainer writes it
+    config.stage, config.train.batch_size, config.optim.lr = stage, 8, 2e-4
+    config.data.shards, config.data.train_split = data["shards"], data["train_split"]
+    if stage_lr is not None:
+        config.schedule[stage].lr = stage_lr
+    (w / "config.json").write_text(json.dumps(config_lib.to_json(config)))
     (w / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return w
 
@@ -36,7 +42,7 @@ def test_card_copies_the_measured_figures_and_sums_the_training_time(tmp_path):
         {"step": 20, "perf/step_time_s": 5.0}, {"step": 40, "perf/step_time_s": 7.0},
         {"step": 40, "perf/step_time_s": 6.0}, {"step": 40, "eval/total": 1.25},
         {"step": 50, "perf/step_time_s": 4.0}])
-    overall = _workdir(tmp_path, "overall", "overall", [{"step": 10, "perf/step_time_s": 2.0}])
+    overall = _workdir(tmp_path, "overall", "overall", [{"step": 10, "perf/step_time_s": 2.0}], stage_lr=3e-3)
     metrics = {"trained": {"emotion32_acc_scored": 0.4125, "emotion32_acc_text": 0.38, "num_examples": 881.0,
                            "eval_loss": 1.2},
                "chance": {"emotion32_acc_text": 1 / 32}, "template": "coe", "shards": "/runs/ref/ed/shards",
@@ -51,6 +57,7 @@ def test_card_copies_the_measured_figures_and_sums_the_training_time(tmp_path):
                      "lr": 2e-4, "shards": "/runs/ref/ed/shards", "train_split": "train",
                      "evals": [{"step": 40, "eval_loss": 1.25}]}
     assert overall_s["train_seconds"] == 20.0 and overall_s["stage"] == "overall"
+    assert overall_s["lr"] == 3e-3  # the stage's own peak lr (schedule.overall.lr), not optim.lr
     assert card["eval"] == {"template": "coe", "data": "/runs/ref/ed/shards", "split": "dev",
                             "metrics": metrics["trained"]}
     assert card["model"] == {"stage": "overall", "step": 40, "mode": "peft",
@@ -61,7 +68,7 @@ def test_card_copies_the_measured_figures_and_sums_the_training_time(tmp_path):
     assert model_card.read_card(export) == card
     text = readme.read_text()
     for line in ("| emotion32_acc_scored | 0.4125 |", "| emotion32_acc_text | 0.3800 |",
-                 "| num_examples | 881 |", "| coe | coe | 50 | 8 | 0.0002 | ed/shards (train) | 0.07 h |",
+                 "| num_examples | 881 |", "| coe | coe | 50 | 8 | 0.0002 | ed/shards (train) | 4.3 min |",
                  "LoRA rank 16, alpha 32.0 on q_proj, v_proj", "bash launch/ed_reference.sh R",
                  "CC BY-NC 4.0", "On the first 64 records of the same split (what the project's test "
                  "re-measures): emotion32_acc_scored 0.4062, emotion32_acc_text 0.3750."):
