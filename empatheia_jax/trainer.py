@@ -700,7 +700,7 @@ def _check_same(what: str, saved: Any, current: Any, where: Path) -> None:
 def _function_of(model_config: Mapping[str, Any] | EmpatheiaConfig) -> dict[str, Any]:
     """What a checkpoint's model must agree on with the run's: its config with the defaults of fields added
     since it was saved, less the fields that say how a step is computed (`EmpatheiaConfig.function_dict`)."""
-    if not isinstance(model_config, EmpatheiaConfig):
+    if isinstance(model_config, Mapping):  # (a reloaded module makes another EmpatheiaConfig class)
         model_config = EmpatheiaConfig.from_dict(model_config)
     return model_config.function_dict()
 
