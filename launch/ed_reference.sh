@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The reference model: stage coe on EmpatheticDialogues, then the heads' stages ccl and sac on the AvaMERG sample.
+# The reference model: stage coe on EmpatheticDialogues, then the heads' stages ccl, sac on the sample.
 #
 #   bash launch/ed_reference.sh RUNDIR [--config.FIELD=VALUE ...]
 #
@@ -17,12 +17,12 @@
 # SAMPLE_STAGES (default "ccl sac": the stages on the sample, in order; 0 = none: stop after coe; "ccl sac
 # overall" adds the joint stage, whose LoRA steps at the demo's lr 1e-3 on 64 sample dialogues undo the ED
 # training: 41 % of dev replies repeat a 4-gram, docs/benchmarks.md), COE_EVAL=0 to skip the coe stage's
-# dev evaluation (a diagnostic: the card reports the final model's), EVAL_FLAGS (extra `empatheia eval` flags), DEVICE (the
-# card's device line).
+# dev evaluation (a diagnostic: the card reports the final model's), EVAL_FLAGS (extra `empatheia eval`
+# flags), DEVICE (the card's device line).
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-    sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 RUN=$1
