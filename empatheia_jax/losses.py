@@ -107,10 +107,14 @@ def token_cross_entropy(
     log-sum-exp, so bf16 logits are fine. `count` (default: the local count) is the denominator; the
     returned count is always this call's own `masked_count(loss_mask)`.
     """
-    m = loss_mask.astype(bool)
-    ids = jnp.where(m, target_ids, 0)  # padding ids may be out of range; they are masked anyway
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), ids)
-    return masked_token_mean(ce, m, count=count)
+    return masked_token_mean(token_nll(logits, target_ids, loss_mask), loss_mask, count=count)
+
+
+def token_nll(logits: jax.Array, target_ids: jax.Array, loss_mask: jax.Array) -> jax.Array:
+    """-log softmax(logits)[target] at every position, float32 [B, T]; positions outside loss_mask score
+    id 0 (their padding ids may be out of range) and are for the caller to mask."""
+    ids = jnp.where(loss_mask.astype(bool), target_ids, 0)
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), ids)
 
 
 def masked_token_mean(

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -622,10 +621,10 @@ class Empatheia(nnx.Module):
         """-log p(target) at every position [B, T] (float32; any value where mask is 0), from the forward's
         hidden states in chunks of `config.ce_chunk` positions, or from its whole logits when that is 0. Under
         jit the whole logits of `__call__` are then never computed: nothing reads them."""
-        ids = jnp.where(mask, target_ids, 0)  # padding ids may be out of range; they are masked anyway
         if self.config.ce_chunk:
+            ids = jnp.where(mask, target_ids, 0)  # padding ids may be out of range; they are masked anyway
             return self.llm.token_nll(outputs["hidden"], ids, chunk=self.config.ce_chunk)
-        return optax.softmax_cross_entropy_with_integer_labels(outputs["logits"], ids)
+        return losses.token_nll(outputs["logits"], target_ids, mask)
 
     def loss_terms(
         self,
