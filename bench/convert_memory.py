@@ -1,4 +1,4 @@
-"""Peak host memory of `converters.hf_to_flax.convert` on a 7B-shaped checkpoint with fewer layers.
+"""Peak host memory of `empatheia_jax.weights.hf_to_flax.convert` on a 7B-shaped checkpoint with fewer layers.
 
     python bench/convert_memory.py [--layers 2] [--disk-dtype float16] [--dtype float32] [--extra-vocab 0]
                                    [--old] [--workdir DIR] [--keep] [--json OUT]
@@ -61,9 +61,9 @@ def write_random_checkpoint(folder: Path, *, layers: int, disk_dtype: str = "flo
     time (this process never holds more than one). Returns {tensor name: shape as stored}."""
     import ml_dtypes
 
-    from converters.hf_names import param_names, variable
-    from empatheia_jax.checkpoint_io import abstract_model
     from empatheia_jax.models.llama import LlamaConfig
+    from empatheia_jax.weights.checkpoint_io import abstract_model
+    from empatheia_jax.weights.hf_names import param_names, variable
 
     cfg = LlamaConfig(num_hidden_layers=layers, tie_word_embeddings=False, **shape)
     model = abstract_model(cfg)
@@ -103,8 +103,8 @@ def measure(mode: str, src: Path, out: Path, *, dtype: str, extra_vocab: int) ->
 
 
 def _child(mode: str, src: str, out: str, dtype: str, extra_vocab: int) -> None:
-    from converters import hf_to_flax
-    from empatheia_jax.checkpoint_io import save_checkpoint
+    from empatheia_jax.weights import hf_to_flax
+    from empatheia_jax.weights.checkpoint_io import save_checkpoint
 
     t0 = time.perf_counter()
     if mode == "streaming":

@@ -62,8 +62,9 @@ def measure(ckpt: str, shards: str | None, split: str, batches: int, precision: 
     import jax
     import ml_collections
 
-    from empatheia_jax import config as config_lib
-    from empatheia_jax import sharding, trainer
+    from empatheia_jax import sharding
+    from empatheia_jax.train import config as config_lib
+    from empatheia_jax.train import trainer
 
     model, tokenizer, config, _ = trainer.load_trained(ckpt)
     config = ml_collections.ConfigDict(config.to_dict())

@@ -24,8 +24,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from empatheia_jax import input_pipeline as ip  # noqa: E402
-from empatheia_jax import shard_format  # noqa: E402
+from empatheia_jax.data import input_pipeline as ip  # noqa: E402
+from empatheia_jax.data import shard_format  # noqa: E402
 
 _TEXT = (
     "i feel so tired today because work keeps piling up and nobody seems to notice how hard i try "

@@ -172,8 +172,8 @@ def _ints(text: str) -> list[int]:
 def llm_config(config: Any, layers: int | None = None, remat: str | None = None) -> Any:
     """The run's LlamaConfig: a converted backbone's config.json, else the config's own random backbone
     (tests), else Vicuna-7B v1.5's shape; then config.model.llm's overrides, `layers` and `remat`."""
-    from empatheia_jax.checkpoint_io import read_config
     from empatheia_jax.models.llama import LlamaConfig
+    from empatheia_jax.weights.checkpoint_io import read_config
 
     fields = dict(config.model.llm)
     if config.model.backbone:
@@ -197,7 +197,7 @@ def feature_dims(config: Any, audio_dim: int, video_dim: int) -> dict[str, Any]:
     """The manifest fields the model reads: the shards' when `data.shards` exists, else the given widths."""
     shards = config.data.shards
     if shards and Path(shards, "manifest.json").exists():
-        from empatheia_jax.shard_format import load_manifest
+        from empatheia_jax.data.shard_format import load_manifest
 
         return load_manifest(shards)
     return {"features": {"audio_dim": audio_dim, "video_dim": video_dim}}
@@ -206,8 +206,8 @@ def feature_dims(config: Any, audio_dim: int, video_dim: int) -> dict[str, Any]:
 def empatheia_config(config: Any, llm: Any, manifest: Mapping[str, Any]) -> Any:
     """The EmpatheiaConfig `trainer.build_model` would build (`model_config_overrides` on this backbone);
     the added-token ids are the defaults, which are what `from_llm` assigns to a vocab_size-long tokenizer."""
-    from empatheia_jax import trainer
     from empatheia_jax.models.empatheia import EmpatheiaConfig
+    from empatheia_jax.train import trainer
 
     return EmpatheiaConfig(llm=llm, **trainer.model_config_overrides(config, manifest))
 
@@ -453,9 +453,9 @@ def build_abstract(config: Any, cfg: Any) -> tuple[Any, Any]:
     """(abstract model, abstract optimizer): `Empatheia(cfg)` and `stages.make_optimizer` under eval_shape."""
     from flax import nnx
 
-    from empatheia_jax import config as config_lib
-    from empatheia_jax import stages, trainer
     from empatheia_jax.models.empatheia import Empatheia
+    from empatheia_jax.train import config as config_lib
+    from empatheia_jax.train import stages, trainer
 
     stage = config_lib.resolve_stage(config)
     tx, _ = trainer.make_tx(config, config_lib.stage_schedule(config))
@@ -473,7 +473,8 @@ def place(model: Any, optimizer: Any, stage: Any, mesh: Any) -> AbstractRun:
     would give it (the optimizer state inherits its parameter's logical axes, as under `jax.set_mesh`)."""
     import jax
 
-    from empatheia_jax import sharding, stages
+    from empatheia_jax import sharding
+    from empatheia_jax.train import stages
 
     graphs, params, frozen, opt_state = stages.split_for_step(model, optimizer, stage)
 
@@ -507,8 +508,8 @@ def abstract_batch(config: Any, stage: Any, cfg: Any, micro: int, seq: int, accu
     `input_pipeline.batch_spec` of the stage's pipeline, with `sharding` on every array."""
     import jax
 
-    from empatheia_jax.evaluate import pipeline_config_fields
-    from empatheia_jax.input_pipeline import PipelineConfig, batch_spec
+    from empatheia_jax.data.input_pipeline import PipelineConfig, batch_spec
+    from empatheia_jax.eval.evaluate import pipeline_config_fields
 
     fields = pipeline_config_fields(cfg, stage, {"max_aud": int(config.data.max_aud),
                                                  "max_vid": int(config.data.max_vid)})
@@ -540,7 +541,7 @@ def compile_step(config: Any, run: AbstractRun, stage: Any, mesh: Any, micro: in
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from empatheia_jax import losses, trainer
+    from empatheia_jax.train import losses, trainer
 
     t0 = time.perf_counter()
     step = trainer.jit_step(stage, losses.LossWeights(**dict(config.loss)), run.params, run.opt_state,
@@ -577,7 +578,7 @@ def residual_bytes(config: Any, run: AbstractRun, stage: Any, micro: int, seq: i
     import jax
     from jax._src.ad_checkpoint import saved_residuals  # public jax only prints them
 
-    from empatheia_jax import losses, stages
+    from empatheia_jax.train import losses, stages
 
     loss_fn = stages.make_loss_fn(stage, losses.LossWeights(**dict(config.loss)))
     graphdef = run.graphs.model
@@ -658,7 +659,7 @@ def fit(total: int) -> dict[str, str]:
 def model_flops(model: Any, n_trainable: int, seq: int, tokens: int) -> tuple[float, float]:
     """(trainer convention, 6N) FLOPs for `tokens` tokens of length-`seq` sequences; N = the backbone's
     parameters without the embedding lookup, `trainer.flops_per_token`'s N."""
-    from empatheia_jax import trainer
+    from empatheia_jax.train import trainer
 
     llm = model.config.llm
     per_token = trainer.flops_per_token(model, seq, n_trainable)
@@ -679,7 +680,7 @@ def at_depth(values: Mapping[int, float], depth: int) -> float:
 
 def check_trainer_accepts(config: Any, point: Point, micro: int, accum: int, n_dev: int) -> None:
     """The plan only lists configurations `empatheia train` would run (`config.validate`)."""
-    from empatheia_jax import config as config_lib
+    from empatheia_jax.train import config as config_lib
 
     trial = config.copy_and_resolve_references()
     trial.train.batch_size, trial.train.grad_accum = micro * accum, accum
@@ -694,8 +695,8 @@ def measure(config: Any, point: Point, layers: Sequence[int], full_layers: int, 
     FLOPs compiled at `layers` (one depth: as measured; two: on the line through them, at `full_layers`)."""
     import jax
 
-    from empatheia_jax import config as config_lib
     from empatheia_jax import sharding
+    from empatheia_jax.train import config as config_lib
 
     stage = config_lib.resolve_stage(config)
     n_dev = math.prod(point.mesh.values())

@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
-    from converters import kokoro
-    from data.kokoro_voices import voice
+    from empatheia_jax.generators import kokoro
+    from empatheia_jax.generators.kokoro_voices import voice
 
     engine = kokoro.Kokoro(threads=args.threads)
     profiles = [{"age": a, "gender": g, "timbre": "mid"} for a, g in

@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
-    from data.face_render import encode_mp4, face_controls, render_controls
-    from empatheia_jax.video_metrics import video_rows
+    from empatheia_jax.eval.metrics.video import video_rows
+    from empatheia_jax.generators.face_render import encode_mp4, face_controls, render_controls
 
     n = args.frames
     env = np.clip(np.abs(np.sin(np.arange(n) / 3.0)) * (np.arange(n) % 50 < 40), 0, 1)

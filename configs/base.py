@@ -3,7 +3,7 @@
 Usage (big_vision pattern): `empatheia train --config configs/X.py[:ARG] --config.stage=coe --workdir DIR`,
 any field overridable as `--config.optim.lr=1e-4`. ARG is a comma-separated list of ablations (`no_coe`,
 `no_media`, `no_cs`, `no_sd`) and/or `pipeline` (the paper's Pipeline baseline); see `apply_arg`.
-The trainer validates the resolved config (`empatheia_jax.config.validate`) before anything compiles.
+The trainer validates the resolved config (`empatheia_jax.train.config.validate`) before anything compiles.
 """
 
 from __future__ import annotations

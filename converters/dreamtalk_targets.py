@@ -427,7 +427,7 @@ def load_dreamtalk(
     plus the wav2vec2 model of `w2v`. Every problem is a one-line `UsageError`."""
     import torch
 
-    from empatheia_jax.shard_format import sha256_file
+    from empatheia_jax.data.shard_format import sha256_file
 
     repo = Path(repo).expanduser().resolve()
     for rel in ("configs/default.py", "core/networks/generator.py"):
@@ -477,7 +477,7 @@ def video_jobs(
 ) -> list[VideoJob]:
     """One job per distinct utterance (histories and responses); every wav and coefficient file must
     exist (a `UsageError` names the missing ones, before any model is loaded)."""
-    from empatheia_jax import schema
+    from empatheia_jax.data import schema
 
     raw, coeffs = Path(raw), Path(coeffs)
     if not coeffs.is_dir() and raw.is_dir():
@@ -507,7 +507,7 @@ Result = tuple[str, dict[str, np.ndarray] | None, str | None]
 
 
 def _results(parts: Any, jobs: list[VideoJob], content_window: str) -> Iterator[Result]:
-    from empatheia_jax.encoders import load_audio
+    from empatheia_jax.data.encoders import load_audio
 
     for job in jobs:
         try:
@@ -567,7 +567,7 @@ def export_video_targets(
     """
     from tqdm import tqdm
 
-    from empatheia_jax.targets import TargetWriter
+    from empatheia_jax.data.targets import TargetWriter
 
     if content_window not in CONTENT_WINDOWS:
         raise UsageError(f"unknown --content-window {content_window!r}; expected one of "
@@ -630,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard-size", type=int, default=512)
     ap.add_argument("--quiet", action="store_true", help="no progress output")
     args = ap.parse_args(argv)
-    from empatheia_jax.schema import SchemaError
+    from empatheia_jax.data.schema import SchemaError
 
     t0 = time.perf_counter()
     try:

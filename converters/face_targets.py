@@ -2,7 +2,8 @@
 
     python -m converters.face_targets --raw RAW --out TARGETS [--splits a,b] [--workers 2] [--quiet]
 
-The sample's talking faces come from `data/face_render.py`, a procedural stand-in for DreamTalk with a
+The sample's talking faces come from `empatheia_jax/generators/face_render.py`, a procedural stand-in for
+DreamTalk with a
 documented control space (`face_render.CONTENT_*`, `face_render.STYLE_GROUPS`): per 25-fps frame the mouth
 opening and eyelid closure (`video_content` [T, 256]), per clip the avatar and its expression
 (`video_style` [256]). Those controls are the complete description of the video: `render_controls` on
@@ -31,10 +32,12 @@ import numpy as np
 SOURCE = "face_render"
 KINDS = ("video_content", "video_style")
 METHOD = {
-    "video_content": "data/face_render.py control space, one row per 25-fps frame: dim 0 mouth opening "
-                     "(MOUTH_LEVELS steps), dim 1 eyelid closure (0 / 0.6 / 1), dims 2-255 zero",
-    "video_style": "data/face_render.py STYLE_GROUPS one-hots: age, gender, timbre, expression, skin, hair, "
-                   "iris; dims 30-255 zero",
+    "video_content": ("empatheia_jax/generators/face_render.py control space, "
+                      "one row per 25-fps frame: dim 0 mouth opening "
+                      "(MOUTH_LEVELS steps), dim 1 eyelid closure (0 / 0.6 / 1), dims 2-255 zero"),
+    "video_style": ("empatheia_jax/generators/face_render.py STYLE_GROUPS one-hots: "
+                    "age, gender, timbre, expression, skin, hair, "
+                    "iris; dims 30-255 zero"),
 }
 
 
@@ -43,7 +46,7 @@ def face_jobs(raw: str | Path, splits: list[str] | None = None,
     """(uid, wav path, profile, style) of every distinct utterance, as data/make_sample.py renders it: the
     utterances the speech exporter lists (`styletts2_targets.speech_jobs`) and the style they are drawn in."""
     from converters.styletts2_targets import speech_jobs
-    from data.kokoro_voices import utterance_style
+    from empatheia_jax.generators.kokoro_voices import utterance_style
 
     return [(j.uid, j.wav, j.profile, utterance_style(j.role, j.emotion))
             for j in speech_jobs(raw, splits, dialogues)]
@@ -51,8 +54,8 @@ def face_jobs(raw: str | Path, splits: list[str] | None = None,
 
 def utterance_controls(wav: str | Path, profile: dict, style: str) -> tuple[np.ndarray, np.ndarray]:
     """(video_content [T, 256], video_style [256]) of one utterance: `face_controls` of its speech."""
-    from data.face_render import face_controls
-    from data.speech_synth import SAMPLE_RATE, read_wav, speech_envelope
+    from empatheia_jax.generators.face_render import face_controls
+    from empatheia_jax.generators.speech_synth import SAMPLE_RATE, read_wav, speech_envelope
 
     sr, x = read_wav(wav)
     if sr != SAMPLE_RATE:
@@ -77,7 +80,7 @@ def export_face_targets(raw: str | Path, out: str | Path, *, splits: list[str] |
     """
     from tqdm import tqdm
 
-    from empatheia_jax.targets import TargetWriter
+    from empatheia_jax.data.targets import TargetWriter
 
     jobs = face_jobs(raw, splits, dialogues)
     missing = [j[1] for j in jobs if not Path(j[1]).is_file()]

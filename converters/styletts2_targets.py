@@ -5,9 +5,11 @@ generator's own intermediate features, so that at inference their outputs can be
 decoder as if its encoders had produced them (DESIGN §2). The targets therefore have to come from the very
 generator that will speak, computed exactly the way that generator computes them at inference:
 
-- ``kokoro`` (default, embedded): Kokoro-82M (converters/kokoro.py) is what ships inside our wheels, so it
+- ``kokoro`` (default, embedded): Kokoro-82M (empatheia_jax/generators/kokoro.py) is what ships inside our
+wheels, so it
   is what the offline system speaks with. Its graph has no style encoder, so the style target is the voice
-  the utterance is *spoken with* (data/kokoro_voices.py: profile + emotion -> ref_s), not a measurement.
+  the utterance is *spoken with* (empatheia_jax/generators/kokoro_voices.py: profile + emotion -> ref_s), not
+  a measurement.
   Content rows are Kokoro's t_en ++ d_en for ``[0, *ids, 0]``, the two boundary pads included, because
   the synthesizer only reproduces the full model when it gets all of them.
 - ``styletts2``: a user's checkout of yl4579/StyleTTS2 and a trained checkpoint. Here both targets are
@@ -34,7 +36,8 @@ modules used here never touch them). ``utils.py`` is not imported either (it nee
 StyleTTS2 phonemes: espeak-ng en-us through phonemizer-fork with StyleTTS2's settings
 (``preserve_punctuation=True, with_stress=True``, no stripping of language flags, unlike Kokoro's
 ``remove-flags``), then ``nltk.word_tokenize`` joined by spaces, exactly like StyleTTS2's ``inference``;
-espeak-ng comes from the ``espeakng-loader`` wheel (`converters.kokoro.espeak_backend`, the one library
+espeak-ng comes from the ``espeakng-loader`` wheel (`empatheia_jax.generators.kokoro.espeak_backend`, the one
+library
 set-up), so its version can differ from a system espeak-ng the checkpoint was trained with.
 
 CLI::
@@ -121,7 +124,7 @@ def speech_jobs(
     dialogues: Iterable[Any] | None = None,
 ) -> list[SpeechJob]:
     """One job per distinct utterance (histories and responses) of `dialogues`, else of RAW's splits."""
-    from empatheia_jax import schema
+    from empatheia_jax.data import schema
 
     dialogues = raw_dialogues(raw, splits, dialogues)
     emap = schema.EmotionMap.load("avamerg7")
@@ -145,14 +148,13 @@ Result = tuple[str, dict[str, np.ndarray] | None, str | None]
 
 
 def _kokoro_init() -> None:
-    from converters import kokoro
+    from empatheia_jax.generators import kokoro
 
     kokoro.shared(1)
 
 
 def _kokoro_one(job: SpeechJob) -> Result:
-    from converters import kokoro
-    from data import kokoro_voices
+    from empatheia_jax.generators import kokoro, kokoro_voices
 
     try:
         content = kokoro.shared(1).content_features(kokoro.phonemize(job.text))
@@ -163,21 +165,21 @@ def _kokoro_one(job: SpeechJob) -> Result:
 
 
 def _kokoro_meta() -> dict[str, dict[str, Any]]:
-    from converters import kokoro
-    from data import kokoro_voices
+    from empatheia_jax.generators import kokoro, kokoro_voices
 
     common = {"generator": "Kokoro-82M", "model": kokoro.MODEL_NAME, "model_sha256": kokoro.MODEL_SHA256,
               "cut_version": kokoro.CUT_VERSION, "voice_map_version": kokoro_voices.MAP_VERSION}
     return {
         "speech_content": {**common, "layout": KOKORO_LAYOUT, "phonemizer": KOKORO_PHONEMIZER},
-        "speech_style": {**common, "method": "data.kokoro_voices.voice(profile, utterance_style(role, "
+        "speech_style": {**common, "method": "empatheia_jax.generators.kokoro_voices.voice(profile, "
+                                            "utterance_style(role, "
                          "emotion)).style: the ref_s the utterance is spoken with (first 128 acoustic, "
                          "last 128 prosodic)"},
     }
 
 
 def _kokoro_results(jobs: list[SpeechJob], workers: int, stack: contextlib.ExitStack) -> Iterator[Result]:
-    from converters import kokoro
+    from empatheia_jax.generators import kokoro
 
     kokoro.cut_model("encoder")  # built once here, not raced by the workers
     if workers > 1:
@@ -200,7 +202,7 @@ _ESPEAK_LOCK = threading.Lock()
 def _styletts2_espeak():
     global _ESPEAK
     if _ESPEAK is None:
-        from converters.kokoro import espeak_backend
+        from empatheia_jax.generators.kokoro import espeak_backend
 
         _ESPEAK = espeak_backend(preserve_punctuation=True, with_stress=True)
     return _ESPEAK
@@ -452,7 +454,7 @@ def load_styletts2(
     import torch
     import yaml
 
-    from empatheia_jax.shard_format import sha256_file
+    from empatheia_jax.data.shard_format import sha256_file
 
     repo = Path(repo).expanduser().resolve()
     if not (repo / "models.py").is_file() or not (repo / "text_utils.py").is_file():
@@ -567,7 +569,7 @@ def export_speech_targets(
     """
     from tqdm import tqdm
 
-    from empatheia_jax.targets import TargetWriter
+    from empatheia_jax.data.targets import TargetWriter
 
     if backend not in BACKENDS:
         raise UsageError(f"unknown --backend {backend!r}; expected one of {', '.join(BACKENDS)}")
@@ -631,8 +633,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard-size", type=int, default=512)
     ap.add_argument("--quiet", action="store_true", help="no progress output")
     args = ap.parse_args(argv)
-    from converters.kokoro import KokoroAssetError
-    from empatheia_jax.schema import SchemaError
+    from empatheia_jax.data.schema import SchemaError
+    from empatheia_jax.generators.kokoro import KokoroAssetError
 
     t0 = time.perf_counter()
     try:

@@ -15,7 +15,7 @@ phoneme count plus Kokoro's two boundary pads (`targets.content_rows`), which ch
 fed the predicted d_en rows and the prosodic half of S^s, as in StyleTTS2 inference: Empatheia predicts no
 durations (the paper's CS targets are t_en and d_en only), and the predictor is what maps content and style
 to timing. `--speed` defaults to 1.0, the listener's speaking rate in the sample's voice map
-(data/kokoro_voices.py), since Empatheia speaks as the listener.
+(empatheia_jax/generators/kokoro_voices.py), since Empatheia speaks as the listener.
 
 Only checkpoints trained on Kokoro speech targets can be spoken here: stand-in targets are not generator
 features, and StyleTTS2 features belong to the user's StyleTTS2 checkpoint (a different model).
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from converters import kokoro
+from empatheia_jax.generators import kokoro
 
 
 class SpeechBridgeError(ValueError):
@@ -117,7 +117,7 @@ def video_frames(content: np.ndarray, n_frames: int) -> tuple[np.ndarray, list[s
 
 def _video_features(features: str | Path, renderer: str) -> tuple[np.ndarray, np.ndarray]:
     """(C^v, S^v) of chat's output, checked against the renderer that is to draw them."""
-    from empatheia_jax.chat import read_outputs
+    from empatheia_jax.serve.chat import read_outputs
 
     arrays, meta = read_outputs(Path(features))
     for key in ("video_content", "video_style"):
@@ -128,10 +128,11 @@ def _video_features(features: str | Path, renderer: str) -> tuple[np.ndarray, np
 
 
 def render_avatar(features: str | Path, wav: str | Path, out: str | Path) -> tuple[Path, int, list[str]]:
-    """The talking avatar: predicted C^v/S^v drawn by the face generator (data/face_render.py) at 25 fps,
+    """The talking avatar: predicted C^v/S^v drawn by the face generator
+    (empatheia_jax/generators/face_render.py) at 25 fps,
     as many frames as `wav` (the spoken reply) lasts, with that speech muxed in; (path, frames, notes)."""
-    from data.face_render import FRAME_RATE, encode_mp4, render_controls
-    from data.speech_synth import read_wav
+    from empatheia_jax.generators.face_render import FRAME_RATE, encode_mp4, render_controls
+    from empatheia_jax.generators.speech_synth import read_wav
 
     content, style = _video_features(features, "face_render")
     sr, samples = read_wav(wav)
@@ -178,9 +179,9 @@ def render_dreamtalk(features: str | Path, wav: str | Path, out: str | Path, fil
 def synthesize_reply(features: str | Path, out: str | Path, *, rows: int | None = None,
                      speed: float = 1.0) -> tuple[Path, float, list[str]]:
     """Speak chat's output `features` (OUT.npz or its stem) into the wav `out`; (path, seconds, notes)."""
-    from data.kokoro_voices import to_pcm16
-    from data.speech_synth import write_wav
-    from empatheia_jax.chat import read_outputs
+    from empatheia_jax.generators.kokoro_voices import to_pcm16
+    from empatheia_jax.generators.speech_synth import write_wav
+    from empatheia_jax.serve.chat import read_outputs
 
     stem = Path(features)
     try:

@@ -21,8 +21,8 @@ def raw_dialogues(raw: str | os.PathLike, splits: list[str] | None = None,
                   dialogues: Iterable[Any] | None = None) -> list[Any]:
     """`dialogues` when given (e.g. the ones that passed validation), else every dialogue of RAW's split
     files (`splits`, default all); a missing folder or split file is a `UsageError` naming it."""
-    from empatheia_jax import schema
-    from empatheia_jax.shard_format import discover_splits
+    from empatheia_jax.data import schema
+    from empatheia_jax.data.shard_format import discover_splits
 
     raw = Path(raw)
     if not raw.is_dir():

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from empatheia_jax import logs
-from empatheia_jax.schema import (
+from empatheia_jax.data.schema import (
     AGES,
     GENDERS,
     TIMBRES,

@@ -4,11 +4,13 @@ Usage: python -m data.make_sample --out DIR --dialogues N --seed S [--ed-csv PAT
 
 Output (the raw-data contract of docs/design.md):
     DIR/{train,valid,test}.json        lists of AvaMERG dialogue objects
-    DIR/media/{utterance_id}.wav       16 kHz mono int16 speech (espeak-ng, data/speech_synth.py)
-    DIR/media/{utterance_id}.mp4       25 fps 128x128 h264 talking face (data/face_render.py)
+    DIR/media/{utterance_id}.wav       16 kHz mono int16 speech (espeak-ng,
+    empatheia_jax/generators/speech_synth.py)
+    DIR/media/{utterance_id}.mp4       25 fps 128x128 h264 talking face
+    (empatheia_jax/generators/face_render.py)
     DIR/gold_speech/{utterance_id}.wav 24 kHz mono int16 Kokoro-82M speech of the responses of the
                                        --gold-speech splits (default: test), spoken from exactly the
-                                       utterance's speech targets (data/kokoro_voices.py)
+                                       utterance's speech targets (empatheia_jax/generators/kokoro_voices.py)
     DIR/sample_meta.json               seed, N, generator version, splits, per-dialogue flags
 
 Why it looks like this:
@@ -52,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from empatheia_jax import logs
-from empatheia_jax.schema import (
+from empatheia_jax.data.schema import (
     EMOTIONS_7,
     Dialogue,
     EmotionMap,
@@ -318,8 +320,13 @@ def choose_masked(splits: list[str], fraction: float, seed: int) -> list[bool]:
 
 def render_utterance(job: tuple[str, str, dict, str, str, int]) -> tuple[str, int, int]:
     """Worker: write `{uid}.wav` and `{uid}.mp4`; returns (uid, audio samples, video frames)."""
-    from data.face_render import render_face_video
-    from data.speech_synth import SAMPLE_RATE, speech_envelope, synthesize_speech, write_wav
+    from empatheia_jax.generators.face_render import render_face_video
+    from empatheia_jax.generators.speech_synth import (
+        SAMPLE_RATE,
+        speech_envelope,
+        synthesize_speech,
+        write_wav,
+    )
 
     uid, text, profile, style, media_dir, size = job
     wav = synthesize_speech(text, profile, style, SAMPLE_RATE)
@@ -331,9 +338,9 @@ def render_utterance(job: tuple[str, str, dict, str, str, int]) -> tuple[str, in
 
 def speak_gold(job: tuple[str, str, dict, str, str]) -> tuple[str, dict]:
     """Worker: write `{uid}.wav` of the gold speech (Kokoro, 24 kHz); returns (uid, voice recipe)."""
-    from converters.kokoro import SAMPLE_RATE
-    from data.kokoro_voices import gold_speech
-    from data.speech_synth import write_wav
+    from empatheia_jax.generators.kokoro import SAMPLE_RATE
+    from empatheia_jax.generators.kokoro_voices import gold_speech
+    from empatheia_jax.generators.speech_synth import write_wav
 
     uid, text, profile, style, gold_dir = job
     wav, v = gold_speech(text, profile, style)
@@ -399,7 +406,7 @@ def build_sample(out: str | os.PathLike, n: int, seed: int, *, ed_csv: str | os.
     `resolve_ed_csv` and converted by `data.import_ed.convert_ed_csv`. `gold_speech`: the splits whose
     responses get Kokoro gold speech in `gold_speech/`.
     """
-    from data.speech_synth import EMOTION_PROSODY, FRAME_RATE, SAMPLE_RATE
+    from empatheia_jax.generators.speech_synth import EMOTION_PROSODY, FRAME_RATE, SAMPLE_RATE
 
     if n < 1:
         raise ValueError("--dialogues must be >= 1")
@@ -460,8 +467,7 @@ def build_sample(out: str | os.PathLike, n: int, seed: int, *, ed_csv: str | os.
                 raise RuntimeError(f"{uid}: audio ({samples} samples) and video ({frames} frames) disagree")
         gold_info: dict[str, Any] = {"splits": [s for s in SPLITS if s in gold_speech], "utterances": {}}
         if gold_jobs:
-            from converters import kokoro
-            from data import kokoro_voices
+            from empatheia_jax.generators import kokoro, kokoro_voices
 
             gold_dir.mkdir()
             for cut in ("encoder", "synthesizer"):  # built once here, not raced by the workers

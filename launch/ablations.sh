@@ -59,4 +59,4 @@ for variant in "${VARIANT_LIST[@]}"; do
         mv "$run/eval.json.partial" "$run/eval.json"
     fi
 done
-"$PY" -m empatheia_jax.ablations "$WORKDIR"
+"$PY" -m empatheia_jax.eval.ablations "$WORKDIR"

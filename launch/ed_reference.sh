@@ -91,7 +91,7 @@ echo "[ed_reference] dev evaluation of the export (CoE prompt) -> $RUN/report_fi
     --max_examples 64 --json "$RUN/report_final/subset64.json" --no_repeat_ngram_size 4 --score_emotions \
     ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
 echo "[ed_reference] model card -> $RUN/export"
-"$PY" -m empatheia_jax.model_card "$RUN/export" --metrics "$RUN/report_final/metrics.json" \
+"$PY" -m empatheia_jax.eval.model_card "$RUN/export" --metrics "$RUN/report_final/metrics.json" \
     "${WORKDIRS[@]}" \
     --subset_metrics "$RUN/report_final/subset64.json" --subset_examples 64 \
     --command "bash launch/ed_reference.sh $RUN${*:+ $*}" --device "${DEVICE:-$(nproc)-core CPU}"

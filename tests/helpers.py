@@ -47,16 +47,17 @@ def gguf_key() -> str:
 
 REPO = Path(__file__).resolve().parents[1]
 
-# What `converters.hf_to_flax.convert` runs on the GGUF path: the converter (hf_to_flax), the HF -> flax
+# What `empatheia_jax.weights.hf_to_flax.convert` runs on the GGUF path: the converter (hf_to_flax), the HF
+# -> flax
 # tensor-name table (hf_names), the folder format and its writer (checkpoint_io.save_checkpoint), the model
 # the tensors are loaded into (llama: empty_model's structure, init_added_rows, LlamaConfig.to_dict in
 # config.json) and lora (save_checkpoint's LoRA check). checkpoint_io also imports sharding, but only
 # load_checkpoint(mesh=) calls it, after the cache: tests/test_helpers.py checks that this list and that
 # exclusion still cover the converter's project imports.
 CONVERTER_SOURCES = (
-    "converters/hf_to_flax.py",
-    "converters/hf_names.py",
-    "empatheia_jax/checkpoint_io.py",
+    "empatheia_jax/weights/hf_to_flax.py",
+    "empatheia_jax/weights/hf_names.py",
+    "empatheia_jax/weights/checkpoint_io.py",
     "empatheia_jax/models/llama.py",
     "empatheia_jax/models/lora.py",
 )
@@ -93,8 +94,8 @@ def smollm2_checkpoint() -> Path:
     """The converted SmolLM2 folder (float32), converted once and cached (see module docstring)."""
     from filelock import FileLock
 
-    from converters.hf_to_flax import convert
-    from empatheia_jax.checkpoint_io import is_complete
+    from empatheia_jax.weights.checkpoint_io import is_complete
+    from empatheia_jax.weights.hf_to_flax import convert
 
     out = cache_root() / f"smollm2-{converted_key()}"
     # One converter at a time: pytest-xdist workers (and concurrent sessions) share the cache folder, and
@@ -291,7 +292,7 @@ def make_raw(root: Path, splits: dict[str, list[dict]], skip_media=frozenset()) 
     """RAW/{split}.json + RAW/media for every utterance (history and responses) except `skip_media`."""
     import json
 
-    from empatheia_jax import schema
+    from empatheia_jax.data import schema
 
     media = root / "media"
     media.mkdir(parents=True, exist_ok=True)
@@ -323,7 +324,7 @@ def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)
     writes it (~10 s more).
     """
     from data import prepare as prep
-    from empatheia_jax.targets import TARGET_KINDS, make_standin_targets
+    from empatheia_jax.data.targets import TARGET_KINDS, make_standin_targets
 
     splits, n = {}, 0
     for split, count in counts:
@@ -337,12 +338,12 @@ def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)
     kinds = list(TARGET_KINDS)
     if real_targets:
         from converters.face_targets import export_face_targets
-        from converters.kokoro import SAMPLE_RATE
         from converters.styletts2_targets import export_speech_targets
-        from data.kokoro_voices import gold_speech
         from data.make_sample import GOLD_SPEECH_DIR
-        from data.speech_synth import LISTENER_STYLE, write_wav
-        from empatheia_jax import schema
+        from empatheia_jax.data import schema
+        from empatheia_jax.generators.kokoro import SAMPLE_RATE
+        from empatheia_jax.generators.kokoro_voices import gold_speech
+        from empatheia_jax.generators.speech_synth import LISTENER_STYLE, write_wav
 
         export_speech_targets(raw, raw / "targets", progress=False)
         export_face_targets(raw, raw / "targets", progress=False)
@@ -372,7 +373,7 @@ def read_shard_split(out: Path, split: str) -> list[dict]:
     """Every record of `split` of a shards folder, decoded, in shard order."""
     from array_record.python.array_record_module import ArrayRecordReader
 
-    from empatheia_jax.shard_format import decode_shard_record, shard_paths
+    from empatheia_jax.data.shard_format import decode_shard_record, shard_paths
 
     recs = []
     for p in shard_paths(out, split):

@@ -1,4 +1,5 @@
-"""launch/ablations.sh and empatheia_jax/ablations.py: which runs are trained and evaluated, and the tables.
+"""launch/ablations.sh and empatheia_jax/eval/ablations.py: which runs are trained and evaluated, and the
+tables.
 
 The script runs with a stand-in interpreter (`PY`) that records the train/eval commands it is given, marks
 the stage's final checkpoint as written and writes a report whose values name the run; everything else
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from empatheia_jax import ablations
+from empatheia_jax.eval import ablations
 
 ROOT = Path(__file__).resolve().parents[1]
 

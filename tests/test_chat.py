@@ -1,4 +1,5 @@
-"""`empatheia_jax.chat`: the prompt equals training's, the heads read the generated sequence exactly where
+"""`empatheia_jax.serve.chat`: the prompt equals training's, the heads read the generated sequence exactly
+where
 teacher forcing reads it, output files round-trip, and bad inputs are named.
 
 A tiny random Empatheia (2 layers, d=32) around the real SmolLM2 tokenizer, with the lite encoder on the
@@ -18,10 +19,10 @@ import pytest
 from flax import nnx
 from helpers import FAST, TINY_ROWS, load_smollm2_tokenizer, make_tiny_shards, tiny_empatheia
 
-from empatheia_jax import chat
-from empatheia_jax import input_pipeline as ip
-from empatheia_jax.encoders import get_encoder
+from empatheia_jax.data import input_pipeline as ip
+from empatheia_jax.data.encoders import get_encoder
 from empatheia_jax.models.empatheia import Empatheia
+from empatheia_jax.serve import chat
 
 ROWS = TINY_ROWS
 HEADS = ("speech_content", "video_content", "speech_style", "video_style")

@@ -1,4 +1,4 @@
-"""Training checkpoints (empatheia_jax/checkpoint.py): exact round trips, keep policy, sharded restore,
+"""Training checkpoints (empatheia_jax/train/checkpoint.py): exact round trips, keep policy, sharded restore,
 clear errors, atomicity under SIGKILL, and the preemption flag (also agreed by two real processes).
 """
 
@@ -25,7 +25,7 @@ from flax import nnx
 from helpers import skip_or_fail
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from empatheia_jax.checkpoint import (
+from empatheia_jax.train.checkpoint import (
     CheckpointError,
     PreemptionWatcher,
     TrainCheckpointer,
@@ -337,7 +337,7 @@ def test_corrupt_step_names_the_step_and_array(tmp_path):
 WRITER = textwrap.dedent("""
     import sys
     import jax.numpy as jnp, numpy as np
-    from empatheia_jax.checkpoint import TrainCheckpointer
+    from empatheia_jax.train.checkpoint import TrainCheckpointer
     ck = TrainCheckpointer(sys.argv[1], async_save=True)
     ck.save(1, params={"w": jnp.arange(4.0)}, opt_state=None, data_state={"pos": 1}, meta={})
     ck.wait_until_finished()
@@ -450,7 +450,7 @@ MULTI = textwrap.dedent("""
     pid, port = int(sys.argv[1]), sys.argv[2]
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid)
-    from empatheia_jax.checkpoint import PreemptionWatcher
+    from empatheia_jax.train.checkpoint import PreemptionWatcher
     flags = []
     with PreemptionWatcher() as w:
         for step in range(5):

@@ -316,7 +316,7 @@ def test_eval_report_with_per_class_plots_and_emotion_voting(trained, ed_csv, cl
     # per class: the coe generations against their gold labels, by hand
     per_class = json.loads((report / "per_class.json").read_text())
     assert set(per_class) == {"emotion_text", "emotion32_text", "emotion32_scored"}  # coe runs no classifier
-    from empatheia_jax.schema import EmotionMap
+    from empatheia_jax.data.schema import EmotionMap
 
     classes = EmotionMap.load("avamerg7").classes
     by_class = collections.defaultdict(list)
@@ -389,11 +389,11 @@ def test_chat_avatar_speaks_and_renders_the_reply_from_its_features(trained, cha
     rows, capped at max_speech_len) in the predicted style; the wav is exactly that synthesis (the bridge's
     `speak_features`, durations capped), and not silence. The mp4 decodes at 25 fps with an audio track, one
     frame per 40 ms of the speech, drawn from the predicted C^v/S^v."""
-    from converters import kokoro
     from converters.synthesize import speak_features
-    from data.kokoro_voices import to_pcm16
-    from data.speech_synth import read_wav
-    from empatheia_jax.targets import content_rows
+    from empatheia_jax.data.targets import content_rows
+    from empatheia_jax.generators import kokoro
+    from empatheia_jax.generators.kokoro_voices import to_pcm16
+    from empatheia_jax.generators.speech_synth import read_wav
 
     out = tmp_path / "spoken"
     p = ok(cli(cli_env, "chat", "--ckpt", trained[0], "--text", chat_inputs["text"], "--max_new_tokens", 6,
@@ -465,7 +465,7 @@ def main(argv):
     logging.getLogger("orbax.checkpoint").info("orbax-info")
     absl_logging.info("absl-info")
     logging.getLogger("jax._src.x").warning("jax-warning")
-    logging.getLogger("empatheia_jax.trainer").info("ours-info")
+    logging.getLogger("empatheia_jax.train.trainer").info("ours-info")
 
 app.run(main, argv=["x"])
 """

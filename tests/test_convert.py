@@ -16,13 +16,14 @@ from helpers import tiny_hf_model
 from jax.sharding import PartitionSpec
 from safetensors.torch import load_file, save_file
 
-from converters import hf_to_flax
-from converters.hf_names import ConversionError
+from converters import hf_to_flax as hf_to_flax_cli
 from empatheia_jax import load_model
-from empatheia_jax.checkpoint_io import CheckpointError, empty_model, load_checkpoint, save_checkpoint
-from empatheia_jax.generation import generate_tokens
 from empatheia_jax.models.lora import LoraConfig, apply_lora, set_lora_b
+from empatheia_jax.serve.generation import generate_tokens
 from empatheia_jax.sharding import make_mesh
+from empatheia_jax.weights import hf_to_flax
+from empatheia_jax.weights.checkpoint_io import CheckpointError, empty_model, load_checkpoint, save_checkpoint
+from empatheia_jax.weights.hf_names import ConversionError
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16, "rope_theta": 10000.0}
@@ -93,7 +94,7 @@ def test_sharded_safetensors_bf16_extra_vocab_and_cli(tmp_path):
     hf = tiny_hf_model(seed=7)
     src = _save_hf(hf, tmp_path / "hf", max_shard_size="40KB")
     assert (src / "model.safetensors.index.json").is_file()
-    assert hf_to_flax.main(["--src", str(src), "--out", str(tmp_path / "f32"), "--extra-vocab", "3"]) == 0
+    assert hf_to_flax_cli.main(["--src", str(src), "--out", str(tmp_path / "f32"), "--extra-vocab", "3"]) == 0
     model, _ = load_model(tmp_path / "f32")
     ids = _ids(hf.config.vocab_size, seed=1)
     logits = np.asarray(model(jnp.asarray(ids)))
@@ -114,7 +115,7 @@ def test_sharded_safetensors_bf16_extra_vocab_and_cli(tmp_path):
     ref = _hf_logits(hf, ids)
     assert np.abs(out16 - ref).mean() < 0.03 and (out16.argmax(-1) == ref.argmax(-1)).mean() > 0.9
     # The CLI reports errors without a traceback and exits non-zero.
-    assert hf_to_flax.main(["--src", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 1
+    assert hf_to_flax_cli.main(["--src", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 1
 
 
 def test_load_hf_model_into_flax_from_object():

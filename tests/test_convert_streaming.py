@@ -26,15 +26,15 @@ from flax import nnx, traverse_util
 from helpers import REPO, tiny_hf_model
 from safetensors.torch import load_file
 
-from converters import hf_to_flax
-from converters.hf_names import ConversionError
-from empatheia_jax.checkpoint_io import (
+from empatheia_jax.weights import hf_to_flax
+from empatheia_jax.weights.checkpoint_io import (
     StreamedArray,
     empty_model,
     load_checkpoint,
     save_checkpoint,
     save_checkpoint_streaming,
 )
+from empatheia_jax.weights.hf_names import ConversionError
 
 
 def _bench():

@@ -39,10 +39,11 @@ from helpers import make_tiny_shards, require, saved_smollm2_tokenizer
 from jax.sharding import PartitionSpec
 
 from configs import tiny
-from empatheia_jax import config as config_lib
-from empatheia_jax import sharding, stages, trainer
-from empatheia_jax.checkpoint import TrainCheckpointer
-from empatheia_jax.shard_format import load_manifest
+from empatheia_jax import sharding
+from empatheia_jax.data.shard_format import load_manifest
+from empatheia_jax.train import config as config_lib
+from empatheia_jax.train import stages, trainer
+from empatheia_jax.train.checkpoint import TrainCheckpointer
 
 require(len(jax.devices()) == 8, f"needs the 8 fake CPU devices tests/conftest.py sets up, found "
         f"{len(jax.devices())}")

@@ -21,9 +21,9 @@ import scipy.io
 import torch
 
 from converters import dreamtalk_targets as dt
-from data.speech_synth import read_wav, write_wav
-from empatheia_jax.schema import dialogue_utterances, load_dialogues
-from empatheia_jax.targets import TargetReader
+from empatheia_jax.data.schema import dialogue_utterances, load_dialogues
+from empatheia_jax.data.targets import TargetReader
+from empatheia_jax.generators.speech_synth import read_wav, write_wav
 
 _DIALOGUES = [
     {
@@ -635,7 +635,7 @@ def _fake_renderer_checkout(root: Path) -> Path:
 
 def _reply_features(tmp_path: Path, video_targets: str, rows: int = 30
                     ) -> tuple[Path, np.ndarray, np.ndarray]:
-    from empatheia_jax.chat import ChatResult, write_outputs
+    from empatheia_jax.serve.chat import ChatResult, write_outputs
 
     rng = np.random.default_rng(11)
     content = rng.uniform(-1, 1, (rows, 256)).astype(np.float32)

@@ -18,15 +18,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from empatheia_jax import losses, sharding, stages
-from empatheia_jax.generation import generate_tokens, left_pad
+from empatheia_jax import sharding
+from empatheia_jax.data.templates import added_tokens, extend_tokenizer
 from empatheia_jax.models import empatheia as emp_mod
 from empatheia_jax.models import trainable
 from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig, run_vaes
 from empatheia_jax.models.llama import Llama, LlamaConfig
 from empatheia_jax.models.lora import LoraConfig, apply_lora, set_lora_b
 from empatheia_jax.models.vae import TransformerVAE
-from empatheia_jax.templates import added_tokens, extend_tokenizer
+from empatheia_jax.serve.generation import generate_tokens, left_pad
+from empatheia_jax.train import losses, stages
 from tests.helpers import FAST, tiny_tokenizer
 
 V = 64

@@ -7,7 +7,7 @@ import pytest
 import soundfile as sf
 from helpers import require
 
-from empatheia_jax.encoders import (
+from empatheia_jax.data.encoders import (
     AUDIO_SCALAR_NAMES,
     VIDEO_SCALAR_NAMES,
     LiteEncoder,

@@ -1,4 +1,4 @@
-"""`empatheia_jax.evaluate`: every metric against an independent computation on the same model outputs.
+"""`empatheia_jax.eval.evaluate`: every metric against an independent computation on the same model outputs.
 
 A tiny random Empatheia (2 layers, d=32) around the real SmolLM2 tokenizer, on the lite-encoder tiny shards
 with stand-in targets (`helpers.make_tiny_shards`: test split = 3 records). Teacher-forced metrics are
@@ -19,11 +19,12 @@ import pytest
 from flax import nnx
 from helpers import FAST, TINY_ROWS, load_smollm2_tokenizer, make_tiny_shards, tiny_empatheia
 
-from empatheia_jax import evaluate as ev
-from empatheia_jax import input_pipeline as ip
-from empatheia_jax import schema, stages
-from empatheia_jax import templates as tpl
-from empatheia_jax.generation import eos_token_ids, generate_tokens, left_pad
+from empatheia_jax.data import input_pipeline as ip
+from empatheia_jax.data import schema
+from empatheia_jax.data import templates as tpl
+from empatheia_jax.eval import evaluate as ev
+from empatheia_jax.serve.generation import eos_token_ids, generate_tokens, left_pad
+from empatheia_jax.train import stages
 
 ED = list(schema.ED_EMOTIONS_32)
 
@@ -170,7 +171,7 @@ def test_scored_emotion_is_the_most_likely_ed_label_after_the_generated_step_1(m
     generated step 1 (here rigged generations: a full CoE, one that skipped step 2, and a bare reply). The
     choice must equal the argmax of an independent full forward (no cache, no padding, media spliced) of
     prompt + generated text through the header + " label" + the step separator."""
-    from empatheia_jax import generation
+    from empatheia_jax.serve import generation
 
     texts = [tpl.format_coe({"event_scenario": "my dog ran away", "speaker_emotion": "joyful"}, "oh no"),
              "Firstly, the event scenario of this conversation is: I won\n\nFinally, the response is: yay",

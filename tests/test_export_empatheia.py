@@ -1,8 +1,10 @@
-"""`converters.export_empatheia`: a trained Empatheia exported as a PEFT adapter or a merged HF checkpoint
+"""`empatheia_jax.weights.export_empatheia`: a trained Empatheia exported as a PEFT adapter or a merged HF
+checkpoint
 (+ heads, config, tokenizer) loads back as the same model, and into peft / transformers as the same LLM.
 
 The run is real: a tiny random LlamaForCausalLM (SmolLM2's tokenizer, d=32) saved by transformers, converted
-by `converters.hf_to_flax`, trained one `coe` step by `empatheia train` (a subprocess with one CPU device,
+by `empatheia_jax.weights.hf_to_flax`, trained one `coe` step by `empatheia train` (a subprocess with one CPU
+device,
 conftest's `cli_env`). Its checkpoint is then perturbed (every saved leaf + noise, written as step 2 through
 the trainer's own `TrainCheckpointer`), so LoRA B, the added rows, the SD standardiser and every head are
 far from their initial values and a parameter that an export drops or mixes up changes the outputs.
@@ -30,7 +32,9 @@ peft = require("peft", "loading the exported adapter")
 transformers = require("transformers", "loading the merged export and the HF base")
 
 import empatheia_jax  # noqa: E402
-from converters.export_empatheia import (  # noqa: E402
+from empatheia_jax.data import input_pipeline as ip  # noqa: E402
+from empatheia_jax.train.checkpoint import CheckpointError, TrainCheckpointer, read_meta  # noqa: E402
+from empatheia_jax.weights.export_empatheia import (  # noqa: E402
     EXPORT_CONFIG,
     FORMAT_VERSION,
     HEADS_FILE,
@@ -38,10 +42,8 @@ from converters.export_empatheia import (  # noqa: E402
     export_trained,
     load_exported,
 )
-from converters.export_hf import ExportError  # noqa: E402
-from converters.hf_to_flax import convert  # noqa: E402
-from empatheia_jax import input_pipeline as ip  # noqa: E402
-from empatheia_jax.checkpoint import CheckpointError, TrainCheckpointer, read_meta  # noqa: E402
+from empatheia_jax.weights.export_hf import ExportError  # noqa: E402
+from empatheia_jax.weights.hf_to_flax import convert  # noqa: E402
 
 STEP = 2  # the perturbed checkpoint; step 1 is the trained one
 OUTPUTS = ("logits", "speech_content", "video_content", "speech_style", "video_style", "emotion_logits",

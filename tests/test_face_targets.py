@@ -1,4 +1,5 @@
-"""The procedural face generator's control space (data/face_render.py) and its video targets
+"""The procedural face generator's control space (empatheia_jax/generators/face_render.py) and its video
+targets
 (converters/face_targets.py): the controls are the complete description of the sample's videos."""
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import numpy as np
 import pytest
 
 from converters import face_targets
-from data import face_render, make_sample
-from empatheia_jax.schema import Dialogue, dialogue_utterances, load_dialogues
-from empatheia_jax.targets import TargetReader
+from data import make_sample
+from empatheia_jax.data.schema import Dialogue, dialogue_utterances, load_dialogues
+from empatheia_jax.data.targets import TargetReader
+from empatheia_jax.generators import face_render
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ from flax import nnx
 from helpers import tiny_hf_model, tiny_tokenizer
 
 import empatheia_jax
-from converters.hf_to_flax import load_hf_model_into_flax
-from empatheia_jax import generation
-from empatheia_jax.generation import bucket, generate_tokens, left_pad
 from empatheia_jax.models.llama import KVCache
+from empatheia_jax.serve import generation
+from empatheia_jax.serve.generation import bucket, generate_tokens, left_pad
+from empatheia_jax.weights.hf_to_flax import load_hf_model_into_flax
 
 EOS = 2
 

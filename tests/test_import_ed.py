@@ -10,7 +10,7 @@ import pytest
 
 from data import import_ed
 from data.import_ed import PROFILE_COMBOS, convert_ed_csv, dumps, ed_conversation_id, split_from_filename
-from empatheia_jax.schema import Dialogue, EmotionMap, validate_dialogues
+from empatheia_jax.data.schema import Dialogue, EmotionMap, validate_dialogues
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REAL_CSV = os.environ.get(

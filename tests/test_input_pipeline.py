@@ -1,6 +1,6 @@
 """grain input pipeline: exact template text through the pipeline, masks, features, truncation,
 resume in a new process, per-process slices, corrupt shards. Shards are written here with the real
-record format (empatheia_jax.shard_format) and the real SmolLM2 tokenizer."""
+record format (empatheia_jax.data.shard_format) and the real SmolLM2 tokenizer."""
 
 import json
 import os
@@ -13,9 +13,9 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
 from helpers import saved_smollm2_tokenizer
 
-from empatheia_jax import input_pipeline as ip
-from empatheia_jax import shard_format
-from empatheia_jax.shard_format import ShardRecordError
+from empatheia_jax.data import input_pipeline as ip
+from empatheia_jax.data import shard_format
+from empatheia_jax.data.shard_format import ShardRecordError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D_A, D_V = 8, 6

@@ -10,8 +10,7 @@ import librosa
 import numpy as np
 import pytest
 
-from converters import kokoro
-from data import kokoro_voices
+from empatheia_jax.generators import kokoro, kokoro_voices
 
 SENTENCE = "I am so sorry to hear that. How are you holding up?"
 YOUNG_F = {"age": "young", "gender": "female", "timbre": "mid"}

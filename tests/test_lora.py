@@ -20,10 +20,7 @@ torch = require("torch", "the PyTorch reference")
 peft = require("peft", "the LoRA reference and the adapter export")
 transformers = require("transformers", "the HF reference models")
 
-from converters import export_hf  # noqa: E402
-from converters.export_hf import ExportError, export_merged, export_peft  # noqa: E402
-from converters.hf_names import load_hf_tensors  # noqa: E402
-from empatheia_jax.checkpoint_io import save_checkpoint  # noqa: E402
+from converters import export_hf as export_hf_cli  # noqa: E402
 from empatheia_jax.models.llama import Llama, LlamaConfig, init_added_rows  # noqa: E402
 from empatheia_jax.models.lora import (  # noqa: E402
     LoraConfig,
@@ -36,6 +33,9 @@ from empatheia_jax.models.lora import (  # noqa: E402
     unmerge_lora,
 )
 from empatheia_jax.models.trainable import trainable_filter  # noqa: E402
+from empatheia_jax.weights.checkpoint_io import save_checkpoint  # noqa: E402
+from empatheia_jax.weights.export_hf import ExportError, export_merged, export_peft  # noqa: E402
+from empatheia_jax.weights.hf_names import load_hf_tensors  # noqa: E402
 
 LORA = LoraConfig(rank=4, alpha=12.0)  # scale 3, so a missing/doubled alpha/r shows up
 TOL = 1e-4
@@ -346,8 +346,8 @@ def test_cli_exports_peft_and_merged_from_checkpoint(tmp_path, capsys):
     hf = tiny_hf(tied=False)
     ours = with_lora(ours_from_hf(hf))
     ckpt = save_checkpoint(tmp_path / "ckpt", ours, lora=LORA, source="tiny-source")
-    assert export_hf.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "peft"), "--peft"]) == 0
-    assert export_hf.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "merged"), "--merged"]) == 0
+    assert export_hf_cli.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "peft"), "--peft"]) == 0
+    assert export_hf_cli.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "merged"), "--merged"]) == 0
     cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert cfg["base_model_name_or_path"] == "tiny-source"
     ids = tokens(VOCAB)
@@ -357,13 +357,13 @@ def test_cli_exports_peft_and_merged_from_checkpoint(tmp_path, capsys):
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
     np.testing.assert_allclose(hf_logits(merged, ids), expected, atol=TOL, rtol=0)
     # An existing output folder is not replaced silently.
-    assert export_hf.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "peft"), "--peft"]) == 2
+    assert export_hf_cli.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "peft"), "--peft"]) == 2
     assert "exists" in capsys.readouterr().err
 
 
 def test_cli_peft_without_lora_fails_clearly(tmp_path, capsys):
     ckpt = save_checkpoint(tmp_path / "ckpt", ours_from_hf(tiny_hf(tied=True)))
-    assert export_hf.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "peft"), "--peft"]) == 2
+    assert export_hf_cli.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "peft"), "--peft"]) == 2
     err = capsys.readouterr().err
     assert "no LoRA adapter" in err and "--merged" in err
     assert not (tmp_path / "peft").exists()

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from empatheia_jax import losses
-from empatheia_jax.losses import LossWeights, combine
+from empatheia_jax.train import losses
+from empatheia_jax.train.losses import LossWeights, combine
 
 
 def _np_log_softmax(x):

@@ -16,10 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data import kokoro_voices, make_sample
-from data.face_render import _layout, _mouth_box, render_face_video, render_frames
-from data.speech_synth import FRAME_RATE, SAMPLE_RATE, read_wav, speech_envelope, synthesize_speech
-from empatheia_jax.schema import Dialogue, EmotionMap, dialogue_utterances, validate_dialogues
+from data import make_sample
+from empatheia_jax.data.schema import Dialogue, EmotionMap, dialogue_utterances, validate_dialogues
+from empatheia_jax.generators import kokoro_voices
+from empatheia_jax.generators.face_render import _layout, _mouth_box, render_face_video, render_frames
+from empatheia_jax.generators.speech_synth import (
+    FRAME_RATE,
+    SAMPLE_RATE,
+    read_wav,
+    speech_envelope,
+    synthesize_speech,
+)
 
 # (ED label, [speaker, listener, speaker, listener]); two conversations per class of the first four
 # classes in EMOTIONS_7 order, so a 4-dialogue draw depends on the seed.
@@ -291,10 +298,10 @@ def test_face_follows_speech_and_emotion(tmp_path):
 def test_gold_speech_is_spoken_from_exactly_the_speech_targets(builds, tmp_path):
     """The test split's responses have Kokoro gold speech, and re-synthesizing from the exported speech
     targets (content rows and style vector) at the recorded speed gives those wav samples bit for bit."""
-    from converters import kokoro
     from converters.styletts2_targets import export_speech_targets
-    from empatheia_jax.schema import response_utterance_id
-    from empatheia_jax.targets import TargetReader
+    from empatheia_jax.data.schema import response_utterance_id
+    from empatheia_jax.data.targets import TargetReader
+    from empatheia_jax.generators import kokoro
 
     root, (meta, _, _) = builds
     d = root / "a"

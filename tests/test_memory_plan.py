@@ -51,8 +51,8 @@ def backbone_and_lora_bytes(llm, lora) -> int:
 def test_params_and_optimizer_state_equal_the_hand_count(plan):
     import jax
 
-    from empatheia_jax import config as config_lib
     from empatheia_jax import sharding
+    from empatheia_jax.train import config as config_lib
 
     config = plan.load_config(CONFIG, "overall")
     stage = config_lib.resolve_stage(config)
@@ -117,8 +117,8 @@ def test_micro_batch_loop_does_not_keep_every_layers_gathered_weights(plan):
     its activations and its own transient gather, far less than the 0.75 GiB of a layer kept gathered."""
     import jax
 
-    from empatheia_jax import config as config_lib
     from empatheia_jax import sharding
+    from empatheia_jax.train import config as config_lib
 
     config = plan.load_config(CONFIG, "coe")
     stage = config_lib.resolve_stage(config)

@@ -1,4 +1,4 @@
-"""`empatheia_jax.model_card`: a card's facts come from the export, the eval report and the workdirs."""
+"""`empatheia_jax.eval.model_card`: a card's facts come from the export, the eval report and the workdirs."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 
 from configs.base import get_config
-from empatheia_jax import config as config_lib
-from empatheia_jax import model_card
+from empatheia_jax.eval import model_card
+from empatheia_jax.train import config as config_lib
 
 
 def _export(tmp_path):

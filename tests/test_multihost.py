@@ -62,7 +62,7 @@ import jax
 from flax import nnx
 
 from empatheia_jax import cli, stages, trainer
-from empatheia_jax.input_pipeline import TOKEN_KEYS, make_dataset
+from empatheia_jax.data.input_pipeline import TOKEN_KEYS, make_dataset
 
 rec = {"model": None, "init": {}, "shardings": {}, "records": [], "metrics": [], "steps": {}, "lengths": [],
        "global_shapes": []}

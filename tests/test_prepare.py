@@ -1,4 +1,5 @@
-"""data/prepare.py, empatheia_jax/shard_format.py and the TFDS builder on a tiny synthetic AvaMERG folder.
+"""data/prepare.py, empatheia_jax/data/shard_format.py and the TFDS builder on a tiny synthetic AvaMERG
+folder.
 
 Every check compares values: record text/labels against the JSON, features against the encoder run
 directly on the utterance's media, targets against TargetReader, TFDS examples against prepare's records.
@@ -14,15 +15,15 @@ import pytest
 from helpers import make_raw, read_shard_split, synthetic_dialogue
 
 from data import prepare as prep
-from empatheia_jax import schema
-from empatheia_jax.encoders import get_encoder
-from empatheia_jax.shard_format import (
+from empatheia_jax.data import schema
+from empatheia_jax.data.encoders import get_encoder
+from empatheia_jax.data.shard_format import (
     ShardRecordError,
     decode_shard_record,
     load_manifest,
     verify_shards,
 )
-from empatheia_jax.targets import TargetReader, make_standin_targets
+from empatheia_jax.data.targets import TargetReader, make_standin_targets
 
 SPLITS = {
     "train": [

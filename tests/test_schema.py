@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from helpers import require
 
-from empatheia_jax import schema
-from empatheia_jax.schema import (
+from empatheia_jax.data import schema
+from empatheia_jax.data.schema import (
     AGES,
     ED_EMOTIONS_32,
     EMOTIONS_7,

@@ -100,8 +100,8 @@ def test_every_tokenizer_loader_reads_the_converted_folder_quietly(smollm2):
     FutureWarning into every demo stage)."""
     import warnings
 
-    from empatheia_jax.input_pipeline import load_tokenizer as pipeline_tokenizer
-    from empatheia_jax.trainer import load_tokenizer as trainer_tokenizer
+    from empatheia_jax.data.input_pipeline import load_tokenizer as pipeline_tokenizer
+    from empatheia_jax.train.trainer import load_tokenizer as trainer_tokenizer
 
     folder = smollm2_checkpoint()
     with warnings.catch_warnings():
@@ -116,8 +116,8 @@ def test_a_gguf_tokenizer_with_other_special_tokens_is_refused():
     another end token (session 12's GPU run). The pinned transformers reads it right; a wrong eos is named."""
     from transformers import AutoTokenizer
 
-    from converters.hf_names import ConversionError
-    from converters.hf_to_flax import check_gguf_special_tokens
+    from empatheia_jax.weights.hf_names import ConversionError
+    from empatheia_jax.weights.hf_to_flax import check_gguf_special_tokens
 
     path = gguf_path()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from empatheia_jax import speech_metrics as sm
+from empatheia_jax.eval.metrics import speech as sm
 
 SR = 24000
 FEMALE = {"age": "young", "gender": "female", "timbre": "mid"}
@@ -20,8 +20,8 @@ MALE = {"age": "middle-aged", "gender": "male", "timbre": "mid"}
 def wavs():
     """gold: female voice; same_voice: the female voice saying another sentence; other: a male voice saying
     the gold sentence."""
-    from converters import kokoro
-    from data.kokoro_voices import voice
+    from empatheia_jax.generators import kokoro
+    from empatheia_jax.generators.kokoro_voices import voice
 
     tts = kokoro.shared(1)
     female = voice(FEMALE, "empathetic").style

@@ -19,13 +19,20 @@ import optax
 import pytest
 from flax import nnx
 
-from empatheia_jax import losses, stages
 from empatheia_jax.models import empatheia as emp_mod
 from empatheia_jax.models.empatheia import Empatheia
 from empatheia_jax.models.llama import init_added_rows
 from empatheia_jax.models.lora import set_lora_b
 from empatheia_jax.models.trainable import trainable_filter
-from empatheia_jax.stages import PIPELINE_BASELINE, STAGE_ORDER, STAGES, Stage, StageSkipped, apply_ablations
+from empatheia_jax.train import losses, stages
+from empatheia_jax.train.stages import (
+    PIPELINE_BASELINE,
+    STAGE_ORDER,
+    STAGES,
+    Stage,
+    StageSkipped,
+    apply_ablations,
+)
 from tests.test_empatheia import BOS, CFG, EOS, FAST, PAD, SEP, V
 
 AUD, VID = CFG.aud_token_id, CFG.vid_token_id

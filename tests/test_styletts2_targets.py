@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from converters import kokoro
 from converters import styletts2_targets as st
-from data import kokoro_voices
-from empatheia_jax.schema import EmotionMap, dialogue_utterances, load_dialogues
-from empatheia_jax.targets import TargetReader
+from empatheia_jax.data.schema import EmotionMap, dialogue_utterances, load_dialogues
+from empatheia_jax.data.targets import TargetReader
+from empatheia_jax.generators import kokoro, kokoro_voices
 
 _DIALOGUES = [
     {

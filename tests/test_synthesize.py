@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from converters import kokoro
 from converters.synthesize import SpeechBridgeError, main, render_avatar, synthesize_reply
-from data.kokoro_voices import to_pcm16, voice
-from data.speech_synth import read_wav
-from empatheia_jax.chat import ChatResult, write_outputs
+from empatheia_jax.generators import kokoro
+from empatheia_jax.generators.kokoro_voices import to_pcm16, voice
+from empatheia_jax.generators.speech_synth import read_wav
+from empatheia_jax.serve.chat import ChatResult, write_outputs
 
 REPLY = "That sounds really hard. I am here for you."
 MS_PER_PHONEME = 65  # Kokoro at speed 1 on English: 62-68 ms per phoneme row, pauses included (measured)
@@ -76,7 +76,7 @@ def test_avatar_is_the_predicted_controls_drawn_with_the_speech(tmp_path, gold):
     prediction hold still with the mouth closed, with a note), the speech muxed in as AAC."""
     import av
 
-    from data.face_render import encode_mp4, face_controls, render_controls
+    from empatheia_jax.generators.face_render import encode_mp4, face_controls, render_controls
 
     content, style = gold
     env = np.abs(np.sin(np.linspace(0, 20, 60)))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from empatheia_jax.targets import (
+from empatheia_jax.data.targets import (
     STAND_IN,
     StandinTargets,
     TargetFormatError,

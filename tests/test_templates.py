@@ -4,7 +4,7 @@
 import pytest
 from helpers import saved_smollm2_tokenizer
 
-from empatheia_jax import templates as tpl
+from empatheia_jax.data import templates as tpl
 
 HIST = [
     {"index": 0, "role": "speaker", "utterance": "I paid all my bills today, I feel great!"},

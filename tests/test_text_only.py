@@ -29,12 +29,8 @@ from helpers import (
 
 from data import import_ed
 from data import prepare as prep
-from empatheia_jax import schema
-from empatheia_jax.shard_format import (
-    MissingMediaError,
-    load_manifest,
-    verify_shards,
-)
+from empatheia_jax.data import schema
+from empatheia_jax.data.shard_format import MissingMediaError, load_manifest, verify_shards
 
 REPO = Path(__file__).resolve().parents[1]
 ED_COLUMNS = ("conv_id", "utterance_idx", "context", "prompt", "speaker_idx", "utterance", "selfeval", "tags")
@@ -207,9 +203,9 @@ def model(tok):
 
 
 def test_eval_stage_follows_the_template(model):
-    from empatheia_jax import evaluate as ev
-    from empatheia_jax import stages
+    from empatheia_jax.eval import evaluate as ev
     from empatheia_jax.models.empatheia import EmpatheiaConfig
+    from empatheia_jax.train import stages
 
     cfg = model.config
     assert ev.TEMPLATES == ("coe", "ccl", "sac", "overall", "pipeline")
@@ -232,8 +228,8 @@ def test_eval_stage_follows_the_template(model):
 def test_coe_template_on_text_only_shards_equals_the_media_shards(model, tok, optional_raw, tmp_path):
     """The same dialogues prepared with media and without: the coe template reads only text, so every metric
     is identical; its loss formula is L_emp alone; the media templates refuse the text-only folder."""
-    from empatheia_jax import evaluate as ev
-    from empatheia_jax import input_pipeline as ip
+    from empatheia_jax.data import input_pipeline as ip
+    from empatheia_jax.eval import evaluate as ev
 
     media, text = tmp_path / "media", tmp_path / "text"
     prep.prepare(optional_raw, media, progress=False, skip_invalid=True)  # "full" only: the others lack media
@@ -259,7 +255,7 @@ def test_coe_template_on_text_only_shards_equals_the_media_shards(model, tok, op
     with pytest.raises(MissingMediaError, match="the sac template"):  # the trainer's path too
         ip.make_dataset(text, "train", "sac", tok, batch_size=2, n_signal=4)
     # a folder written before text-only preparation (no `media` keys) counts as having every feature
-    from empatheia_jax.shard_format import text_only_records
+    from empatheia_jax.data.shard_format import text_only_records
 
     assert text_only_records({"splits": {"train": {"records": 5}}}, "train") == 0
     assert text_only_records(load_manifest(text), "train") == 5

@@ -31,10 +31,11 @@ from flax import nnx
 from helpers import FAST, make_tiny_shards, saved_smollm2_tokenizer, smollm2_checkpoint
 
 from configs import tiny
-from empatheia_jax import config as config_lib
-from empatheia_jax import losses, sharding, stages, trainer
+from empatheia_jax import sharding
 from empatheia_jax.models.empatheia import collect_sd_inputs, sd_head_loss, sd_inputs_calibrated
 from empatheia_jax.models.vae import split_keys
+from empatheia_jax.train import config as config_lib
+from empatheia_jax.train import losses, stages, trainer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -406,7 +407,7 @@ def test_keep_best_ranks_steps_by_a_metric_the_evaluation_reports(tok, shards, t
     """checkpoint.keep_best with the default best_metric: the manager's best step is the saved step with
     the lowest eval/total, and it is kept beside the latest (keep=1). Before session 12 the default named
     "eval/loss", which no evaluation reports: no step ever ranked best, and keep_best kept nothing."""
-    from empatheia_jax.checkpoint import TrainCheckpointer
+    from empatheia_jax.train.checkpoint import TrainCheckpointer
 
     cfg = tiny_config(tok, shards, **{"schedule.coe.steps": 4, "train.eval_every": 2, "checkpoint.every": 1,
                                       "checkpoint.keep": 1, "checkpoint.keep_best": True})
@@ -524,7 +525,7 @@ def test_sigterm_checkpoints_and_exits_zero(tok, shards, tmp_path, cli_env):
     assert "preempted" in out
     steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
     assert len(steps) == 1 and 2 <= steps[0] < 100000
-    from empatheia_jax.checkpoint import read_meta
+    from empatheia_jax.train.checkpoint import read_meta
 
     step, meta = read_meta(workdir / "checkpoints")
     assert step == steps[0] and meta["stage"]["name"] == "coe"
@@ -559,7 +560,7 @@ def test_coe_on_text_only_shards_builds_the_media_model_and_chains_into_ccl(tok,
     feature and target dims from data.features_like, so ccl on the media shards init_from's it; without
     features_like the run refuses with the key named."""
     from data import prepare as prep
-    from empatheia_jax.checkpoint import read_meta
+    from empatheia_jax.train.checkpoint import read_meta
 
     text = tmp_path / "text_shards"
     prep.prepare(Path(shards).parent / "raw", text, media="none", progress=False, log=lambda _: None)
@@ -767,7 +768,7 @@ def test_nan_policy_skip_counts_and_max_consecutive_stops_after_n_not_n_minus_1(
             logged[r["step"]] = r["train/nonfinite_skipped"]
     assert logged == {1: 0, 2: 1, 3: 2, 4: 2, 5: 3, 6: 4}  # step = steps done; step 7 raised before logging
     assert complete_steps(workdir) == [7]
-    from empatheia_jax.checkpoint import read_meta
+    from empatheia_jax.train.checkpoint import read_meta
 
     assert read_meta(workdir / "checkpoints", 7)[1]["nonfinite_skipped"] == 5
     saved, last_good = ckpt_params(workdir, 7), rec.steps[3]["after"][0]
@@ -803,7 +804,7 @@ def test_nan_policy_stop_exits_1_through_the_cli_and_keeps_the_last_good_state(
     assert len(rec.steps) == 2
     rec.assert_skips_leave_the_state_untouched()
     assert complete_steps(workdir) == [2]
-    from empatheia_jax.checkpoint import read_meta
+    from empatheia_jax.train.checkpoint import read_meta
 
     assert read_meta(workdir / "checkpoints", 2)[1]["nonfinite_skipped"] == 1
     saved = ckpt_params(workdir, 2)

@@ -1,4 +1,5 @@
-"""Video metrics on real frames of the procedural talking face (data/face_render.py): each metric is at its
+"""Video metrics on real frames of the procedural talking face (empatheia_jax/generators/face_render.py):
+each metric is at its
 best for gold vs gold and gets worse on a perturbed copy (shifted, blurred, out of sync)."""
 
 import json
@@ -10,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data.face_render import EXPRESSIONS, _blink_state, render_frames
-from empatheia_jax import video_metrics as vm
+from empatheia_jax.eval.metrics import video as vm
+from empatheia_jax.generators.face_render import EXPRESSIONS, _blink_state, render_frames
 
 CLIPS = (
     ({"age": "young", "gender": "female", "timbre": "mid", "ID": 1}, "happy"),
@@ -232,7 +233,7 @@ def test_import_is_cheap_and_facemesh_is_quiet():
     code = ("import sys; from empatheia_jax import video_metrics as vm; "
             "heavy = {'mediapipe', 'skimage', 'cpbd', 'scipy', 'cv2'} & set(sys.modules); "
             "assert not heavy, heavy; "
-            "from data.face_render import render_frames; import numpy as np; "
+            "from empatheia_jax.generators.face_render import render_frames; import numpy as np; "
             "p = {'age': 'young', 'gender': 'male', 'timbre': 'mid'}; "
             "f = render_frames(np.linspace(0, 1, 3), p, 'angry'); "
             "assert vm.detection_rate(vm.landmarks(f)) == 1.0")

@@ -1,9 +1,9 @@
 """TFDS builder for AvaMERG (manual download), writing ``array_record`` without TensorFlow.
 
 Records are built by the same code as ``data/prepare.py`` (`load_raw`, `extract_features`,
-`dialogue_records` -> `empatheia_jax.shard_format.make_shard_record`), so a TFDS build and a prepare
+`dialogue_records` -> `empatheia_jax.data.shard_format.make_shard_record`), so a TFDS build and a prepare
 run hold the same text, labels, features and targets; `from_tfds_example` turns a TFDS example back
-into a shard record that `empatheia_jax.shard_format.check_shard_record` accepts.
+into a shard record that `empatheia_jax.data.shard_format.check_shard_record` accepts.
 
 Build (no TensorFlow needed)::
 
@@ -23,15 +23,10 @@ import tensorflow_datasets as tfds
 from etils import epath
 from tensorflow_datasets.core import utils as tfds_utils
 
-from empatheia_jax import schema
-from empatheia_jax.encoders import Encoder, get_encoder
-from empatheia_jax.shard_format import (
-    COE_FIELDS,
-    LABEL_FIELDS,
-    PROFILE_FIELDS,
-    check_shard_record,
-)
-from empatheia_jax.targets import TARGET_KINDS, TargetReader
+from empatheia_jax.data import schema
+from empatheia_jax.data.encoders import Encoder, get_encoder
+from empatheia_jax.data.shard_format import COE_FIELDS, LABEL_FIELDS, PROFILE_FIELDS, check_shard_record
+from empatheia_jax.data.targets import TARGET_KINDS, TargetReader
 
 TARGETS_SUBDIR = "targets"
 
@@ -43,7 +38,8 @@ pass --manual-dir / DownloadConfig(manual_dir=...)):
   MANUAL/media/dia{conversation_id}utt{k}_{profileID}.wav  speech of every utterance (and response)
   MANUAL/media/dia{conversation_id}utt{k}_{profileID}.mp4  talking-face video of every utterance
   MANUAL/targets/ (optional)                               generator targets: meta.json +
-                                                           {kind}-*-of-*.safetensors (empatheia_jax.targets)
+                                                           {kind}-*-of-*.safetensors
+                                                           (empatheia_jax.data.targets)
 
 The AvaMERG release (https://avamerg.github.io/) is distributed by its authors; download it there.
 """
@@ -51,7 +47,7 @@ The AvaMERG release (https://avamerg.github.io/) is distributed by its authors; 
 
 @dataclasses.dataclass
 class AvamergConfig(tfds.core.BuilderConfig):
-    """Which frozen encoder produces `audio_feats`/`video_feats` (see empatheia_jax.encoders)."""
+    """Which frozen encoder produces `audio_feats`/`video_feats` (see empatheia_jax.data.encoders)."""
 
     encoder: str = "lite"
     encoder_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -165,7 +161,7 @@ class Builder(tfds.core.GeneratorBasedBuilder):
         return epath.Path(__file__)
 
     VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "Shard-record fields of empatheia_jax.shard_format (schema version 1)."}
+    RELEASE_NOTES = {"1.0.0": "Shard-record fields of empatheia_jax.data.shard_format (schema version 1)."}
     MANUAL_DOWNLOAD_INSTRUCTIONS = MANUAL_DOWNLOAD_INSTRUCTIONS
     BUILDER_CONFIGS = [
         AvamergConfig(name="lite", description="lite encoder: log-mel/pitch/energy + face-frame statistics"),

@@ -32,16 +32,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from empatheia_jax import losses
+from empatheia_jax.data.templates import AUD_PLACEHOLDER, VID_PLACEHOLDER, extend_tokenizer, signal_tokens
 from empatheia_jax.models import trainable
 from empatheia_jax.models.llama import Llama, LlamaConfig, init_added_rows
 from empatheia_jax.models.lora import LoraConfig, apply_lora, lora_config_of, lora_layers
 from empatheia_jax.models.vae import TransformerVAE, VAEConfig, VAEOutput, as_key, split_keys
 from empatheia_jax.sharding import create_sharded, shard_model
-from empatheia_jax.templates import AUD_PLACEHOLDER, VID_PLACEHOLDER, extend_tokenizer, signal_tokens
+from empatheia_jax.train import losses
 
 if TYPE_CHECKING:
-    from empatheia_jax.stages import Stage
+    from empatheia_jax.train.stages import Stage
 
 # Trainable groups of the modules defined here (the LLM's "lora" and "added_rows" are in trainable.py).
 trainable.register_group("cs", nnx.All(nnx.Param, nnx.PathContains("content_sync")))

@@ -40,18 +40,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from empatheia_jax import config as config_lib
-from empatheia_jax import losses, sharding, stages
-from empatheia_jax.checkpoint import (
-    CheckpointError,
-    PreemptionWatcher,
-    TrainCheckpointer,
-    read_meta,
-    resolve_checkpoint,
-)
-from empatheia_jax.checkpoint_io import load_checkpoint, load_tokenizer
-from empatheia_jax.evaluate import pipeline_config_fields
-from empatheia_jax.input_pipeline import TOKEN_KEYS, InputPipeline, make_dataset, make_global_batch
+from empatheia_jax import sharding
+from empatheia_jax.data.input_pipeline import TOKEN_KEYS, InputPipeline, make_dataset, make_global_batch
+from empatheia_jax.data.shard_format import load_manifest
+from empatheia_jax.data.templates import extend_tokenizer
+from empatheia_jax.eval.evaluate import pipeline_config_fields
 from empatheia_jax.models.empatheia import (
     Empatheia,
     EmpatheiaConfig,
@@ -64,10 +57,18 @@ from empatheia_jax.models.llama import Llama, LlamaConfig
 from empatheia_jax.models.lora import LoraConfig
 from empatheia_jax.models.trainable import groups as all_groups
 from empatheia_jax.models.trainable import trainable_filter
-from empatheia_jax.shard_format import load_manifest
-from empatheia_jax.templates import extend_tokenizer
+from empatheia_jax.train import config as config_lib
+from empatheia_jax.train import losses, stages
+from empatheia_jax.train.checkpoint import (
+    CheckpointError,
+    PreemptionWatcher,
+    TrainCheckpointer,
+    read_meta,
+    resolve_checkpoint,
+)
+from empatheia_jax.weights.checkpoint_io import load_checkpoint, load_tokenizer
 
-log = logging.getLogger("empatheia_jax.trainer")
+log = logging.getLogger("empatheia_jax.train.trainer")
 
 CHECKPOINT_DIR = "checkpoints"
 # Compiled with flushed denormals on CPU: SiLU of very negative gates feeds denormals into the matmuls
@@ -962,13 +963,13 @@ def load_trained(
     path: str | Path, *, step: int | None = None, restore: bool = True, backbone: str | Path | None = None
 ) -> tuple[Empatheia, Any, ml_collections.ConfigDict, dict[str, Any]]:
     """(model, tokenizer, config, meta) from a training workdir, its checkpoints folder, one step folder, or
-    an export folder (`converters.export_empatheia`, recognised by its `empatheia_config.json`).
+    an export folder (`empatheia_jax.weights.export_empatheia`, recognised by its `empatheia_config.json`).
 
     restore=False gives the run's model untrained (same config and backbone, fresh heads, LoRA B = 0): the
     "untrained" column of `empatheia eval`. `backbone` replaces the converted-backbone folder the run or
     export recorded (it moved, or the export came from another machine: the committed reference model).
     """
-    from converters.export_empatheia import is_export, load_exported
+    from empatheia_jax.weights.export_empatheia import is_export, load_exported
 
     if is_export(path):
         loaded = load_exported(path, step=step, restore=restore, backbone=backbone)

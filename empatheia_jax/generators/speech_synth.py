@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from empatheia_jax.schema import AGES, EMOTIONS_7, GENDERS, TIMBRES
+from empatheia_jax.data.schema import AGES, EMOTIONS_7, GENDERS, TIMBRES
 
 SAMPLE_RATE = 16000
 """Sample rate of the sample's wavs: what HuBERT / wav2vec2 take without resampling."""

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from data.speech_synth import FRAME_RATE, STYLES, check_profile
-from empatheia_jax.schema import AGES, GENDERS, TIMBRES
+from empatheia_jax.data.schema import AGES, GENDERS, TIMBRES
+from empatheia_jax.generators.speech_synth import FRAME_RATE, STYLES, check_profile
 
 DEFAULT_SIZE = 128
 MOUTH_LEVELS = 16

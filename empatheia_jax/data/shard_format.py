@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from empatheia_jax import schema
-from empatheia_jax.targets import TARGET_KINDS
+from empatheia_jax.data import schema
+from empatheia_jax.data.targets import TARGET_KINDS
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "empatheia-shards/1"
@@ -38,7 +38,7 @@ COE_FIELDS = ("event_scenario", "speaker_emotion", "emotion_cause", "goal_to_res
 LABEL_FIELDS = ("emotion", "emotion_fine", "age", "gender", "timbre")
 
 SHARD_RECORD_FIELDS: dict[str, str] = {
-    "schema_version": "int: empatheia_jax.schema.SCHEMA_VERSION of the writer",
+    "schema_version": "int: empatheia_jax.data.schema.SCHEMA_VERSION of the writer",
     "uid": 'str: "{conversation_id}:{turn}", unique per example',
     "split": "str: the RAW/{split}.json the dialogue came from",
     "conversation_id": "str",

@@ -1,6 +1,6 @@
 """The model card of an exported Empatheia: what it was trained on, for how long, and what it scores.
 
-    python -m empatheia_jax.model_card EXPORT --metrics REPORT/metrics.json [--workdir RUN/coe ...]
+    python -m empatheia_jax.eval.model_card EXPORT --metrics REPORT/metrics.json [--workdir RUN/coe ...]
         [--command "bash launch/ed_reference.sh ~/runs/ed_reference"] [--device "2-core CPU"] [--notes TEXT]
 
 Writes EXPORT/README.md (the card, for people) and EXPORT/card.json (the same facts, for tools and tests).
@@ -41,7 +41,7 @@ class CardError(ValueError):
 
 def _peak_lr(config: Mapping[str, Any]) -> float | None:
     """The stage's peak lr as the trainer took it (`schedule.<stage>.lr`, else `optim.lr`)."""
-    from empatheia_jax.config import stage_schedule
+    from empatheia_jax.train.config import stage_schedule
 
     try:
         return stage_schedule(ml_collections.ConfigDict(config)).lr
@@ -216,7 +216,7 @@ def write_card(export: str | Path, card: Mapping[str, Any]) -> Path:
 def read_card(export: str | Path) -> dict[str, Any]:
     path = Path(export) / "card.json"
     if not path.is_file():
-        raise CardError(f"{export}: no card.json (python -m empatheia_jax.model_card writes it)")
+        raise CardError(f"{export}: no card.json (python -m empatheia_jax.eval.model_card writes it)")
     card = json.loads(path.read_text())
     if card.get("format") != CARD_FORMAT:
         raise CardError(f"{path}: not an Empatheia model card")

@@ -16,7 +16,7 @@ from typing import Any
 import ml_collections
 
 from empatheia_jax.models.llama import _DTYPES
-from empatheia_jax.stages import Stage, StageSkipped, apply_ablations, get_stage
+from empatheia_jax.train.stages import Stage, StageSkipped, apply_ablations, get_stage
 
 NAN_POLICIES = ("skip", "stop")
 REMAT_POLICIES = ("none", "full", "dots")
@@ -226,7 +226,7 @@ def validate(
                 bad(
                     "model.backbone",
                     config.model.backbone,
-                    "is not a complete converted checkpoint (run converters.hf_to_flax)",
+                    "is not a complete converted checkpoint (run empatheia_jax.weights.hf_to_flax)",
                 )
         elif not config.model.tokenizer:
             bad(
@@ -247,7 +247,7 @@ def best_metric_choices(config: ml_collections.ConfigDict) -> list[str]:
     """The eval metrics `checkpoint.best_metric` can name for the config's stage: the total, each loss term
     the stage counts, and the groups (ccl, sal, cls, sac) whose terms all count. [] if the stage is invalid
     (reported on its own)."""
-    from empatheia_jax import losses
+    from empatheia_jax.train import losses
 
     try:
         terms = set(resolve_stage(config).loss_terms)

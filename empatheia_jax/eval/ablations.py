@@ -1,6 +1,6 @@
 """The paper's Tables 2-4 from the `empatheia eval --json` reports of the ablation runs.
 
-    python -m empatheia_jax.ablations WORKDIR      # after launch/ablations.sh trained and evaluated them
+    python -m empatheia_jax.eval.ablations WORKDIR      # after launch/ablations.sh trained and evaluated them
 
 WORKDIR/{variant}/eval.json are the reports (`empatheia eval --json`); a variant without one is left out
 with a note. Rows follow the paper's layout (systems as rows, metrics as columns), one table per modality:
@@ -90,7 +90,7 @@ def paper_tables(reports: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str
 
 def format_tables(tables: Mapping[str, Mapping[str, Mapping[str, float]]], digits: int = 4) -> str:
     """Markdown, one table per modality; "-" where a row lacks a metric."""
-    from empatheia_jax.evaluate import HIGHER_IS_BETTER, LOWER_IS_BETTER
+    from empatheia_jax.eval.evaluate import HIGHER_IS_BETTER, LOWER_IS_BETTER
 
     titles = {"text": "Table 2: textual ERG", "speech": "Table 3: speech generation",
               "video": "Table 4: talking-head generation"}
@@ -113,7 +113,7 @@ def format_tables(tables: Mapping[str, Mapping[str, Mapping[str, float]]], digit
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: python -m empatheia_jax.ablations WORKDIR", file=sys.stderr)
+        print("usage: python -m empatheia_jax.eval.ablations WORKDIR", file=sys.stderr)
         return 2
     workdir = Path(argv[0])
     try:

@@ -1,4 +1,4 @@
-"""The converted-checkpoint folder: what `converters.hf_to_flax` writes and `load_model` reads.
+"""The converted-checkpoint folder: what `empatheia_jax.weights.hf_to_flax` writes and `load_model` reads.
 
 ```
 DIR/config.json   LlamaConfig.to_dict() + "lora" (LoraConfig.to_dict() or null), "source", "format_version"

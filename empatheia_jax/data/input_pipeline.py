@@ -35,9 +35,9 @@ import grain
 import numpy as np
 from absl import logging
 
-from empatheia_jax import shard_format
-from empatheia_jax import templates as tpl
-from empatheia_jax.shard_format import ShardRecordError
+from empatheia_jax.data import shard_format
+from empatheia_jax.data import templates as tpl
+from empatheia_jax.data.shard_format import ShardRecordError
 
 # --------------------------------------------------------------------------------------------------
 # Errors and counters
@@ -266,7 +266,7 @@ def _open_reader(path: str) -> Any:
 def load_tokenizer(tokenizer: Any) -> Any:
     """An HF tokenizer object, or one loaded from a folder (a converted checkpoint holds one)."""
     if isinstance(tokenizer, str | os.PathLike):
-        from empatheia_jax.checkpoint_io import load_tokenizer as from_folder
+        from empatheia_jax.weights.checkpoint_io import load_tokenizer as from_folder
 
         return from_folder(tokenizer)
     return tokenizer

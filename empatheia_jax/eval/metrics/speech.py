@@ -20,7 +20,8 @@ class, and measures what matters here, whether the attribute sits where the gold
 on GOLD features with the listener's profile labels and applied to the features of each system, so every
 system is judged by the same fixed probe. The lead uses it twice:
 - on style vectors: trained on the train split's gold speech_style targets (which ARE the voices the style map
-  picks for the labels, `data/kokoro_voices.py`), applied to the predicted S^s: "did the model pick the right
+  picks for the labels, `empatheia_jax/generators/kokoro_voices.py`), applied to the predicted S^s: "did the
+  model pick the right
   voice";
 - on d-vectors of audio: trained on embeddings of gold speech, applied to embeddings of generated speech:
   "does the synthesized voice sound like the right kind of speaker", independent of the style space geometry.

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from data.speech_synth import LISTENER_STYLE, STYLES, check_profile
+from empatheia_jax.generators.speech_synth import LISTENER_STYLE, STYLES, check_profile
 
 MAP_VERSION = "1"  # bump when any table below changes: targets and gold speech record it
 
@@ -80,7 +80,7 @@ class Voice:
 
 @functools.cache
 def _bases() -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-    from converters.kokoro import voice_packs
+    from empatheia_jax.generators.kokoro import voice_packs
 
     means = {name: pack.mean(axis=0).astype(np.float64) for name, pack in voice_packs().items()}
     d = means["jf_tebukuro"] - means["jm_kumo"]
@@ -130,7 +130,7 @@ def gold_speech(text: str, profile: dict[str, Any], style: str) -> tuple[np.ndar
     speech_content target) in `voice(profile, style)` (the speech_style target), so the targets are exactly
     what the audio was made from.
     """
-    from converters import kokoro
+    from empatheia_jax.generators import kokoro
 
     v = voice(profile, style)
     engine = kokoro.shared(1)

@@ -13,8 +13,8 @@ the response utterance of every example through `TargetReader`. For the embedded
 generators are unavailable, `make_standin_targets` derives deterministic, learnable stand-ins from the
 sample's media and text; they are labelled ``"source": "stand-in"`` everywhere they travel.
 
-CLI: ``python -m empatheia_jax.targets standin --raw RAW --out TARGETS`` and
-``python -m empatheia_jax.targets info TARGETS``.
+CLI: ``python -m empatheia_jax.data.targets standin --raw RAW --out TARGETS`` and
+``python -m empatheia_jax.data.targets info TARGETS``.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ TARGET_KINDS: dict[str, tuple[int, int]] = {
 }
 SOURCES = ("styletts2", "kokoro", "dreamtalk", "face_render", "stand-in")
 """Who made a target: StyleTTS2 (the user's checkpoint), Kokoro-82M (the embedded StyleTTS2-family model,
-converters/kokoro.py), DreamTalk (the user's checkpoint), the procedural face generator's controls
-(data/face_render.py, converters/face_targets.py), or the sample's stand-in functions."""
+empatheia_jax/generators/kokoro.py), DreamTalk (the user's checkpoint), the procedural face generator's
+controls
+(empatheia_jax/generators/face_render.py, converters/face_targets.py), or the sample's stand-in functions."""
 STAND_IN = "stand-in"
 META = "meta.json"
 VIDEO_FPS = 25
@@ -401,13 +402,14 @@ def standin_units(text: str) -> str:
 def content_rows(text: str, source: str) -> int | None:
     """How many speech_content rows a generator reads for `text`: the T_ph of a target of that source.
 
-    Kokoro: one row per phoneme plus the two boundary pads (converters/kokoro.py); stand-in: one per
+    Kokoro: one row per phoneme plus the two boundary pads (empatheia_jax/generators/kokoro.py); stand-in:
+    one per
     `standin_units` character; None where we cannot count them (a StyleTTS2 checkpoint's own text cleaner).
     """
     if source == STAND_IN:
         return len(standin_units(text))
     if source == "kokoro":
-        from converters import kokoro
+        from empatheia_jax.generators import kokoro
 
         return kokoro.content_length(kokoro.phonemize(text))
     return None
@@ -427,7 +429,7 @@ class StandinTargets:
     """
 
     def __init__(self, seed: int = 0):
-        from empatheia_jax.encoders import LiteEncoder
+        from empatheia_jax.data.encoders import LiteEncoder
 
         self.seed = int(seed)
         self.lite = LiteEncoder(k=1)
@@ -458,7 +460,7 @@ class StandinTargets:
         return x @ self.p_speech.T
 
     def video_content(self, wav: str | os.PathLike) -> np.ndarray:
-        from empatheia_jax.encoders import frame_signal, load_audio, mel_filterbank, stft_power
+        from empatheia_jax.data.encoders import frame_signal, load_audio, mel_filterbank, stft_power
 
         sr = 16000
         y = load_audio(wav, sr)
@@ -521,8 +523,8 @@ def standin_jobs(
     From `dialogues` (schema.Dialogue objects, e.g. the ones that passed validation) when given, else from
     every dialogue of the RAW split files.
     """
-    from empatheia_jax import schema
-    from empatheia_jax.shard_format import discover_splits
+    from empatheia_jax.data import schema
+    from empatheia_jax.data.shard_format import discover_splits
 
     raw = Path(raw)
     if dialogues is None:
@@ -608,7 +610,8 @@ def make_standin_targets(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m empatheia_jax.targets", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m empatheia_jax.data.targets",
+                                 description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("standin", help="compute stand-in targets for a RAW folder (sample data)")
     s.add_argument("--raw", required=True, help="RAW folder with {split}.json and media/")

@@ -37,11 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from empatheia_jax import input_pipeline as ip
-from empatheia_jax import losses, schema, shard_format, speech_eval, stages, video_eval
-from empatheia_jax import templates as tpl
-from empatheia_jax.generation import eos_token_ids, generate_tokens, left_pad, score_continuations
+from empatheia_jax.data import input_pipeline as ip
+from empatheia_jax.data import schema, shard_format
+from empatheia_jax.data import templates as tpl
+from empatheia_jax.eval import speech as speech_eval
+from empatheia_jax.eval import video as video_eval
 from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
+from empatheia_jax.serve.generation import eos_token_ids, generate_tokens, left_pad, score_continuations
+from empatheia_jax.train import losses, stages
 
 # Metric names, in the order tables show them.
 LOSS_METRICS = ("eval_loss", "emp", "ppl", "reply_ppl", "signal_ce", "ccl_speech", "ccl_video", "sal_speech",

@@ -46,7 +46,7 @@ import orbax.checkpoint as ocp
 from flax import nnx, traverse_util
 from jax.sharding import SingleDeviceSharding
 
-from empatheia_jax.checkpoint_io import _flat_params, _key, _nested_str, _unreadable_keys
+from empatheia_jax.weights.checkpoint_io import _flat_params, _key, _nested_str, _unreadable_keys
 
 __all__ = [
     "CheckpointError",

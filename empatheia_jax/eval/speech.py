@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from empatheia_jax import input_pipeline as ip
+from empatheia_jax.data import input_pipeline as ip
 
 SPEECH_METRICS = ("speech_mcd", "speech_spk_sim", "speech_f0_diff_st", "speech_dur_ratio", "speech_age_acc",
                   "speech_gender_acc", "speech_timbre_acc", "speech_examples", "speech_unusable")
@@ -53,7 +53,7 @@ class SpeechEval:
     def __init__(self, shards_dir: str | os.PathLike, split: str = "test", *, train_split: str = "train",
                  gold_dir: str | os.PathLike | None = None, examples: int = 16, threads: int = 2,
                  progress: bool = True):
-        from empatheia_jax.evaluate import check_split
+        from empatheia_jax.eval.evaluate import check_split
 
         manifest = check_split(shards_dir, split)
         kinds = (manifest.get("targets") or {}).get("kinds") or {}
@@ -102,20 +102,20 @@ class SpeechEval:
                     labels[k].append(str(rec["listener_profile"][k]))
         if not styles:
             raise SpeechEvalUnavailable(f"{shards_dir}: the {train_split} split has no speech_style targets")
-        from empatheia_jax.speech_metrics import StyleClassifier
+        from empatheia_jax.eval.metrics.speech import StyleClassifier
 
         self.probe = StyleClassifier().fit(np.stack(styles), labels)
         self.mean_style = np.mean(styles, axis=0).astype(np.float32)
         majority = {k: collections.Counter(v).most_common(1)[0][0] for k, v in labels.items()}
-        from data.kokoro_voices import voice
+        from empatheia_jax.generators.kokoro_voices import voice
 
         self.majority_profile = majority
         self.pipeline_style = voice(majority, "empathetic").style
 
     @staticmethod
     def _read(path: Path) -> np.ndarray:
-        from converters.kokoro import SAMPLE_RATE
-        from data.speech_synth import read_wav
+        from empatheia_jax.generators.kokoro import SAMPLE_RATE
+        from empatheia_jax.generators.speech_synth import read_wav
 
         sr, wav = read_wav(path)
         if sr != SAMPLE_RATE:
@@ -132,8 +132,8 @@ class SpeechEval:
         return [speak_features(c, s, len(c), threads=self.threads) for c, s in bar]
 
     def _rows(self, name: str, wavs: list[np.ndarray], styles: Mapping[int, np.ndarray]) -> dict[str, float]:
-        from converters.kokoro import SAMPLE_RATE
-        from empatheia_jax.speech_metrics import speech_rows
+        from empatheia_jax.eval.metrics.speech import speech_rows
+        from empatheia_jax.generators.kokoro import SAMPLE_RATE
 
         out: dict[str, float] = {}
         if wavs:

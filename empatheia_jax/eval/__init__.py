@@ -1,0 +1,1 @@
+"""Evaluation: metrics as pure functions, eval orchestration, reports, baselines and ablation tables."""

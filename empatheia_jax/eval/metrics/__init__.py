@@ -1,0 +1,1 @@
+"""Metrics as pure functions of predictions and references: text, speech and video."""

@@ -1,0 +1,2 @@
+"""Output generators (speech and face) behind one interface and registry, and the sample's own speech
+synthesizer."""
