@@ -508,8 +508,7 @@ def abstract_batch(config: Any, stage: Any, cfg: Any, micro: int, seq: int, accu
     `input_pipeline.batch_spec` of the stage's pipeline, with `sharding` on every array."""
     import jax
 
-    from empatheia_jax.data.input_pipeline import PipelineConfig, batch_spec
-    from empatheia_jax.eval.evaluate import pipeline_config_fields
+    from empatheia_jax.data.input_pipeline import PipelineConfig, batch_spec, pipeline_config_fields
 
     fields = pipeline_config_fields(cfg, stage, {"max_aud": int(config.data.max_aud),
                                                  "max_vid": int(config.data.max_vid)})

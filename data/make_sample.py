@@ -418,7 +418,7 @@ def build_sample(out: str | os.PathLike, n: int, seed: int, *, ed_csv: str | os.
     emap = EmotionMap.load("avamerg7")
     source: dict[str, Any] = {"kind": "corpus"}
     if corpus is None:
-        from data.import_ed import convert_ed_csv
+        from empatheia_jax.data.ed import convert_ed_csv
 
         csv_path = resolve_ed_csv(ed_csv)
         corpus = convert_ed_csv(str(csv_path)).dialogues

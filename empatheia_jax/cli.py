@@ -36,6 +36,12 @@ from typing import Any
 from absl import app, flags
 from ml_collections import config_flags
 
+from empatheia_jax.data import splits
+from empatheia_jax.eval import baselines as eval_baselines
+from empatheia_jax.eval import report as eval_report
+from empatheia_jax.eval.metrics import text as mtext
+from empatheia_jax.train import stages
+
 FLAGS = flags.FLAGS
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -55,7 +61,7 @@ flags.DEFINE_string("data", None, "eval: what to evaluate on: a shards folder (a
 flags.DEFINE_string("data_cache", None, "eval: folder for the shards prepared from a --data csv, reused by a "
                     "later run on the same file (default: $XDG_CACHE_HOME or ~/.cache, then "
                     "empatheia_jax/eval_data)")
-# evaluate.TEMPLATES, spelt out so that parsing the flags imports no jax
+# stages.TEMPLATES, spelt out so that parsing the flags imports no jax
 TEMPLATE_NAMES = ("coe", "ccl", "sac", "overall", "pipeline")
 flags.DEFINE_enum("template", None, list(TEMPLATE_NAMES), "eval: the stage whose prompt and loss formula "
                   "score the model (default: the stage the checkpoint was trained for; overall for older "
@@ -146,7 +152,7 @@ class DataError(ValueError):
 def _import_ed_csv(path: Path, split: str) -> str:
     """The AvaMERG JSON text of an EmpatheticDialogues csv (`data.import_ed`), checked as the importer's own
     CLI checks it. Done before the model loads, so a wrong file fails in a second."""
-    from data.import_ed import convert_ed_csv, dumps
+    from empatheia_jax.data.ed import convert_ed_csv, dumps
     from empatheia_jax.data.schema import EmotionMap, validate_dialogues
 
     try:
@@ -199,14 +205,14 @@ def _eval() -> int:
         if data.is_dir():
             shards = str(data)
         elif data.is_file():
-            from data.import_ed import split_from_filename
+            from empatheia_jax.data.ed import split_from_filename
 
             split = FLAGS.split if FLAGS["split"].present else split_from_filename(str(data))
             ed_json = _import_ed_csv(data, split)
         else:
             raise FileNotFoundError(f"--data {data}: no such file or folder")
     if shards:  # checked before the model is loaded: a wrong folder fails in seconds
-        evaluate.check_split(shards, split)
+        splits.check_split(shards, split)
     model, tokenizer, config, meta = _load_trained()
     if ed_json is not None:  # labels in the model's emotion classes (as chat maps them)
         from empatheia_jax.serve.chat import emotion_map_name
@@ -217,7 +223,7 @@ def _eval() -> int:
         raise FileNotFoundError(f"shards folder {shards} (the run's config.data.shards) does not exist; "
                                 "pass --shards or --data")
     trained_stage = _trained_stage(meta)
-    stage = evaluate.eval_stage(model.config, FLAGS.template or trained_stage)
+    stage = stages.eval_stage(model.config, FLAGS.template or trained_stage)
     why = ("--template" if FLAGS.template else "the stage this checkpoint was trained for" if trained_stage
            else "the default: its checkpoint does not name its stage")
     print(f"template: {stage.name} ({why})", file=sys.stderr)
@@ -234,7 +240,7 @@ def _eval() -> int:
         max_examples=FLAGS.max_examples or None,
         score_emotions=FLAGS.score_emotions,
     )
-    manifest = evaluate.check_split(shards, split)
+    manifest = splits.check_split(shards, split)
     # text-only data under a template that reads media: one line now, not a failure inside the pipeline
     shard_format.check_media_for_template(manifest, shards, split, stage=stage.name,
                                           needs_media=stage.template_spec(model.config.n_signal).has_media,
@@ -266,13 +272,13 @@ def _eval() -> int:
         voters[stage.name] = details["predictions"]
     if voting:
         voters.update(_voters(model, tokenizer, shards, split, kwargs, exclude=stage.name))
-        columns["trained"].update(evaluate.vote_metrics(list(voters.values())))
+        columns["trained"].update(mtext.vote_metrics(list(voters.values())))
         columns["trained"]["num_voters"] = float(len(voters))
     if FLAGS.untrained:  # loss, classifier and feature rows: an untrained head's features drive no generator
         fresh, tok, _, _ = _load_trained(restore=False)
         columns["untrained"] = evaluate.evaluate(fresh, tok, shards, split, name="untrained", **kwargs)
     if config.data.train_split in (manifest.get("splits") or {}):
-        columns["baseline"] = evaluate.baselines(
+        columns["baseline"] = eval_baselines.baselines(
             shards,
             split,
             train_split=config.data.train_split,
@@ -286,8 +292,8 @@ def _eval() -> int:
         if rows is not None:
             for name, values in rows.reference_columns().items():
                 columns.setdefault(name, {}).update(values)
-    columns["chance"] = evaluate.chance_levels(model.config)
-    print(evaluate.format_table(columns))
+    columns["chance"] = eval_baselines.chance_levels(model.config)
+    print(eval_report.format_table(columns))
     targets = speech_eval.describe_targets(manifest)
     print(targets)
     print(f"template: {stage.name}; data: {shards} split {split}")
@@ -302,8 +308,8 @@ def _eval() -> int:
                  f"template: {stage.name} ({why})", f"data: {shards} split {split}", targets]
         if voting:
             notes.append(f"emotion voting over {len(voters)} voters: {', '.join(voters)}")
-        per_class = evaluate.per_class_report(details, evaluate.emotion_map_of(manifest))
-        report = evaluate.write_report(FLAGS.report, columns, notes=notes, per_class=per_class,
+        per_class = eval_report.per_class_report(details, splits.emotion_map_of(manifest))
+        report = eval_report.write_report(FLAGS.report, columns, notes=notes, per_class=per_class,
                                        predictions=voters, extra=extra)
         print(f"report: {report}", file=sys.stderr)
     return 0
@@ -336,7 +342,7 @@ def _voters(model: Any, tokenizer: Any, shards: str, split: str, kwargs: dict[st
 
 def _prepare_cached(ed_json: str, split: str, emotion_map: str) -> tuple[str, bool]:
     """The text-only shards of an imported csv: prepared under --data_cache, or reused from there."""
-    from data.prepare import InvalidInputError, cached_text_only_shards
+    from empatheia_jax.data.prepare import InvalidInputError, cached_text_only_shards
 
     cache = _data_cache()
     try:
@@ -444,12 +450,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     exception is being matched (the modules import jax)."""
     from converters.synthesize import SpeechBridgeError
     from empatheia_jax.data.shard_format import ShardRecordError
-    from empatheia_jax.eval.evaluate import ShardsError, TemplateError
+    from empatheia_jax.data.splits import ShardsError
     from empatheia_jax.eval.speech import SpeechEvalUnavailable
     from empatheia_jax.generators.kokoro import KokoroAssetError
     from empatheia_jax.serve.chat import ChatInputError, EncoderManifestError
     from empatheia_jax.train.checkpoint import CheckpointError
     from empatheia_jax.train.config import ConfigError
+    from empatheia_jax.train.stages import TemplateError
     from empatheia_jax.weights.checkpoint_io import CheckpointError as ConvertedCheckpointError
     from empatheia_jax.weights.export_hf import ExportError
 

@@ -323,7 +323,7 @@ def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)
     generator's controls) plus the test responses' gold speech in RAW/gold_speech as data/make_sample.py
     writes it (~10 s more).
     """
-    from data import prepare as prep
+    from empatheia_jax.data import prepare as prep
     from empatheia_jax.data.targets import TARGET_KINDS, make_standin_targets
 
     splits, n = {}, 0

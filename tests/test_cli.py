@@ -106,8 +106,8 @@ def ed_csv(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ed_shards(ed_csv, tmp_path_factory) -> Path:
     """The csv's text-only shards, prepared by the library in a cache of their own (not the CLI's)."""
-    from data.import_ed import convert_ed_csv, dumps
-    from data.prepare import cached_text_only_shards
+    from empatheia_jax.data.ed import convert_ed_csv, dumps
+    from empatheia_jax.data.prepare import cached_text_only_shards
 
     text = dumps(convert_ed_csv(str(ed_csv)).dialogues)
     return cached_text_only_shards(text, tmp_path_factory.mktemp("ed_cache"), split="test", progress=False,

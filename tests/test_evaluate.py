@@ -20,9 +20,12 @@ from flax import nnx
 from helpers import FAST, TINY_ROWS, load_smollm2_tokenizer, make_tiny_shards, tiny_empatheia
 
 from empatheia_jax.data import input_pipeline as ip
-from empatheia_jax.data import schema
+from empatheia_jax.data import parse, schema
 from empatheia_jax.data import templates as tpl
+from empatheia_jax.eval import baselines as eval_baselines
 from empatheia_jax.eval import evaluate as ev
+from empatheia_jax.eval import report as eval_report
+from empatheia_jax.eval.metrics import text as mtext
 from empatheia_jax.serve.generation import eos_token_ids, generate_tokens, left_pad
 from empatheia_jax.train import stages
 
@@ -129,8 +132,8 @@ def test_generations_are_scored_from_their_parse_and_equal_unbatched_decoding(mo
     assert [p["record_index"] for p in preds] == [0, 1, 2]
     assert all(p["num_new"] == 6 for p in preds)  # a random model never ends on its own
     replies = [p["reply"] for p in preds]
-    assert got["dist1_corpus"] == pytest.approx(ev.distinct_n(replies, 1))
-    assert got["dist2_reply"] == pytest.approx(ev.distinct_n_per_reply(replies, 2))
+    assert got["dist1_corpus"] == pytest.approx(mtext.distinct_n(replies, 1))
+    assert got["dist2_reply"] == pytest.approx(mtext.distinct_n_per_reply(replies, 2))
     gold = [p["labels"]["emotion"] for p in preds]
     assert gold == [1, 5, 5]  # surprised, disgusted (shards' labels, in record order)
     hits = [p["emotion"] == g for p, g in zip(preds, gold, strict=True)]
@@ -218,12 +221,12 @@ def test_scored_emotion_is_the_most_likely_ed_label_after_the_generated_step_1(m
         assert pred["emotion_scored"] == (-1 if (c := emap.project(ED[best])) is None else c)
     assert preds[2]["emotion_fine_scored"] == -1 and preds[2]["emotion_word_scored"] == ""  # no CoE: unscored
     assert "emotion_label_logprobs" not in preds[2]
-    m = ev.text_metrics(preds)
+    m = mtext.text_metrics(preds)
     assert m["emotion_scored_rate"] == pytest.approx(2 / 3)
     gold_fine = [p["labels"]["emotion_fine"] for p in preds]
     assert m["emotion32_acc_scored"] == pytest.approx(np.mean(
         [p["emotion_fine_scored"] == g for p, g in zip(preds, gold_fine, strict=True) if g >= 0]))
-    with pytest.raises(ev.TemplateError, match="score_emotions needs a Chain-of-Empathy target"):
+    with pytest.raises(stages.TemplateError, match="score_emotions needs a Chain-of-Empathy target"):
         ev.generate_predictions(model, tok, shards, "test", template="sac", score_emotions=True,
                                 progress=False, compiler_options=FAST)
 
@@ -238,7 +241,7 @@ def test_parse_and_score_of_rigged_generations():
         "Secondly, the emotion of the speaker is: tired\n\nFinally, the response is: rest",  # no class
         "just some words",  # no CoE at all: the bare reply
     ]
-    parsed = [ev.parse_generation(t, emap) for t in texts]
+    parsed = [parse.parse_generation(t, emap) for t in texts]
     assert [p["emotion"] for p in parsed] == [3, 4, -1, -1]  # fear, sad (first word that maps), none, none
     replies = ["I am so sorry. Is he back?", "oh no, oh no", "rest", "just some words"]
     assert [p["reply"] for p in parsed] == replies
@@ -248,7 +251,7 @@ def test_parse_and_score_of_rigged_generations():
     gold_fine = [ED.index("afraid"), ED.index("sad"), ED.index("annoyed"), -1]  # same 7-class, other label
     preds = [dict(p, labels={"emotion": g, "emotion_fine": f, "age": -1, "gender": -1, "timbre": -1})
              for p, g, f in zip(parsed, gold, gold_fine, strict=True)]
-    m = ev.text_metrics(preds)
+    m = mtext.text_metrics(preds)
     assert m["emotion_acc_text"] == 0.25  # only the first; unparseable counts as wrong
     assert m["emotion32_acc_text"] == pytest.approx(1 / 3)  # terrified != afraid; sad == sad; tired: none
     assert m["coe_parse_rate"] == 0.75 and m["emotion_parse_rate"] == 0.5
@@ -261,26 +264,26 @@ def test_parse_and_score_of_rigged_generations():
     assert m["dist2_reply"] == pytest.approx((1 + 3 / 4 + 1) / 3)
     assert m["repetition_rate"] == 0.0  # "oh no , oh no" repeats a bigram, not a 4-gram
     assert m["reply_words"] == pytest.approx((7 + 4 + 1 + 3) / 4)  # punctuation is not a word
-    assert ev.distinct_n(["a b a", "b c"], 1) == pytest.approx(3 / 5)
-    assert ev.distinct_n(["a b a", "b c"], 2) == pytest.approx(3 / 3)
-    assert ev.distinct_n([""], 2) == 0.0
+    assert mtext.distinct_n(["a b a", "b c"], 1) == pytest.approx(3 / 5)
+    assert mtext.distinct_n(["a b a", "b c"], 2) == pytest.approx(3 / 3)
+    assert mtext.distinct_n([""], 2) == 0.0
     # the demo's failure: one sentence said again
     looped = "I am here for you. I am here for you. I am here for you."
-    assert ev.has_repeated_ngram(looped) and not ev.has_repeated_ngram("I am here for you, always.")
-    m = ev.text_metrics([dict(p, labels={}) for p in parsed] + [dict(parsed[3], reply=looped, labels={})])
+    assert mtext.has_repeated_ngram(looped) and not mtext.has_repeated_ngram("I am here for you, always.")
+    m = mtext.text_metrics([dict(p, labels={}) for p in parsed] + [dict(parsed[3], reply=looped, labels={})])
     assert m["repetition_rate"] == pytest.approx(1 / 5)
 
-    pipe = ev.parse_generation("Emotion: joyful\nProfile: young, female, HIGH\nResponse: great news!",
+    pipe = parse.parse_generation("Emotion: joyful\nProfile: young, female, HIGH\nResponse: great news!",
                                emap, pipeline_baseline=True)
     assert (pipe["emotion"], pipe["age"], pipe["gender"], pipe["timbre"]) == (0, 1, 1, 2)
     assert pipe["reply"] == "great news!"
-    m = ev.text_metrics([dict(pipe, labels={"emotion": 0, "age": 1, "gender": 0, "timbre": 2})])
+    m = mtext.text_metrics([dict(pipe, labels={"emotion": 0, "age": 1, "gender": 0, "timbre": 2})])
     got = [m[f"{k}_acc_text"] for k in ("emotion", "age", "gender", "timbre")]
     assert got == [1, 1, 0, 1]
 
 
 def test_baselines_equal_a_hand_computation(shards):
-    got = ev.baselines(shards, "test", max_speech_len=ROWS, max_video_len=ROWS)
+    got = eval_baselines.baselines(shards, "test", max_speech_len=ROWS, max_video_len=ROWS)
     train = ip.ShardReader.for_split(shards, "train")
     test = ip.ShardReader.for_split(shards, "test")
     tr = [train[i] for i in range(len(train))]
@@ -309,15 +312,15 @@ def test_baselines_equal_a_hand_computation(shards):
         mean = np.mean([r["targets"][kind] for r in tr], axis=0, dtype=np.float64)
         l2 = [np.linalg.norm(mean - r["targets"][kind]) for r in te]
         assert got[f"{kind}_l2"] == pytest.approx(np.mean(l2), rel=1e-9)
-    assert got["dist1_corpus"] == pytest.approx(ev.distinct_n([r["response"] for r in te], 1))
-    assert got["dist2_reply"] == pytest.approx(ev.distinct_n_per_reply([r["response"] for r in te], 2))
+    assert got["dist1_corpus"] == pytest.approx(mtext.distinct_n([r["response"] for r in te], 1))
+    assert got["dist2_reply"] == pytest.approx(mtext.distinct_n_per_reply([r["response"] for r in te], 2))
     assert got["num_examples"] == 3
-    chance = ev.chance_levels()
+    chance = eval_baselines.chance_levels()
     assert chance["emotion_acc_cls"] == pytest.approx(1 / 7) and chance["gender_acc"] == 0.5
 
 
 def test_format_table_shows_every_column_and_dashes_for_missing_values():
-    table = ev.format_table({
+    table = eval_report.format_table({
         "trained": {"eval_loss": 1.23456, "emotion_acc_text": 0.5, "num_examples": 3.0},
         "baseline": {"emotion_acc_text": 0.25, "custom": 2.0},
     })
@@ -338,7 +341,7 @@ def test_missing_split_or_folder_is_named(model, tok, shards, tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         ev.evaluate(model, tok, tmp_path / "nowhere", "test", progress=False)
     with pytest.raises(ValueError, match="no split 'training'"):
-        ev.baselines(shards, "test", train_split="training")
+        eval_baselines.baselines(shards, "test", train_split="training")
 
 
 def test_emotion_voting_takes_the_majority_and_breaks_ties_by_voter_order():
@@ -354,21 +357,21 @@ def test_emotion_voting_takes_the_majority_and_breaks_ties_by_voter_order():
     c = voter([1, 1, 2, -1, -1])
     # record 0: 0,0,1 -> 0; 1: 1,2,1 -> 1; 2: 5,2,2 -> 2; 3: nobody parsed -> -1;
     # 4: 6 vs 4, a tie -> the first voter's 6
-    assert ev.vote_emotions([a, b, c]) == {0: 0, 1: 1, 2: 2, 3: -1, 4: 6}
-    assert ev.vote_emotions([b, a, c])[4] == 4
-    m = ev.vote_metrics([a, b, c])
+    assert mtext.vote_emotions([a, b, c]) == {0: 0, 1: 1, 2: 2, 3: -1, 4: 6}
+    assert mtext.vote_emotions([b, a, c])[4] == 4
+    m = mtext.vote_metrics([a, b, c])
     assert m == {"emotion_acc_vote": pytest.approx(3 / 5), "emotion32_acc_vote": pytest.approx(3 / 5)}
-    assert ev.text_metrics(a)["emotion_acc_text"] == pytest.approx(2 / 5)  # voting beat the first voter
-    assert ev.vote_metrics([]) == {}
+    assert mtext.text_metrics(a)["emotion_acc_text"] == pytest.approx(2 / 5)  # voting beat the first voter
+    assert mtext.vote_metrics([]) == {}
 
 
 def test_per_class_accuracy_and_its_plot(tmp_path):
     classes = ("joyful", "sad", "angry")
     preds = [{"emotion": e, "labels": {"emotion": g}} for e, g in ((0, 0), (1, 0), (1, 1), (-1, 1), (0, 1),
                                                                     (2, -1))]
-    got = ev.per_class_accuracy(preds, "emotion", classes)
+    got = mtext.per_class_accuracy(preds, "emotion", classes)
     assert got == {"joyful": {"accuracy": 0.5, "n": 2.0}, "sad": {"accuracy": pytest.approx(1 / 3), "n": 3.0}}
-    path = ev.plot_per_class(got, "emotion (CoE step 2)", tmp_path / "plots" / "emotion.png")
+    path = eval_report.plot_per_class(got, "emotion (CoE step 2)", tmp_path / "plots" / "emotion.png")
     from PIL import Image
 
     with Image.open(path) as im:
@@ -393,7 +396,7 @@ def test_per_class_report_and_the_report_folder(tmp_path):
                       "age_cls": 1, "gender_cls": 1},
                   1: {"labels": {"emotion": sad, "age": 2, "gender": 0, "timbre": -1}, "emotion_cls": joy,
                       "age_cls": 2, "gender_cls": 0}}
-    got = ev.per_class_report({"predictions": preds, "classified": classified}, emap)
+    got = eval_report.per_class_report({"predictions": preds, "classified": classified}, emap)
     assert set(got) == {"emotion_text", "emotion32_text", "emotion_cls", "age_cls", "gender_cls"}
     assert got["emotion_text"] == {"sad": {"accuracy": 0.5, "n": 2.0}, emap.classes[joy]: {"accuracy": 0.0,
                                                                                            "n": 1.0}}
@@ -405,14 +408,14 @@ def test_per_class_report_and_the_report_folder(tmp_path):
 
     columns = {"trained": {"emotion_acc_text": 1 / 3, "num_generated": 3.0},
                "chance": {"emotion_acc_text": 0.2}}
-    report = ev.write_report(tmp_path / "r", columns, notes=["template: coe"], per_class=got,
+    report = eval_report.write_report(tmp_path / "r", columns, notes=["template: coe"], per_class=got,
                              predictions={"coe": preds}, extra={"split": "test"})
     folder = report.parent
     assert json.loads((folder / "metrics.json").read_text()) == {**columns, "split": "test"}
     assert json.loads((folder / "per_class.json").read_text()) == got
     assert [json.loads(line) for line in (folder / "predictions_coe.jsonl").read_text().splitlines()] == preds
     text = report.read_text()
-    assert "- template: coe" in text and ev.format_table(columns).strip() in text
+    assert "- template: coe" in text and eval_report.format_table(columns).strip() in text
     for plot in got:
         assert f"![{plot}](per_class_{plot}.png)" in text and (folder / f"per_class_{plot}.png").is_file()
     assert "| sad | 0.5000 | 2 |" in text

@@ -8,8 +8,15 @@ import os
 
 import pytest
 
-from data import import_ed
-from data.import_ed import PROFILE_COMBOS, convert_ed_csv, dumps, ed_conversation_id, split_from_filename
+from data import import_ed as import_ed_cli
+from empatheia_jax.data import ed as import_ed
+from empatheia_jax.data.ed import (
+    PROFILE_COMBOS,
+    convert_ed_csv,
+    dumps,
+    ed_conversation_id,
+    split_from_filename,
+)
 from empatheia_jax.data.schema import Dialogue, EmotionMap, validate_dialogues
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,7 +136,7 @@ def test_real_deterministic(real, tmp_path):
 
 
 def test_cli_writes_split_and_report(tmp_path):
-    assert import_ed.main(["--csv", REAL_CSV, "--out", str(tmp_path), "--quiet"]) == 0
+    assert import_ed_cli.main(["--csv", REAL_CSV, "--out", str(tmp_path), "--quiet"]) == 0
     data = json.loads((tmp_path / "valid.json").read_text(encoding="utf-8"))
     assert len(data) == 2755
     report = (tmp_path / "valid.import_report.txt").read_text(encoding="utf-8")
@@ -158,14 +165,16 @@ def test_holdout_is_whole_conversations_seeded_and_stable(real, tmp_path):
     with pytest.raises(ValueError, match="fraction"):
         import_ed.holdout(real.dialogues, 1.0)
 
-    assert import_ed.main(["--csv", REAL_CSV, "--out", str(tmp_path), "--quiet", "--holdout", "dev:0.2"]) == 0
+    args = ["--csv", REAL_CSV, "--out", str(tmp_path), "--quiet", "--holdout", "dev:0.2"]
+    assert import_ed_cli.main(args) == 0
     assert json.loads((tmp_path / "dev.json").read_text()) == held
     assert json.loads((tmp_path / "valid.json").read_text()) == kept
     report = (tmp_path / "valid.import_report.txt").read_text()
     assert f"holdout: dev.json {len(held)} dialogues" in report
     for bad in ("dev", "dev:1.5", "valid:0.2", ":0.2", "dev:x"):
         with pytest.raises(SystemExit):
-            import_ed.main(["--csv", REAL_CSV, "--out", str(tmp_path / "bad"), "--quiet", "--holdout", bad])
+            import_ed_cli.main(["--csv", REAL_CSV, "--out", str(tmp_path / "bad"), "--quiet",
+                                "--holdout", bad])
 
 
 # ------------------------------------------------------------------------------------- synthetic cases

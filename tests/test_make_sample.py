@@ -185,7 +185,7 @@ def test_real_ed_masking_and_balance(monkeypatch):
     monkeypatch.delenv("EMPATHEIA_ED_CSV", raising=False)
     path = make_sample.resolve_ed_csv()
     assert path == make_sample.shipped_ed_csv().resolve()
-    from data.import_ed import convert_ed_csv
+    from empatheia_jax.data.ed import convert_ed_csv
 
     emap = EmotionMap.load("avamerg7")
     chosen = make_sample.select_dialogues(convert_ed_csv(str(path)).dialogues, 70, 0, emap)

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from helpers import make_raw, read_shard_split, synthetic_dialogue
 
-from data import prepare as prep
+from data import prepare as prepare_cli
+from empatheia_jax.data import prepare as prep
 from empatheia_jax.data import schema
 from empatheia_jax.data.encoders import get_encoder
 from empatheia_jax.data.shard_format import (
@@ -143,7 +144,7 @@ def test_invalid_input_fails_listing_problems_or_skips(tmp_path):
     msg = str(e.value)
     assert "bad1" in msg and "zzzunknown" in msg and "bad2" in msg and "diabad2utt2_1.wav" in msg
     assert "--skip-invalid" in msg and not (out / "manifest.json").exists()
-    assert prep.main(["--raw", str(raw), "--out", str(out), "--no-progress"]) == 2
+    assert prepare_cli.main(["--raw", str(raw), "--out", str(out), "--no-progress"]) == 2
 
     # stand-in targets are made for the valid dialogues only (bad2 lacks media) and joined
     m = prep.prepare(raw, out, skip_invalid=True, targets=tmp_path / "tg", make_standin=True, progress=False)
@@ -172,7 +173,7 @@ def test_cli_overwrite_interrupt_and_workers(prepared, tmp_path, monkeypatch):
     raw, out_ref, _ = prepared
     out = tmp_path / "out"
     args = ["--raw", str(raw), "--out", str(out), "--targets", str(raw / "targets"), "--no-progress"]
-    assert prep.main([*args, "--records-per-shard", "1", "--workers", "2"]) == 0
+    assert prepare_cli.main([*args, "--records-per-shard", "1", "--workers", "2"]) == 0
     m = load_manifest(out)
     assert m["command"].startswith("python -m data.prepare --raw") and m["timing"]["workers"] == 2
     assert len(m["splits"]["train"]["shards"]) == 5
@@ -183,8 +184,8 @@ def test_cli_overwrite_interrupt_and_workers(prepared, tmp_path, monkeypatch):
         for ra, rb in zip(a, b, strict=True):
             np.testing.assert_array_equal(ra["audio_feats"], rb["audio_feats"])
             np.testing.assert_array_equal(ra["video_feats"], rb["video_feats"])
-    assert prep.main(args) == 2  # refuses to overwrite without --overwrite
-    assert prep.main([*args, "--overwrite", "--records-per-shard", "10"]) == 0
+    assert prepare_cli.main(args) == 2  # refuses to overwrite without --overwrite
+    assert prepare_cli.main([*args, "--overwrite", "--records-per-shard", "10"]) == 0
     assert sorted(p.name for p in (out / "train").iterdir()) == ["train-00000-of-00001.array_record"]
     assert verify_shards(out) == []
     # an interrupted run leaves no manifest and no temporary shards

@@ -96,17 +96,16 @@ def test_greedy_generate_matches_transformers(smollm2, reference):
 
 def test_every_tokenizer_loader_reads_the_converted_folder_quietly(smollm2):
     """The converted folder's config.json is ours, not an HF config: the training, pipeline and load_model
-    paths all read its tokenizer without transformers parsing that file (which printed a rope_scaling
-    FutureWarning into every demo stage)."""
+    paths (one loader, `templates.load_tokenizer`) all read its tokenizer without transformers parsing
+    that file (which printed a rope_scaling FutureWarning into every demo stage)."""
     import warnings
 
-    from empatheia_jax.data.input_pipeline import load_tokenizer as pipeline_tokenizer
-    from empatheia_jax.train.trainer import load_tokenizer as trainer_tokenizer
+    from empatheia_jax.data.templates import load_tokenizer
 
     folder = smollm2_checkpoint()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        loaded = [trainer_tokenizer(folder), pipeline_tokenizer(str(folder))]
+        loaded = [load_tokenizer(folder), load_tokenizer(str(folder)), empatheia_jax.load_model(folder)[1]]
     for tok in loaded:
         assert tok.get_vocab() == smollm2[1].get_vocab() and tok.chat_template == smollm2[1].chat_template
 

@@ -27,8 +27,10 @@ from helpers import (
     tiny_empatheia,
 )
 
-from data import import_ed
-from data import prepare as prep
+from data import import_ed as import_ed_cli
+from data import prepare as prepare_cli
+from empatheia_jax.data import ed as import_ed
+from empatheia_jax.data import prepare as prep
 from empatheia_jax.data import schema
 from empatheia_jax.data.shard_format import MissingMediaError, load_manifest, verify_shards
 
@@ -68,8 +70,8 @@ def ed_shards(tmp_path_factory) -> Path:
     """The csv above imported (data.import_ed) into RAW without any media folder, then `--text-only`."""
     root = tmp_path_factory.mktemp("ed")
     csv_path = write_ed_csv(root / "my_dialogues_test.csv")
-    assert import_ed.main(["--csv", str(csv_path), "--out", str(root / "raw"), "--quiet"]) == 0
-    assert prep.main(["--raw", str(root / "raw"), "--out", str(root / "shards"), "--text-only",
+    assert import_ed_cli.main(["--csv", str(csv_path), "--out", str(root / "raw"), "--quiet"]) == 0
+    assert prepare_cli.main(["--raw", str(root / "raw"), "--out", str(root / "shards"), "--text-only",
                       "--no-progress"]) == 0
     return root / "shards"
 
@@ -155,7 +157,7 @@ def test_media_optional_is_per_dialogue_and_a_missing_file_is_still_named(option
     msg = str(e.value)
     assert "diapartutt2_1.wav" in msg and "diapartutt2_1.mp4" in msg and "conversation part" in msg
     assert "bare" not in msg and e.value.problems == [p for p in e.value.problems if "part" in p]
-    assert prep.main(["--raw", str(optional_raw), "--out", str(out), "--media", "optional",
+    assert prepare_cli.main(["--raw", str(optional_raw), "--out", str(out), "--media", "optional",
                       "--no-progress"]) == 2
     assert not (out / "manifest.json").exists()
 
@@ -181,7 +183,7 @@ def test_text_only_cli_flags(tmp_path, capsys):
     for bad in (["--text-only", "--encoder", "lite"], ["--text-only", "--media", "optional"],
                 ["--text-only", "--k", "2"], ["--media", "optional", "--make-standin-targets"]):
         with pytest.raises(SystemExit) as e:
-            prep.main(["--raw", str(raw), "--out", str(tmp_path / "o"), *bad])
+            prepare_cli.main(["--raw", str(raw), "--out", str(tmp_path / "o"), *bad])
         assert e.value.code == 2, bad
     assert "--text-only" in capsys.readouterr().err
 
@@ -203,26 +205,25 @@ def model(tok):
 
 
 def test_eval_stage_follows_the_template(model):
-    from empatheia_jax.eval import evaluate as ev
     from empatheia_jax.models.empatheia import EmpatheiaConfig
     from empatheia_jax.train import stages
 
     cfg = model.config
-    assert ev.TEMPLATES == ("coe", "ccl", "sac", "overall", "pipeline")
-    assert ev.eval_stage(cfg) == ev.eval_stage(cfg, "overall") == stages.STAGES["overall"]
-    coe = ev.eval_stage(cfg, "coe")
+    assert stages.TEMPLATES == ("coe", "ccl", "sac", "overall", "pipeline")
+    assert stages.eval_stage(cfg) == stages.eval_stage(cfg, "overall") == stages.STAGES["overall"]
+    coe = stages.eval_stage(cfg, "coe")
     assert (coe.name, coe.template_stage, coe.loss_terms, coe.heads) == ("coe", "coe", ("emp",), frozenset())
-    assert ev.eval_stage(cfg, "sac").heads == {"sd"} and ev.eval_stage(cfg, "ccl").heads == {"cs"}
-    assert ev.eval_stage(cfg, "pipeline") is stages.PIPELINE_BASELINE
+    assert stages.eval_stage(cfg, "sac").heads == {"sd"} and stages.eval_stage(cfg, "ccl").heads == {"cs"}
+    assert stages.eval_stage(cfg, "pipeline") is stages.PIPELINE_BASELINE
     no_media = EmpatheiaConfig.from_dict({**cfg.to_dict(), "media_input": False})
-    assert not ev.eval_stage(no_media, "overall").template_spec().has_media  # the model's ablation holds
-    with pytest.raises(ev.TemplateError, match="template 'sac' cannot score this model"):
-        ev.eval_stage(no_media, "sac")
-    with pytest.raises(ev.TemplateError, match="unknown evaluation template 'stage5'"):
-        ev.eval_stage(cfg, "stage5")
+    assert not stages.eval_stage(no_media, "overall").template_spec().has_media  # the model's ablation holds
+    with pytest.raises(stages.TemplateError, match="template 'sac' cannot score this model"):
+        stages.eval_stage(no_media, "sac")
+    with pytest.raises(stages.TemplateError, match="unknown evaluation template 'stage5'"):
+        stages.eval_stage(cfg, "stage5")
     from empatheia_jax import cli
 
-    assert cli.TEMPLATE_NAMES == ev.TEMPLATES
+    assert cli.TEMPLATE_NAMES == stages.TEMPLATES
 
 
 def test_coe_template_on_text_only_shards_equals_the_media_shards(model, tok, optional_raw, tmp_path):

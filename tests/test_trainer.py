@@ -559,7 +559,7 @@ def test_coe_on_text_only_shards_builds_the_media_model_and_chains_into_ccl(tok,
     """Stage coe on text-only shards (the reference model's EmpatheticDialogues stage): the model takes its
     feature and target dims from data.features_like, so ccl on the media shards init_from's it; without
     features_like the run refuses with the key named."""
-    from data import prepare as prep
+    from empatheia_jax.data import prepare as prep
     from empatheia_jax.train.checkpoint import read_meta
 
     text = tmp_path / "text_shards"

@@ -189,7 +189,7 @@ class Builder(tfds.core.GeneratorBasedBuilder):
         )
 
     def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Any]:
-        from data.prepare import load_raw
+        from empatheia_jax.data.prepare import load_raw
 
         raw = Path(dl_manager.manual_dir)
         cfg = self.builder_config
@@ -218,7 +218,7 @@ class Builder(tfds.core.GeneratorBasedBuilder):
         return {split: self._generate_examples(data, split, reader, em) for split in data.splits}
 
     def _generate_examples(self, data: Any, split: str, reader: TargetReader | None, em: schema.EmotionMap):
-        from data.prepare import dialogue_records, extract_features, history_utterances
+        from empatheia_jax.data.prepare import dialogue_records, extract_features, history_utterances
 
         enc = self._encoder()
         for d in data.splits[split]:

@@ -263,15 +263,6 @@ def _open_reader(path: str) -> Any:
 # --------------------------------------------------------------------------------------------------
 
 
-def load_tokenizer(tokenizer: Any) -> Any:
-    """An HF tokenizer object, or one loaded from a folder (a converted checkpoint holds one)."""
-    if isinstance(tokenizer, str | os.PathLike):
-        from empatheia_jax.weights.checkpoint_io import load_tokenizer as from_folder
-
-        return from_folder(tokenizer)
-    return tokenizer
-
-
 def _start(offset: tuple[int, int]) -> int:
     return offset[0]
 
@@ -309,7 +300,7 @@ class ExampleBuilder:
     """
 
     def __init__(self, tokenizer: Any, cfg: PipelineConfig, *, audio_dim: int, video_dim: int):
-        hf = load_tokenizer(tokenizer)
+        hf = tpl.load_tokenizer(tokenizer)
         self.cfg = cfg
         self.spec = cfg.template_spec()
         self.audio_dim, self.video_dim = int(audio_dim), int(video_dim)
@@ -1059,6 +1050,30 @@ def make_global_batch(
     return out
 
 
+
+
+_MODEL_FIELDS = ("n_signal", "max_speech_len", "max_video_len", "speech_content_dim", "video_content_dim",
+                 "style_dim")
+
+
+def pipeline_config_fields(
+    cfg: Any, stage: Any, overrides: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """`PipelineConfig` fields (without stage/max_len) that agree with the model; `overrides` may set the
+    others (max_aud, max_vid, buckets, chat_format) but not contradict the model.
+
+    `cfg` is an `EmpatheiaConfig` and `stage` a `stages.Stage`, typed Any: the data layer sits below both."""
+    fields = {k: v for k, v in stage.pipeline_fields().items() if k != "stage"}
+    fields.update({k: getattr(cfg, k) for k in _MODEL_FIELDS})
+    for k, v in (overrides or {}).items():
+        if k in ("stage", "max_len", "include_target", "window_batches"):
+            raise ValueError(f"pipeline_overrides may not set {k!r} (evaluate sets it)")
+        if k in fields and fields[k] != v:
+            raise ValueError(f"pipeline_overrides[{k!r}]={v!r} contradicts the model ({fields[k]!r})")
+        fields[k] = v
+    return fields
+
+
 __all__ = [
     "COUNTER_NAMES",
     "ExampleBuilder",
@@ -1072,7 +1087,6 @@ __all__ = [
     "batch_spec",
     "build_example",
     "collate",
-    "load_tokenizer",
     "make_dataset",
     "make_global_batch",
 ]

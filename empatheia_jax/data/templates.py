@@ -9,8 +9,10 @@ and is written down in docs/design.md "## Templates"; the tests pin it character
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 STAGES: tuple[str, ...] = ("coe", "ccl", "sac", "overall")
@@ -68,6 +70,24 @@ def added_tokens(n_signal: int = 16) -> list[str]:
     """
     aud, vid = signal_tokens(n_signal)
     return [AUD_PLACEHOLDER, VID_PLACEHOLDER, *aud, *vid]
+
+
+CONVERTED_MARKER = "COMPLETE"  # the file that ends a finished converted checkpoint (weights.checkpoint_io)
+
+
+def load_tokenizer(source: Any) -> Any:
+    """An HF tokenizer: `source` itself, or the one saved in a folder (a converted checkpoint, an export or
+    an HF model folder). The data pipeline's grain workers re-load it from the folder's path.
+
+    A converted checkpoint's config.json is ours, not an HF config: AutoTokenizer would parse it as one
+    (and warn about its `rope_scaling` key on every load), so it is given an empty config instead.
+    """
+    if not isinstance(source, str | os.PathLike):
+        return source
+    from transformers import AutoTokenizer, PretrainedConfig
+
+    kw = {"config": PretrainedConfig()} if (Path(source) / CONVERTED_MARKER).is_file() else {}
+    return AutoTokenizer.from_pretrained(os.fspath(source), **kw)
 
 
 def extend_tokenizer(tokenizer: Any, n_signal: int = 16) -> dict[str, int]:
@@ -468,6 +488,7 @@ def _strip_end_markers(text: str) -> str:
 
 __all__ = [
     "AUD_PLACEHOLDER",
+    "CONVERTED_MARKER",
     "COE_FIELDS",
     "COE_STEPS",
     "STAGES",
@@ -480,6 +501,7 @@ __all__ = [
     "clean_text",
     "emotion_step_prefix",
     "extend_tokenizer",
+    "load_tokenizer",
     "format_chat",
     "format_coe",
     "format_pipeline_target",

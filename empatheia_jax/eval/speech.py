@@ -53,7 +53,7 @@ class SpeechEval:
     def __init__(self, shards_dir: str | os.PathLike, split: str = "test", *, train_split: str = "train",
                  gold_dir: str | os.PathLike | None = None, examples: int = 16, threads: int = 2,
                  progress: bool = True):
-        from empatheia_jax.eval.evaluate import check_split
+        from empatheia_jax.data.splits import check_split
 
         manifest = check_split(shards_dir, split)
         kinds = (manifest.get("targets") or {}).get("kinds") or {}

@@ -61,7 +61,7 @@ class VideoEval:
 
     def __init__(self, shards_dir: str | os.PathLike, split: str = "test", *, train_split: str = "train",
                  examples: int = 6, progress: bool = True):
-        from empatheia_jax.eval.evaluate import check_split
+        from empatheia_jax.data.splits import check_split
         from empatheia_jax.generators.face_render import face_controls
         from empatheia_jax.generators.speech_synth import read_wav, speech_envelope
 

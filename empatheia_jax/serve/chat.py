@@ -37,12 +37,13 @@ import numpy as np
 
 from empatheia_jax.data import encoders as enc_lib
 from empatheia_jax.data import input_pipeline as ip
-from empatheia_jax.data import schema, shard_format
+from empatheia_jax.data import parse, schema, shard_format
 from empatheia_jax.data import templates as tpl
 from empatheia_jax.data.targets import STAND_IN, content_rows
-from empatheia_jax.eval import evaluate as ev
 from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
+from empatheia_jax.serve import forward
 from empatheia_jax.serve.generation import bucket, eos_token_ids, generate_tokens, left_pad
+from empatheia_jax.train import stages
 
 OUTPUT_FORMAT = "empatheia-chat/1"
 _HISTORY_KEYS = ("role", "utterance", "audio", "video")
@@ -279,10 +280,10 @@ def build_prompt(
     `encoder` run on the media paths. The oldest utterances are dropped while prompt + `reserve` tokens
     exceed `max_len`; the latest one is never cut.
     """
-    stage = ev.eval_stage(model_cfg)
+    stage = stages.eval_stage(model_cfg)
     pcfg = ip.PipelineConfig(stage=stage.template_stage, max_len=max(max_len, 16), include_target=False,
                              chat_format=chat_format,
-                             **ev.pipeline_config_fields(model_cfg, stage))
+                             **ip.pipeline_config_fields(model_cfg, stage))
     builder = ip.ExampleBuilder(tokenizer, pcfg, audio_dim=model_cfg.audio_dim, video_dim=model_cfg.video_dim)
     spec = builder.spec
     notes: list[str] = []
@@ -437,7 +438,7 @@ def respond(
     feats = _feature_batch(cfg, prompt)
     embeds = None
     if cfg.has_media:
-        embeds = ev.embed_prompts(model, ids, *feats, compiler_options=compiler_options)
+        embeds = forward.embed_prompts(model, ids, *feats, compiler_options=compiler_options)
     gen = generate_tokens(model.llm, [prompt.ids], max_new_tokens, temperature, top_p, seed=seed, eos_ids=eos,
                           pad_token_id=pad, inputs_embeds=embeds, repetition_penalty=repetition_penalty,
                           no_repeat_ngram_size=no_repeat_ngram_size)
@@ -463,7 +464,7 @@ def respond(
                          "them; after it, max_new_tokens may be too small)")
 
     emap = schema.EmotionMap.load(emotion_map_name(cfg))
-    parsed = ev.parse_generation(raw, emap, pipeline_baseline=cfg.pipeline_baseline)
+    parsed = parse.parse_generation(raw, emap, pipeline_baseline=cfg.pipeline_baseline)
     response = np.zeros(len(final), np.int32)
     if final:
         ends = _token_ends(tokenizer, final)
@@ -492,7 +493,7 @@ def respond(
     batch = {"input_ids": seq, "attention_mask": attn, "positions": positions, "response_mask": resp}
     if cfg.has_media:
         batch.update(zip(("aud_feats", "aud_mask", "vid_feats", "vid_mask"), feats, strict=True))
-    out = ev.model_outputs(model, batch, compiler_options=compiler_options) if cfg.heads else {}
+    out = forward.model_outputs(model, batch, compiler_options=compiler_options) if cfg.heads else {}
 
     features = {k: np.asarray(out[k][0], np.float32) for k in
                 ("speech_content", "video_content", "speech_style", "video_style") if k in out}

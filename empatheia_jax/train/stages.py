@@ -30,7 +30,10 @@ import optax
 from flax import nnx
 
 from empatheia_jax.data.templates import TemplateSpec
-from empatheia_jax.models.empatheia import Empatheia  # also registers the "cs", "sd", "proj" groups
+from empatheia_jax.models.empatheia import (
+    Empatheia,  # also registers the "cs", "sd", "proj" groups
+    EmpatheiaConfig,
+)
 from empatheia_jax.models.trainable import trainable_filter
 from empatheia_jax.train import losses
 
@@ -291,6 +294,39 @@ def trainable_paths(model: Empatheia, groups: Iterable[str]) -> set[tuple[str, .
     """Paths of the parameters that `groups` select (what an optimizer over them updates)."""
     state = nnx.state(model, trainable_filter(groups))
     return {tuple(str(p) for p in path) for path, _ in nnx.to_flat_state(state)}
+
+
+
+
+# What `eval_stage(cfg, template)` accepts: the four stages and the Pipeline baseline.
+TEMPLATES: tuple[str, ...] = (*STAGE_ORDER, PIPELINE_BASELINE.name)
+
+
+class TemplateError(ValueError):
+    """An evaluation template the model cannot be scored on (unknown, or removed by the model's ablations,
+    e.g. sac for a model without media input); `empatheia eval` prints it as one line and exits 2."""
+
+
+def eval_stage(cfg: EmpatheiaConfig, template: str | None = None) -> Stage:
+    """The stage whose template and loss formula evaluate a model of this config.
+
+    template None: overall under the model's ablations, or the Pipeline baseline for such a model (all of
+    the model's outputs). A name of `TEMPLATES` (`empatheia eval` passes the stage the checkpoint was trained
+    for, or --template): that stage under the model's ablations, so a coe checkpoint is scored on the CoE
+    prompt and L_emp rather than on heads and placeholders it never trained; "pipeline" is the baseline.
+    """
+    if template is None:
+        template = PIPELINE_BASELINE.name if cfg.pipeline_baseline else "overall"
+    if template == PIPELINE_BASELINE.name:
+        return PIPELINE_BASELINE
+    if template not in STAGES:
+        raise TemplateError(f"unknown evaluation template {template!r}; expected one of {TEMPLATES}")
+    try:
+        return apply_ablations(STAGES[template], no_coe=not cfg.use_coe,
+                                      no_media=not cfg.media_input, no_cs=not cfg.has_cs,
+                                      no_sd=not cfg.has_sd)
+    except StageSkipped as e:
+        raise TemplateError(f"template {template!r} cannot score this model: {e}") from e
 
 
 __all__ = [

@@ -41,10 +41,15 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from empatheia_jax import sharding
-from empatheia_jax.data.input_pipeline import TOKEN_KEYS, InputPipeline, make_dataset, make_global_batch
+from empatheia_jax.data.input_pipeline import (
+    TOKEN_KEYS,
+    InputPipeline,
+    make_dataset,
+    make_global_batch,
+    pipeline_config_fields,
+)
 from empatheia_jax.data.shard_format import load_manifest
 from empatheia_jax.data.templates import extend_tokenizer
-from empatheia_jax.eval.evaluate import pipeline_config_fields
 from empatheia_jax.models.empatheia import (
     Empatheia,
     EmpatheiaConfig,

@@ -40,12 +40,13 @@ from orbax.checkpoint._src.multihost import multihost
 from orbax.checkpoint._src.serialization import jax_array_handlers, ocdbt_utils
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
+from empatheia_jax.data.templates import CONVERTED_MARKER, load_tokenizer
 from empatheia_jax.models.llama import Llama, LlamaConfig
 from empatheia_jax.models.lora import LoraConfig, apply_lora, lora_layers
 from empatheia_jax.sharding import state_shardings
 
 FORMAT_VERSION = 1
-COMPLETE = "COMPLETE"
+COMPLETE = CONVERTED_MARKER
 _EXTRA_KEYS = ("lora", "source", "format_version")
 
 
@@ -459,18 +460,6 @@ def load_checkpoint(dir: str | os.PathLike, *, mesh: Mesh | None = None) -> tupl
     nnx.replace_by_pure_dict(params_abstract, values)
     model = nnx.merge(graphdef, params_abstract, rest)
     return model, _load_tokenizer(path)
-
-
-def load_tokenizer(path: str | os.PathLike) -> Any:
-    """The HF tokenizer saved in a folder: a converted checkpoint, an export or an HF model folder.
-
-    A converted checkpoint's config.json is ours, not an HF config: AutoTokenizer would parse it as one
-    (and warn about its `rope_scaling` key on every load), so it is given an empty config instead.
-    """
-    from transformers import AutoTokenizer, PretrainedConfig
-
-    kw = {"config": PretrainedConfig()} if is_complete(path) else {}
-    return AutoTokenizer.from_pretrained(os.fspath(path), **kw)
 
 
 def _load_tokenizer(path: Path) -> Any:
