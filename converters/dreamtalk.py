@@ -56,6 +56,8 @@ from converters.dreamtalk_targets import (
     num_video_frames,
     read_dreamtalk_checkpoint,
 )
+from empatheia_jax.generators import registry
+from empatheia_jax.generators.base import GeneratorError, VideoGenerator
 
 FPS = 25
 STILL_POSE = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.9370641, 126.84911, 129.03864)  # render_video's no-move pose
@@ -286,3 +288,29 @@ def render_video(r: Any, content: np.ndarray, style: np.ndarray, wav: str | os.P
                          seed=seed)
     write_mp4(render_frames(r, face, motion), audio, out)
     return t, notes
+
+
+@registry.register
+class DreamTalkVideo(VideoGenerator):
+    """DreamTalk as a video generator: its denoiser samples face motion from our C^v windows and S^v, its
+    PIRenderer draws `image`. Registered when this module is imported (`converters.synthesize` does so for
+    `--dreamtalk-repo`): the library does not import converters/, so the bridge registers itself."""
+
+    name = "dreamtalk"
+    description = "DreamTalk"
+    how = "python -m converters.dreamtalk_targets exports its features"
+    fps = FPS
+
+    def __init__(self, repo: str, ckpt: str, renderer: str, image: str, pose: str | None = None,
+                 ddim_steps: int = 10, seed: int = 0, device: str | None = None):
+        for flag, p in (("--image", image), ("--pose", pose)):
+            if p is not None and not Path(p).is_file():
+                raise GeneratorError(f"{flag} {p} does not exist")
+        self.repo, self.ckpt, self.renderer, self.image, self.pose = repo, ckpt, renderer, image, pose
+        self.ddim_steps, self.seed, self.device = ddim_steps, seed, device
+
+    def render(self, content: np.ndarray, style: np.ndarray, wav: str | os.PathLike, out: Path
+               ) -> tuple[int, list[str]]:
+        r = load_renderer(self.repo, self.ckpt, self.renderer, device=self.device)
+        return render_video(r, content, style, wav, self.image, out, pose=self.pose,
+                            ddim_steps=self.ddim_steps, seed=self.seed)

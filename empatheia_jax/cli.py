@@ -382,11 +382,10 @@ def _chat() -> int:
     video_targets = targets.get("video_content", {}).get("source", STAND_IN)
     speak = FLAGS.speak or FLAGS.avatar
     if speak:  # before generating: a checkpoint that cannot speak fails now, not after a minute
-        from converters.synthesize import check_video_targets, reply_rows
+        from empatheia_jax.serve import avatar
 
-        reply_rows({"speech_targets": speech_targets, "speech_content_units": 3}, 3, where)
-        if FLAGS.avatar:
-            check_video_targets(video_targets, "face_render", where)
+        avatar.check_can_speak(speech_targets, video_targets, where,
+                               video=avatar.VIDEO_GENERATOR if FLAGS.avatar else None)
     try:
         result = chat.respond(
             model,
@@ -413,14 +412,13 @@ def _chat() -> int:
     npz, js = chat.write_outputs(result, FLAGS.out or "chat_reply")
     print(f"features -> {npz}\ntext -> {js}")
     if speak:
-        from converters.synthesize import render_avatar, synthesize_reply
 
-        wav, seconds, notes = synthesize_reply(npz, npz.with_suffix(".wav"))
+        wav, seconds, notes = avatar.synthesize_reply(npz, npz.with_suffix(".wav"))
         for n in notes:
             print(f"note: {n}")
         print(f"speech ({seconds:.2f} s, Kokoro-82M, {result.speech_content_units} phoneme rows) -> {wav}")
         if FLAGS.avatar:
-            mp4, frames, notes = render_avatar(npz, wav, npz.with_suffix(".mp4"))
+            mp4, frames, notes = avatar.render_avatar(npz, wav, npz.with_suffix(".mp4"))
             for n in notes:
                 print(f"note: {n}")
             print(f"avatar ({frames} frames at 25 fps with the speech, procedural face generator) -> {mp4}")
@@ -448,10 +446,10 @@ COMMANDS: dict[str, Callable[[], int]] = {"train": _train, "eval": _eval, "chat"
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input, not a bug: one `error:` line and exit 2. Imported only when an
     exception is being matched (the modules import jax)."""
-    from converters.synthesize import SpeechBridgeError
     from empatheia_jax.data.shard_format import ShardRecordError
     from empatheia_jax.data.splits import ShardsError
     from empatheia_jax.eval.speech import SpeechEvalUnavailable
+    from empatheia_jax.generators.base import GeneratorError
     from empatheia_jax.generators.kokoro import KokoroAssetError
     from empatheia_jax.serve.chat import ChatInputError, EncoderManifestError
     from empatheia_jax.train.checkpoint import CheckpointError
@@ -462,7 +460,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     return (
         ConfigError, CheckpointError, ConvertedCheckpointError, ShardsError, ShardRecordError, ChatInputError,
-        EncoderManifestError, ExportError, SpeechBridgeError, KokoroAssetError, SpeechEvalUnavailable,
+        EncoderManifestError, ExportError, GeneratorError, KokoroAssetError, SpeechEvalUnavailable,
         DataError, TemplateError,
         FileNotFoundError, NotADirectoryError, IsADirectoryError,
         PermissionError,

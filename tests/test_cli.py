@@ -387,11 +387,9 @@ def test_chat_writes_features_equal_to_respond(trained, reference, chat_inputs, 
 def test_chat_avatar_speaks_and_renders_the_reply_from_its_features(trained, chat_inputs, cli_env, tmp_path):
     """--avatar (implies --speak): Kokoro speaks the first T predicted content rows (T = the reply's phoneme
     rows, capped at max_speech_len) in the predicted style; the wav is exactly that synthesis (the bridge's
-    `speak_features`, durations capped), and not silence. The mp4 decodes at 25 fps with an audio track, one
-    frame per 40 ms of the speech, drawn from the predicted C^v/S^v."""
-    from converters.synthesize import speak_features
-    from empatheia_jax.data.targets import content_rows
-    from empatheia_jax.generators import kokoro
+    `KokoroSpeech.speak`, durations capped), and not silence. The mp4 decodes at 25 fps with an audio track,
+    one frame per 40 ms of the speech, drawn from the predicted C^v/S^v."""
+    from empatheia_jax.generators import kokoro, registry
     from empatheia_jax.generators.kokoro_voices import to_pcm16
     from empatheia_jax.generators.speech_synth import read_wav
 
@@ -401,13 +399,13 @@ def test_chat_avatar_speaks_and_renders_the_reply_from_its_features(trained, cha
     assert_quiet(p.stderr)
     js = json.loads(Path(f"{out}.json").read_text())
     rows = js["speech_content_units"]
-    assert js["speech_targets"] == "kokoro" and rows == content_rows(js["reply"], "kokoro") >= 3
+    assert js["speech_targets"] == "kokoro" and rows == registry.content_rows(js["reply"], "kokoro") >= 3
     assert f"-> {out}.wav" in p.stdout
     with np.load(f"{out}.npz") as z:
         content, style = z["speech_content"], z["speech_style"]
     sr, wav = read_wav(f"{out}.wav")
     assert sr == kokoro.SAMPLE_RATE and len(wav) > 0.1 * sr
-    np.testing.assert_array_equal(wav, to_pcm16(speak_features(content, style, rows)))
+    np.testing.assert_array_equal(wav, to_pcm16(registry.get("kokoro").speak(content, style, rows)))
     assert np.abs(wav).max() > 300  # not silence
     assert js["video_targets"] == "face_render" and f"-> {out}.mp4" in p.stdout
     import av

@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from converters.synthesize import SpeechBridgeError, main, render_avatar, synthesize_reply
+from converters.synthesize import main
 from empatheia_jax.generators import kokoro
+from empatheia_jax.generators.base import GeneratorError
 from empatheia_jax.generators.kokoro_voices import to_pcm16, voice
 from empatheia_jax.generators.speech_synth import read_wav
+from empatheia_jax.serve.avatar import render_avatar, synthesize_reply
 from empatheia_jax.serve.chat import ChatResult, write_outputs
 
 REPLY = "That sounds really hard. I am here for you."
@@ -51,14 +53,14 @@ def test_more_phonemes_than_rows_is_spoken_truncated_with_a_note(tmp_path, gold)
     content, style = gold
     npz = _chat_output(tmp_path, content[:10], style)
     _, seconds, notes = synthesize_reply(npz, tmp_path / "short.wav")
-    assert len(notes) == 1 and f"{len(content)} phoneme rows" in notes[0] and "predicts 10" in notes[0]
+    assert len(notes) == 1 and f"{len(content)} content rows" in notes[0] and "predicts 10" in notes[0]
     assert 0 < seconds < len(content) * MS_PER_PHONEME / 1000
 
 
 def test_refusals_name_the_reason(tmp_path, gold, capsys):
     content, style = gold
     npz = _chat_output(tmp_path, content, style, source="stand-in", name="standin")
-    with pytest.raises(SpeechBridgeError, match="stand-in speech targets"):
+    with pytest.raises(GeneratorError, match="stand-in speech targets"):
         synthesize_reply(npz, tmp_path / "x.wav")
     assert main(["--features", str(npz), "--out", str(tmp_path / "x.wav")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -106,5 +108,5 @@ def test_avatar_is_the_predicted_controls_drawn_with_the_speech(tmp_path, gold):
         silent = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])])
     np.testing.assert_array_equal(frames, silent)
     standin = write_outputs(ChatResult(**{**result.__dict__, "video_targets": "stand-in"}), tmp_path / "s")[0]
-    with pytest.raises(SpeechBridgeError, match="stand-in video targets"):
+    with pytest.raises(GeneratorError, match="stand-in video targets"):
         render_avatar(standin, wav_path, tmp_path / "s.mp4")

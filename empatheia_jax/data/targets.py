@@ -399,22 +399,6 @@ def standin_units(text: str) -> str:
     return s or " "
 
 
-def content_rows(text: str, source: str) -> int | None:
-    """How many speech_content rows a generator reads for `text`: the T_ph of a target of that source.
-
-    Kokoro: one row per phoneme plus the two boundary pads (empatheia_jax/generators/kokoro.py); stand-in:
-    one per
-    `standin_units` character; None where we cannot count them (a StyleTTS2 checkpoint's own text cleaner).
-    """
-    if source == STAND_IN:
-        return len(standin_units(text))
-    if source == "kokoro":
-        from empatheia_jax.generators import kokoro
-
-        return kokoro.content_length(kokoro.phonemize(text))
-    return None
-
-
 def _projection(seed: int, name: str, out_dim: int, in_dim: int) -> np.ndarray:
     tag = sum((i + 1) * ord(c) for i, c in enumerate(name))
     rng = np.random.default_rng([seed, tag, out_dim, in_dim])

@@ -123,13 +123,14 @@ class SpeechEval:
         return wav.astype(np.float32) / 32768.0
 
     def _speak(self, name: str, pairs: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
-        """Kokoro through the bridge chat uses (`converters.synthesize.speak_features`, durations capped)."""
+        """Kokoro as chat speaks (`generators.registry`, durations capped)."""
         from tqdm import tqdm
 
-        from converters.synthesize import speak_features
+        from empatheia_jax.generators import registry
 
+        speaker = registry.get("kokoro", threads=self.threads)
         bar = tqdm(pairs, desc=f"speech: {name}", unit="utt", disable=not self.progress, leave=False)
-        return [speak_features(c, s, len(c), threads=self.threads) for c, s in bar]
+        return [speaker.speak(c, s, len(c)) for c, s in bar]
 
     def _rows(self, name: str, wavs: list[np.ndarray], styles: Mapping[int, np.ndarray]) -> dict[str, float]:
         from empatheia_jax.eval.metrics.speech import speech_rows

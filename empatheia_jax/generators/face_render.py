@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from empatheia_jax.data.schema import AGES, GENDERS, TIMBRES
-from empatheia_jax.generators.speech_synth import FRAME_RATE, STYLES, check_profile
+from empatheia_jax.generators.base import VideoGenerator, video_frames
+from empatheia_jax.generators.speech_synth import FRAME_RATE, STYLES, check_profile, read_wav
 
 DEFAULT_SIZE = 128
 MOUTH_LEVELS = 16
@@ -509,3 +510,21 @@ def render_face_video(envelope_per_frame: np.ndarray, profile: dict, emotion: st
     frames = render_frames(envelope_per_frame, profile, emotion, fps=fps, size=size)
     encode_mp4(frames, path, fps=fps)
     return len(frames)
+
+
+class FaceRenderer(VideoGenerator):
+    """The procedural face generator drawing predicted controls (mouth, eyelids per frame; avatar and
+    expression per clip) at 25 fps, as many frames as the spoken reply lasts, with that speech muxed in."""
+
+    name = "face_render"
+    description = "the procedural face generator"
+    how = "python -m converters.face_targets exports its controls"
+    fps = FRAME_RATE
+
+    def render(self, content: np.ndarray, style: np.ndarray, wav: str | os.PathLike, out
+               ) -> tuple[int, list[str]]:
+        sr, samples = read_wav(wav)
+        n_frames = max(1, -(-len(samples) * self.fps // sr))
+        content, notes = video_frames(content, n_frames)
+        encode_mp4(render_controls(content, style), out, audio=(samples, sr))
+        return n_frames, notes

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from empatheia_jax.generators.base import GeneratorError, SpeechGenerator
+
 SAMPLE_RATE = 24000
 STYLE_DIM = 256
 CONTENT_DIM = 1024  # t_en (512) ++ d_en (512), DESIGN §2
@@ -333,3 +335,36 @@ def shared(threads: int = 1) -> Kokoro:
     if threads not in _SHARED:
         _SHARED[threads] = Kokoro(threads)
     return _SHARED[threads]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# As a generator (registry.py)
+
+
+class KokoroSpeech(SpeechGenerator):
+    """Kokoro-82M speaking predicted content and style, durations from its own prosody predictor (the
+    predicted d_en rows and the prosodic half of S^s, as in StyleTTS2 inference)."""
+
+    name = "kokoro"
+    description = "Kokoro-82M"
+    how = "python -m converters.styletts2_targets --backend kokoro exports its features"
+    sample_rate = SAMPLE_RATE
+    MAX_MEAN_FRAMES = 12.0
+    """Cap on the mean predicted duration: 12 frames of 25 ms = 0.3 s per phoneme row, 3.5x Kokoro's mean on
+    the sample's English (3.4 frames; the slowest voice, sad at speed 0.8, ~4.3). Real speech never reaches
+    it; an untrained model's features reached 10x the expected length (15 s of decoding per reply)."""
+
+    def __init__(self, threads: int = 1):
+        self.threads = threads
+
+    @classmethod
+    def content_rows(cls, text: str) -> int:
+        """One row per phoneme token plus the two boundary pads."""
+        return content_length(phonemize(text))
+
+    def speak(self, content: np.ndarray, style: np.ndarray, rows: int, speed: float = 1.0) -> np.ndarray:
+        content = np.asarray(content, np.float32)
+        if content.ndim != 2 or content.shape[1] != CONTENT_DIM:
+            raise GeneratorError(f"speech_content must be [rows, {CONTENT_DIM}], got {list(content.shape)}")
+        return shared(self.threads).synthesize(content[:rows], style, speed,
+                                               max_mean_frames=self.MAX_MEAN_FRAMES)

@@ -39,7 +39,8 @@ from empatheia_jax.data import encoders as enc_lib
 from empatheia_jax.data import input_pipeline as ip
 from empatheia_jax.data import parse, schema, shard_format
 from empatheia_jax.data import templates as tpl
-from empatheia_jax.data.targets import STAND_IN, content_rows
+from empatheia_jax.data.targets import STAND_IN
+from empatheia_jax.generators.registry import content_rows
 from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
 from empatheia_jax.serve import forward
 from empatheia_jax.serve.generation import bucket, eos_token_ids, generate_tokens, left_pad
@@ -104,7 +105,7 @@ class ChatResult:
 
     @property
     def speech_content_units(self) -> int | None:
-        """T_ph of the reply: the speech_content rows a generator reads (`targets.content_rows` of the
+        """T_ph of the reply: the speech_content rows a generator reads (`registry.content_rows` of the
         source of the speech targets the model was trained on; None where it cannot be counted)."""
         return content_rows(self.reply, self.speech_targets)
 

@@ -1,0 +1,65 @@
+"""The small interface every output generator implements, so synthesis, eval and chat never name one.
+
+A generator reads the feature kind the heads predict for its modality (speech: C^s/S^s, video: C^v/S^v)
+and whose targets were exported from it: `name` is that target source, as meta.json records it. Speech
+generators return a waveform; video generators draw frames into an mp4 with the reply's speech.
+`registry.py` maps names to classes; a generator outside the library (the DreamTalk bridge in
+converters/) registers itself the same way.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+
+
+class GeneratorError(ValueError):
+    """Features a generator cannot use: another target source, wrong shapes or row counts; names the file."""
+
+
+class Generator(ABC):
+    """One output generator. Options (threads, checkpoint paths) go to the constructor."""
+
+    name: ClassVar[str]  # the target source it reads ("kokoro", "face_render", ...)
+    modality: ClassVar[str]  # "speech" or "video"
+    description: ClassVar[str]  # what a person calls it, for messages
+    how: ClassVar[str]  # how a user gets targets of this source
+
+    @classmethod
+    def content_rows(cls, text: str) -> int | None:
+        """Rows of content this generator reads for a reply `text` (T_ph), or None if it cannot count them."""
+        return None
+
+
+class SpeechGenerator(Generator):
+    modality = "speech"
+    sample_rate: ClassVar[int]
+
+    @abstractmethod
+    def speak(self, content: np.ndarray, style: np.ndarray, rows: int, speed: float = 1.0) -> np.ndarray:
+        """float32 audio at `sample_rate` from the first `rows` content rows and the style vector."""
+
+
+class VideoGenerator(Generator):
+    modality = "video"
+    fps: ClassVar[int] = 25
+
+    @abstractmethod
+    def render(self, content: np.ndarray, style: np.ndarray, wav: str | Path, out: Path
+               ) -> tuple[int, list[str]]:
+        """Draws the talking face for the speech in `wav` into the mp4 `out`; (frames, notes)."""
+
+
+def video_frames(content: np.ndarray, n_frames: int) -> tuple[np.ndarray, list[str]]:
+    """The first `n_frames` predicted video_content rows (as many as the spoken reply lasts), zero rows
+    (mouth closed, face still) past the ones the model predicts."""
+    notes = []
+    if n_frames > len(content):
+        notes.append(f"the reply lasts {n_frames} frames but the model predicts {len(content)} "
+                     "(config.data.max_video_len); the face holds still with its mouth closed after that")
+        rest = np.zeros((n_frames - len(content), content.shape[1]), np.float32)
+        content = np.concatenate([content, rest])
+    return content[:n_frames], notes
