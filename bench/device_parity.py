@@ -29,6 +29,8 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from empatheia_jax.serve import load as serve_load
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -66,7 +68,7 @@ def measure(ckpt: str, shards: str | None, split: str, batches: int, precision: 
     from empatheia_jax.train import config as config_lib
     from empatheia_jax.train import trainer
 
-    model, tokenizer, config, _ = trainer.load_trained(ckpt)
+    model, tokenizer, config, _ = serve_load.load_trained(ckpt)
     config = ml_collections.ConfigDict(config.to_dict())
     config.model.matmul_precision = precision
     config_lib.set_matmul_precision(config)  # after load_trained, which set the run's own

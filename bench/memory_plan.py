@@ -75,6 +75,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+from empatheia_jax.train import objective
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -577,9 +579,9 @@ def residual_bytes(config: Any, run: AbstractRun, stage: Any, micro: int, seq: i
     import jax
     from jax._src.ad_checkpoint import saved_residuals  # public jax only prints them
 
-    from empatheia_jax.train import losses, stages
+    from empatheia_jax.train import losses
 
-    loss_fn = stages.make_loss_fn(stage, losses.LossWeights(**dict(config.loss)))
+    loss_fn = objective.make_loss_fn(stage, losses.LossWeights(**dict(config.loss)))
     graphdef = run.graphs.model
 
     def _no_gradient(tree):
@@ -587,7 +589,8 @@ def residual_bytes(config: Any, run: AbstractRun, stage: Any, micro: int, seq: i
 
     def loss(params, frozen, batch, keys):
         frozen, batch = _no_gradient((frozen, batch))
-        return loss_fn(params, graphdef, frozen, batch, keys, counts=run.model.loss_counts(batch))[0]
+        counts = objective.loss_counts(run.model.config, batch)
+        return loss_fn(params, graphdef, frozen, batch, keys, counts=counts)[0]
 
     batch = abstract_batch(config, stage, run.model.config, micro, seq)
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), micro))

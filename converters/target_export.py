@@ -22,7 +22,7 @@ def raw_dialogues(raw: str | os.PathLike, splits: list[str] | None = None,
     """`dialogues` when given (e.g. the ones that passed validation), else every dialogue of RAW's split
     files (`splits`, default all); a missing folder or split file is a `UsageError` naming it."""
     from empatheia_jax.data import schema
-    from empatheia_jax.data.shard_format import discover_splits
+    from empatheia_jax.data.schema import discover_splits
 
     raw = Path(raw)
     if not raw.is_dir():

@@ -6,7 +6,7 @@ Public API (names are a contract):
     logits = model(input_ids)                                         # float32 [B, T, V]
     model, tokenizer, config, meta = empatheia_jax.load_trained("work/run")  # a trained Empatheia:
         # a training workdir, its checkpoints folder, one step folder, or an export folder
-        # (`empatheia_jax.weights.export_empatheia.export_trained`); step=N picks a step
+        # (`empatheia_jax.serve.load.export_trained`); step=N picks a step
     replies = empatheia_jax.generate(model, tokenizer, prompts, max_new_tokens=64)
     ids = empatheia_jax.generate_ids(model, tokenizer, prompts, max_new_tokens=64)
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from empatheia_jax.models.llama import Llama
     from empatheia_jax.serve.generation import generate, generate_ids, generate_tokens
-    from empatheia_jax.train.trainer import load_trained
+    from empatheia_jax.serve.load import load_trained
 
 __all__ = ["load_model", "load_trained", "generate", "generate_ids", "generate_tokens"]
 
@@ -42,7 +42,7 @@ def __getattr__(name: str):
 
         return getattr(generation, name)
     if name == "load_trained":
-        from empatheia_jax.train.trainer import load_trained
+        from empatheia_jax.serve.load import load_trained
 
         return load_trained
     raise AttributeError(f"module 'empatheia_jax' has no attribute {name!r}")

@@ -40,6 +40,7 @@ from empatheia_jax.data import splits
 from empatheia_jax.eval import baselines as eval_baselines
 from empatheia_jax.eval import report as eval_report
 from empatheia_jax.eval.metrics import text as mtext
+from empatheia_jax.serve import load as serve_load
 from empatheia_jax.train import stages
 
 FLAGS = flags.FLAGS
@@ -113,13 +114,12 @@ flags.DEFINE_bool("verbose", False, "library logging (absl, orbax, jax, grain, t
 
 
 def _load_trained(restore: bool = True) -> tuple[Any, Any, Any, dict[str, Any]]:
-    """`trainer.load_trained(--ckpt, --step)`, with checkpoint errors naming `--ckpt` (the resolver behind it
-    words its messages for `--init_from`, which takes the same kinds of paths)."""
-    from empatheia_jax.train import trainer
+    """`serve.load.load_trained(--ckpt, --step)`, with checkpoint errors naming `--ckpt` (the resolver behind
+    it words its messages for `--init_from`, which takes the same kinds of paths)."""
     from empatheia_jax.train.checkpoint import CheckpointError
 
     try:
-        return trainer.load_trained(FLAGS.ckpt, step=FLAGS.step, restore=restore, backbone=FLAGS.backbone)
+        return serve_load.load_trained(FLAGS.ckpt, step=FLAGS.step, restore=restore, backbone=FLAGS.backbone)
     except CheckpointError as e:
         message = str(e)
         if message.startswith("--init_from "):
@@ -320,7 +320,6 @@ def _voters(model: Any, tokenizer: Any, shards: str, split: str, kwargs: dict[st
     """The generations of every other voter (`--vote_templates` with this model, `--vote_ckpt` each on its
     trained stage), named for the report: `template:<name>` / `ckpt<i>:<template>`."""
     from empatheia_jax.eval import evaluate
-    from empatheia_jax.train import trainer
 
     gen = {k: kwargs[k] for k in ("batch_size", "max_len", "max_new_tokens", "repetition_penalty",
                                   "no_repeat_ngram_size", "pipeline_overrides", "max_examples")}
@@ -333,7 +332,7 @@ def _voters(model: Any, tokenizer: Any, shards: str, split: str, kwargs: dict[st
             out[f"template:{name}"] = evaluate.generate_predictions(model, tokenizer, shards, split,
                                                                     template=name, **gen)
     for i, ckpt in enumerate(FLAGS.vote_ckpt, 1):
-        other, tok, _, meta = trainer.load_trained(ckpt)
+        other, tok, _, meta = serve_load.load_trained(ckpt)
         stage = _trained_stage(meta)
         out[f"ckpt{i}:{stage or 'overall'}"] = evaluate.generate_predictions(other, tok, shards, split,
                                                                              template=stage, **gen)
@@ -426,7 +425,7 @@ def _chat() -> int:
 
 
 def _export() -> int:
-    from empatheia_jax.weights.export_empatheia import export_trained
+    from empatheia_jax.serve.load import export_trained
 
     if not FLAGS.ckpt or not FLAGS.out:
         raise app.UsageError("export needs --ckpt and --out")
@@ -455,11 +454,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from empatheia_jax.train.checkpoint import CheckpointError
     from empatheia_jax.train.config import ConfigError
     from empatheia_jax.train.stages import TemplateError
-    from empatheia_jax.weights.checkpoint_io import CheckpointError as ConvertedCheckpointError
     from empatheia_jax.weights.export_hf import ExportError
 
     return (
-        ConfigError, CheckpointError, ConvertedCheckpointError, ShardsError, ShardRecordError, ChatInputError,
+        ConfigError, CheckpointError, ShardsError, ShardRecordError, ChatInputError,
         EncoderManifestError, ExportError, GeneratorError, KokoroAssetError, SpeechEvalUnavailable,
         DataError, TemplateError,
         FileNotFoundError, NotADirectoryError, IsADirectoryError,

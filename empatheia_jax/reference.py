@@ -34,7 +34,7 @@ def card() -> dict[str, Any]:
 
 def load(backbone: str | os.PathLike) -> tuple[Any, Any, Any, dict[str, Any]]:
     """(model, tokenizer, config, meta) over the converted SmolLM2 folder `backbone` (`load_trained`)."""
-    from empatheia_jax.train.trainer import load_trained
+    from empatheia_jax.serve.load import load_trained
 
     return load_trained(path(), backbone=backbone)
 

@@ -16,7 +16,7 @@ from the saved layout). These tests pin that down through the trainer's own code
   meta and data-iterator state are step 1's;
 - the trainer's resume calls (`build_model` on the mesh, `make_optimizer`, `TrainCheckpointer.restore` of
   `saved_state` + the optimizer state) on a one-device mesh of the LAST device (not the default one);
-- `trainer.load_trained`, what `empatheia eval` and `chat` load through: a host model on one device.
+- `serve_load.load_trained`, what `empatheia eval` and `chat` load through: a host model on one device.
 
 The final eval of both runs is stubbed out (`trainer.evaluate_loss`): its compiles would double the test's
 time, and it reads but does not restore the state checked here. The resumed run takes no step on the new
@@ -41,6 +41,8 @@ from jax.sharding import PartitionSpec
 from configs import tiny
 from empatheia_jax import sharding
 from empatheia_jax.data.shard_format import load_manifest
+from empatheia_jax.serve import load as serve_load
+from empatheia_jax.train import checkpoint as train_checkpoint
 from empatheia_jax.train import config as config_lib
 from empatheia_jax.train import stages, trainer
 from empatheia_jax.train.checkpoint import TrainCheckpointer
@@ -181,7 +183,7 @@ def test_trainer_restore_onto_one_device(saved_run, tok, shards):
     tx, _ = trainer.make_tx(config, config_lib.stage_schedule(config))
     with jax.set_mesh(mesh):
         optimizer = stages.make_optimizer(model, config_lib.resolve_stage(config), tx)
-    with TrainCheckpointer(workdir / trainer.CHECKPOINT_DIR, create=False, async_save=False) as ckpt:
+    with TrainCheckpointer(workdir / train_checkpoint.CHECKPOINT_DIR, create=False, async_save=False) as ckpt:
         restored = ckpt.restore(params=trainer.saved_state(model, True), opt_state=nnx.state(optimizer))
     nnx.update(model, restored.params)
     nnx.update(optimizer, restored.opt_state)
@@ -196,7 +198,7 @@ def test_trainer_restore_onto_one_device(saved_run, tok, shards):
 def test_load_trained_reads_the_data8_checkpoint_onto_one_device(saved_run):
     """`empatheia eval` / `chat` load through `load_trained`: a host model, on the default device."""
     workdir, saved = saved_run
-    model = trainer.load_trained(workdir)[0]
+    model = serve_load.load_trained(workdir)[0]
     held = snapshot(nnx.state(model, nnx.Param))
     assert_same_bytes(held, saved["params"], "load_trained")
     for k, (_, s) in held.items():

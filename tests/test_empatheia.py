@@ -27,7 +27,7 @@ from empatheia_jax.models.llama import Llama, LlamaConfig
 from empatheia_jax.models.lora import LoraConfig, apply_lora, set_lora_b
 from empatheia_jax.models.vae import TransformerVAE
 from empatheia_jax.serve.generation import generate_tokens, left_pad
-from empatheia_jax.train import losses, stages
+from empatheia_jax.train import losses, objective, stages
 from tests.helpers import FAST, tiny_tokenizer
 
 V = 64
@@ -402,7 +402,7 @@ def test_loss_terms_and_stage_totals_are_wired_as_the_paper_says():
     out = forward(model, batch, heads={"cs", "sd"}, train=True, rng=jax.random.key(4))
     jb = {k: jnp.asarray(v) for k, v in batch.items()}
     w = losses.LossWeights(alpha=0.2, beta=0.3, kl=1e-3)
-    total, m = model.loss(jb, out, stages.STAGES["overall"], w)
+    total, m = objective.stage_loss(model, jb, out, stages.STAGES["overall"], w)
     m = {k: float(v) for k, v in m.items()}
     logits = np.asarray(out["logits"])
     lm = batch["loss_mask"].astype(bool)
@@ -429,20 +429,20 @@ def test_loss_terms_and_stage_totals_are_wired_as_the_paper_says():
     assert float(total) == pytest.approx(m["emp"] + 0.2 * ccl + 0.3 * (sal + cls) + 1e-3 * m["kl"], rel=1e-6)
     assert m["total"] == pytest.approx(float(total))
 
-    t_ccl, m_ccl = model.loss(jb, out, stages.STAGES["ccl"], w)
+    t_ccl, m_ccl = objective.stage_loss(model, jb, out, stages.STAGES["ccl"], w)
     assert float(t_ccl) == pytest.approx(ccl + 1e-3 * m["kl_cs"], rel=1e-6)
-    t_sac, _ = model.loss(jb, out, stages.STAGES["sac"], w)
+    t_sac, _ = objective.stage_loss(model, jb, out, stages.STAGES["sac"], w)
     assert float(t_sac) == pytest.approx(sal + cls + m["signal_ce"] + 1e-3 * m["kl_sd"], rel=1e-6)
-    t_coe, _ = model.loss(jb, out, stages.STAGES["coe"], w)
+    t_coe, _ = objective.stage_loss(model, jb, out, stages.STAGES["coe"], w)
     assert float(t_coe) == pytest.approx(m["emp"], rel=1e-6)
     ablated = stages.apply_ablations(stages.STAGES["overall"], no_cs=True)
-    t_abl, m_abl = model.loss(jb, out, ablated, w)
+    t_abl, m_abl = objective.stage_loss(model, jb, out, ablated, w)
     assert float(m_abl["ccl"]) == 0.0
     assert float(t_abl) == pytest.approx(m["emp"] + 0.3 * (sal + cls) + 1e-3 * m["kl_sd"], rel=1e-6)
 
     no_heads = forward(model, batch)
     with pytest.raises(KeyError, match="heads"):
-        model.loss(jb, no_heads, stages.STAGES["sac"], w)
+        objective.stage_loss(model, jb, no_heads, stages.STAGES["sac"], w)
 
 
 def _np_block_kl(mu: np.ndarray, logvar: np.ndarray, valid: np.ndarray) -> float:
@@ -467,7 +467,7 @@ def test_kl_cs_and_kl_sd_match_numpy_with_their_masks():
     batch["attention_mask"][3, 9:] = 0  # row 3's signal tokens are under padding
     out = forward(model, batch, heads={"cs", "sd"}, train=True, rng=jax.random.key(4))  # program reused
     jb = {k: jnp.asarray(v) for k, v in batch.items()}
-    _, m = model.loss(jb, out, stages.STAGES["overall"])
+    _, m = objective.stage_loss(model, jb, out, stages.STAGES["overall"])
     vae = {k: (np.asarray(v.mu), np.asarray(v.logvar)) for k, v in out["vae"].items()}
 
     content = {k: batch[f"{k}_content_mask"].astype(bool) for k in ("speech", "video")}
@@ -492,8 +492,8 @@ def test_kl_cs_and_kl_sd_match_numpy_with_their_masks():
     assert abs(every - want_sd) > 1e-3 * want_sd
     # Each stage's KL is the KL of the groups it trains.
     for stage, want in (("ccl", want_cs), ("sac", want_sd), ("overall", want_cs + want_sd)):
-        np.testing.assert_allclose(float(model.loss(jb, out, stages.STAGES[stage])[1]["kl"]), want, rtol=1e-5,
-                                   err_msg=stage)
+        kl = objective.stage_loss(model, jb, out, stages.STAGES[stage])[1]["kl"]
+        np.testing.assert_allclose(float(kl), want, rtol=1e-5, err_msg=stage)
 
 
 def test_style_and_class_losses_skip_rows_without_signal_tokens():
@@ -503,7 +503,8 @@ def test_style_and_class_losses_skip_rows_without_signal_tokens():
     row0 = batch["input_ids"][0]
     batch["input_ids"][0] = np.where(np.isin(row0, CFG.aud_signal_ids), 5, row0)
     out = forward(model, batch, heads={"cs", "sd"}, train=True, rng=jax.random.key(4))  # program reused
-    _, m = model.loss({k: jnp.asarray(v) for k, v in batch.items()}, out, stages.STAGES["sac"])
+    jbatch = {k: jnp.asarray(v) for k, v in batch.items()}
+    _, m = objective.stage_loss(model, jbatch, out, stages.STAGES["sac"])
     assert float(m["sal_video"]) == 0.0  # no row has <VIDi>
     sm = batch["style_mask"][:, 0].astype(bool) & (np.arange(B) != 0)
     ref = ((np.asarray(out["speech_style"]) - batch["speech_style"]) ** 2).sum(-1)[sm].mean()
@@ -520,8 +521,8 @@ def test_loss_counts_come_from_the_batch_and_are_the_loss_denominators():
     batch["input_ids"][1] = np.where(np.isin(row1, CFG.vid_signal_ids), 5, row1)  # row 1: no <VIDi>
     batch["attention_mask"][3, 9:] = 0  # row 3's signal tokens are under padding: no r^s/r^v
     jb = {k: jnp.asarray(v) for k, v in batch.items()}
-    c = {k: int(v) for k, v in model.loss_counts(jb).items()}
-    assert set(c) == set(emp_mod.COUNT_KEYS)
+    c = {k: int(v) for k, v in objective.loss_counts(model.config, jb).items()}
+    assert set(c) == set(objective.COUNT_KEYS)
     attended = batch["attention_mask"].astype(bool)
     has_s = (np.isin(batch["input_ids"], CFG.aud_signal_ids) & attended).any(1)
     has_v = (np.isin(batch["input_ids"], CFG.vid_signal_ids) & attended).any(1)
@@ -540,18 +541,19 @@ def test_loss_counts_come_from_the_batch_and_are_the_loss_denominators():
         want[f"{name}_labels"] = ((batch[name] >= 0) & (has_s | has_v)).sum()
     assert c == {k: int(v) for k, v in want.items()}
     # [A, m] leading axes give the same totals.
-    stacked = model.loss_counts({k: v.reshape(2, 2, *v.shape[1:]) for k, v in jb.items()})
+    stacked = objective.loss_counts(model.config, {k: v.reshape(2, 2, *v.shape[1:]) for k, v in jb.items()})
     assert {k: int(v) for k, v in stacked.items()} == c
 
     # The whole batch's own counts reproduce counts=None exactly (same program as the test above).
     out = forward(model, batch, heads={"cs", "sd"}, train=True, rng=jax.random.key(4))
-    total, m = model.loss(jb, out, stages.STAGES["overall"])
-    total_c, m_c = model.loss(jb, out, stages.STAGES["overall"], counts=model.loss_counts(jb))
+    total, m = objective.stage_loss(model, jb, out, stages.STAGES["overall"])
+    counts = objective.loss_counts(model.config, jb)
+    total_c, m_c = objective.stage_loss(model, jb, out, stages.STAGES["overall"], counts=counts)
     assert float(total_c) == float(total)
     assert {k: float(v) for k, v in m_c.items()} == {k: float(v) for k, v in m.items()}
     with pytest.raises(KeyError, match="timbre_labels"):
-        model.loss(jb, out, stages.STAGES["overall"],
-                   counts={k: v for k, v in model.loss_counts(jb).items() if k != "timbre_labels"})
+        objective.stage_loss(model, jb, out, stages.STAGES["overall"],
+                             counts={k: v for k, v in counts.items() if k != "timbre_labels"})
     with pytest.raises(ValueError, match="per-example keys"):
         model(jb, train=True, rng=jax.random.split(jax.random.key(0), 3), heads={"sd"})
 
@@ -566,7 +568,7 @@ def _loss_and_grad(graphdef, params, frozen, batch, rng):
     def f(params):
         model = nnx.merge(graphdef, params, frozen)
         out = model(batch, train=True, rng=rng)
-        return model.loss(batch, out, stages.STAGES["overall"])[0]
+        return objective.stage_loss(model, batch, out, stages.STAGES["overall"])[0]
 
     return jax.value_and_grad(f)(params)
 

@@ -27,7 +27,7 @@ from empatheia_jax.eval import evaluate as ev
 from empatheia_jax.eval import report as eval_report
 from empatheia_jax.eval.metrics import text as mtext
 from empatheia_jax.serve.generation import eos_token_ids, generate_tokens, left_pad
-from empatheia_jax.train import stages
+from empatheia_jax.train import objective, stages
 
 ED = list(schema.ED_EMOTIONS_32)
 
@@ -55,7 +55,7 @@ def model(tok, shards):
 def _forward_and_loss(graphdef, state, batch):
     m = nnx.merge(graphdef, state)
     out = m(batch, train=False)
-    total, metrics = m.loss(batch, out, stages.STAGES["overall"])
+    total, metrics = objective.stage_loss(m, batch, out, stages.STAGES["overall"])
     keep = ("speech_content", "video_content", "speech_style", "video_style", "emotion_logits", "age_logits",
             "gender_logits", "timbre_logits")
     return {k: out[k] for k in keep}, total, metrics

@@ -33,15 +33,9 @@ transformers = require("transformers", "loading the merged export and the HF bas
 
 import empatheia_jax  # noqa: E402
 from empatheia_jax.data import input_pipeline as ip  # noqa: E402
+from empatheia_jax.serve.load import export_trained, load_exported  # noqa: E402
 from empatheia_jax.train.checkpoint import CheckpointError, TrainCheckpointer, read_meta  # noqa: E402
-from empatheia_jax.weights.export_empatheia import (  # noqa: E402
-    EXPORT_CONFIG,
-    FORMAT_VERSION,
-    HEADS_FILE,
-    export_model,
-    export_trained,
-    load_exported,
-)
+from empatheia_jax.weights.export_empatheia import EXPORT_CONFIG, FORMAT_VERSION, HEADS_FILE, export_model  # noqa: E402
 from empatheia_jax.weights.export_hf import ExportError  # noqa: E402
 from empatheia_jax.weights.hf_to_flax import convert  # noqa: E402
 

@@ -19,12 +19,11 @@ import optax
 import pytest
 from flax import nnx
 
-from empatheia_jax.models import empatheia as emp_mod
 from empatheia_jax.models.empatheia import Empatheia
 from empatheia_jax.models.llama import init_added_rows
 from empatheia_jax.models.lora import set_lora_b
 from empatheia_jax.models.trainable import trainable_filter
-from empatheia_jax.train import losses, stages
+from empatheia_jax.train import losses, objective, stages, trainer
 from empatheia_jax.train.stages import (
     PIPELINE_BASELINE,
     STAGE_ORDER,
@@ -185,7 +184,12 @@ def build(stage: Stage, seed: int = 0) -> Empatheia:
 
 @functools.cache
 def compiled_step(name: str):
-    return stages.jit_train_step(stages.get_stage(name), compiler_options=FAST)
+    """The trainer's jitted step (`trainer.make_step`) on one micro-batch: (graphs, params, frozen, opt_state,
+    batch, key) -> (params, opt_state, metrics)."""
+    step = jax.jit(trainer.make_step(stages.get_stage(name), losses.LossWeights()), static_argnums=0,
+                   compiler_options=FAST)
+    return lambda graphs, params, frozen, opt_state, batch, key: step(
+        graphs, params, frozen, opt_state, {k: v[None] for k, v in batch.items()}, key)
 
 
 def to_jax(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -311,7 +315,7 @@ def _stage_totals(params, graphdef, frozen, batch, keys, counts):
     """The totals of every stage (STAGE_ORDER) on one forward pass with all heads, and their metrics."""
     model = nnx.merge(graphdef, params, frozen)
     out = model(batch, train=True, rng=keys)
-    res = [model.loss(batch, out, STAGES[n], counts=counts) for n in STAGE_ORDER]
+    res = [objective.stage_loss(model, batch, out, STAGES[n], counts=counts) for n in STAGE_ORDER]
     return jnp.stack([t for t, _ in res]), {n: m for n, (_, m) in zip(STAGE_ORDER, res, strict=True)}
 
 
@@ -327,12 +331,12 @@ def _totals_and_grads(params, graphdef, frozen, batch, keys, counts):
 def accumulate(graphdef, params, frozen, batch, keys):
     """One program for all four stages: values/metrics/grads of the whole batch (counts=None) and of a
     lax.scan over its micro-batches of 1 with the whole batch's counts, as a trainer runs it. The scan also
-    runs `stages.make_loss_fn` (overall) with counts=, to check its plumbing."""
+    runs `objective.make_loss_fn` (overall) with counts=, to check its plumbing."""
     model = nnx.merge(graphdef, params, frozen)
     full, m_full, g_full = _totals_and_grads(params, graphdef, frozen, batch, keys, None)
     micro = jax.tree.map(lambda x: x.reshape(x.shape[0], 1, *x.shape[1:]), batch)
-    counts = model.loss_counts(batch)
-    loss_fn = stages.make_loss_fn(STAGES["overall"])
+    counts = objective.loss_counts(model.config, batch)
+    loss_fn = objective.make_loss_fn(STAGES["overall"])
 
     def body(_, xs):
         mb, k = xs
@@ -343,7 +347,8 @@ def accumulate(graphdef, params, frozen, batch, keys):
     _, (totals, m_micro, g_micro, via_loss_fn) = jax.lax.scan(body, None, (micro, keys.reshape(-1, 1)))
     return {"full": full, "m_full": m_full, "g_full": g_full, "totals": totals, "m_micro": m_micro,
             "g_micro": g_micro, "via_loss_fn": via_loss_fn, "counts": counts,
-            "micro_counts": jax.vmap(model.loss_counts)(micro), "stacked_counts": model.loss_counts(micro)}
+            "micro_counts": jax.vmap(functools.partial(objective.loss_counts, model.config))(micro),
+            "stacked_counts": objective.loss_counts(model.config, micro)}
 
 
 @pytest.mark.parametrize("template", ["coe", "ccl", "sac", "overall"])
@@ -357,7 +362,7 @@ def test_micro_batches_with_global_counts_and_per_example_keys_give_the_full_bat
     r = jax.tree.map(np.asarray, r)
 
     # Counts from the batch alone: additive over micro-batches and over [A, m] leading axes.
-    assert set(r["counts"]) == set(emp_mod.COUNT_KEYS)
+    assert set(r["counts"]) == set(objective.COUNT_KEYS)
     for k, v in r["counts"].items():
         assert int(v) == int(r["micro_counts"][k].sum()) == int(r["stacked_counts"][k]), k
     assert r["counts"]["emp_tokens"] > 0

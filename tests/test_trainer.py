@@ -32,10 +32,12 @@ from helpers import FAST, make_tiny_shards, saved_smollm2_tokenizer, smollm2_che
 
 from configs import tiny
 from empatheia_jax import sharding
-from empatheia_jax.models.empatheia import collect_sd_inputs, sd_head_loss, sd_inputs_calibrated
 from empatheia_jax.models.vae import split_keys
+from empatheia_jax.serve import load as serve_load
 from empatheia_jax.train import config as config_lib
-from empatheia_jax.train import losses, stages, trainer
+from empatheia_jax.train import losses, objective, stages, trainer
+from empatheia_jax.train.objective import sd_head_loss
+from empatheia_jax.train.sd_warmup import collect_sd_inputs, sd_inputs_calibrated
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -260,7 +262,8 @@ def test_sd_warmup_trains_only_the_sd_on_its_stage_loss(tok, shards):
     b = batches[0]
     keys = trainer.example_keys(jax.random.key(3), (b["input_ids"].shape[0],))
     with jax.default_matmul_precision("highest"):
-        _, full = model.loss(b, model(b, train=True, rng=keys, heads=stage.heads), stage, weights)
+        outputs = model(b, train=True, rng=keys, heads=stage.heads)
+        _, full = objective.stage_loss(model, b, outputs, stage, weights)
         first = jax.tree.map(lambda x: x[: b["input_ids"].shape[0]], inputs)
         _, head = sd_head_loss(model.style_dis, first, stage, weights, rng=split_keys(keys)[1])
     for term in (*losses.SAL_TERMS, *losses.CLS_TERMS, losses.KL, "acc_age"):
@@ -629,7 +632,7 @@ def test_remat_and_ce_chunk_give_the_loss_and_gradients_of_none(tok, shards, bui
     manifest = json.loads((Path(shards) / "manifest.json").read_text())
     batch = {k: jnp.asarray(v[:4]) for k, v in host.items()}
     keys = trainer.example_keys(jax.random.key(7), (4,))
-    grad_fn = jax.value_and_grad(stages.make_loss_fn(stage, losses.LossWeights()), has_aux=True)
+    grad_fn = jax.value_and_grad(objective.make_loss_fn(stage, losses.LossWeights()), has_aux=True)
     jitted = jax.jit(grad_fn, static_argnums=1, compiler_options=FAST)
     got = {}
     variants = {"none": {}, "full": {"model.llm.remat": "full"}, "dots": {"model.llm.remat": "dots"},
@@ -682,7 +685,7 @@ def test_a_checkpoint_may_differ_from_its_run_in_how_a_step_is_computed_only(bui
 class StepRecorder:
     """Instruments a real `trainer.train` loop from outside. Non-finite losses at the chosen steps: the host
     batch of every step gets a `nan_step` flag column (`trainer.step_batch` is called once per step, in
-    order), and the stage's loss function (`stages.make_loss_fn`, test-only wrapper) turns the total into
+    order), and the stage's loss function (`objective.make_loss_fn`, test-only wrapper) turns the total into
     NaN where the flag is set: `total + NaN` (`grad_nan=False`: the gradient stays finite, the case an
     isfinite(grad) guard alone would miss) or `total * NaN` (gradients NaN too). It also records each
     step's trainable parameters and optimizer state before and after (`trainer.jit_step` wrapped). The
@@ -691,7 +694,7 @@ class StepRecorder:
     def __init__(self, mp: pytest.MonkeyPatch, bad: Collection[int] = (), grad_nan: bool = False):
         self.bad, self.calls, self.steps = set(bad), 0, []
         real_step_batch, real_jit_step = trainer.step_batch, trainer.jit_step
-        real_loss_fn = stages.make_loss_fn
+        real_loss_fn = objective.make_loss_fn
 
         def step_batch(host_batch, mesh, grad_accum):
             flag = np.full(host_batch["input_ids"].shape[:1], self.calls in self.bad, np.int32)
@@ -710,7 +713,7 @@ class StepRecorder:
             return poisoned
 
         mp.setattr(trainer, "step_batch", step_batch)
-        mp.setattr(stages, "make_loss_fn", make_loss_fn)
+        mp.setattr(objective, "make_loss_fn", make_loss_fn)
 
         def jit_step(*args, **kwargs):
             step = real_jit_step(*args, **kwargs)
@@ -831,7 +834,7 @@ def test_load_trained_restores_the_trained_parameters_and_outputs(overall_run):
     """load_trained(workdir) = the parameters the loop ended with, bit for bit, and the same eval loss as
     the run's own final eval; step=1 (or the step folder) = the parameters after step 0."""
     cfg, workdir, result, rec = overall_run
-    model, tokenizer, config, meta = trainer.load_trained(workdir)
+    model, tokenizer, config, meta = serve_load.load_trained(workdir)
     assert meta["stage"]["name"] == "overall" and config.schedule.overall.steps == 2
     loaded = _flat(nnx.state(model, nnx.Param))
     final = rec.steps[-1]["after"][0]
@@ -848,7 +851,8 @@ def test_load_trained_restores_the_trained_parameters_and_outputs(overall_run):
     first = rec.steps[0]["after"][0]
     assert any(not np.array_equal(first[k], final[k]) for k in final)
     for path in (workdir, workdir / "checkpoints" / "1"):
-        one = _flat(nnx.state(trainer.load_trained(path, step=1 if path == workdir else None)[0], nnx.Param))
+        step = 1 if path == workdir else None
+        one = _flat(nnx.state(serve_load.load_trained(path, step=step)[0], nnx.Param))
         for k, v in first.items():
             np.testing.assert_array_equal(one[k], v, err_msg=f"{path} {k}")
 
@@ -859,7 +863,7 @@ def test_train_and_load_trained_set_the_runs_matmul_precision(overall_run):
     cfg, workdir, _, _ = overall_run
     try:
         jax.config.update("jax_default_matmul_precision", "bfloat16")
-        trainer.load_trained(workdir)
+        serve_load.load_trained(workdir)
         assert jax.config.jax_default_matmul_precision == cfg.model.matmul_precision == "float32"
         old = ml_collections.ConfigDict({"model": {"backbone": ""}})
         jax.config.update("jax_default_matmul_precision", "bfloat16")
@@ -877,7 +881,7 @@ def test_load_trained_untrained_model_and_bad_step_or_path(overall_run, shards, 
     CS/SD heads, bit for bit a new `build_model`), not the trained one. A missing step or path is an error
     naming it."""
     cfg, workdir, _, rec = overall_run
-    fresh = _flat(nnx.state(trainer.load_trained(workdir, restore=False)[0], nnx.Param))
+    fresh = _flat(nnx.state(serve_load.load_trained(workdir, restore=False)[0], nnx.Param))
     built_now, _ = trainer.build_model(cfg, json.loads((Path(shards) / "manifest.json").read_text()))
     want = _flat(nnx.state(built_now, nnx.Param))
     assert fresh.keys() == want.keys()
@@ -892,7 +896,7 @@ def test_load_trained_untrained_model_and_bad_step_or_path(overall_run, shards, 
         assert moved, head
 
     with pytest.raises((ValueError, FileNotFoundError), match="99"):
-        trainer.load_trained(workdir, step=99)
+        serve_load.load_trained(workdir, step=99)
     missing = tmp_path / "no_such_run"
     with pytest.raises((ValueError, FileNotFoundError), match=str(missing)):
-        trainer.load_trained(missing)
+        serve_load.load_trained(missing)

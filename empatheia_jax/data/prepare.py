@@ -42,13 +42,12 @@ import numpy as np
 
 from empatheia_jax.data import schema
 from empatheia_jax.data.encoders import Encoder, get_encoder
+from empatheia_jax.data.schema import STANDARD_SPLITS, discover_splits
 from empatheia_jax.data.shard_format import (
     ARRAY_RECORD_OPTIONS,
     MANIFEST,
     MANIFEST_FORMAT,
     SHARD_RECORD_FIELDS,
-    STANDARD_SPLITS,
-    discover_splits,
     encode_shard_record,
     make_shard_record,
     sha256_file,

@@ -18,6 +18,7 @@ import wave
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 1
@@ -784,7 +785,26 @@ def validate_file(
     )
 
 
+
+
+STANDARD_SPLITS = ("train", "valid", "validation", "dev", "test")
+
+
+def discover_splits(raw: str | os.PathLike) -> list[str]:
+    """Split names of a RAW folder: the standard ones present (train, valid, validation, dev, test, in that
+    order), else every ``*.json`` whose name does not contain "meta" (sample_meta.json is no split)."""
+    raw = Path(raw)
+    present = [s for s in STANDARD_SPLITS if (raw / f"{s}.json").is_file()]
+    if not present:
+        present = sorted(p.stem for p in raw.glob("*.json") if "meta" not in p.stem.lower())
+    if not present:
+        raise FileNotFoundError(f"{raw}: no {{split}}.json files (expected e.g. train.json, valid.json)")
+    return present
+
+
 __all__ = [
+    "STANDARD_SPLITS",
+    "discover_splits",
     "AGES",
     "ED_EMOTIONS_32",
     "EMOTIONS_7",

@@ -196,20 +196,6 @@ def decode_shard_record(data: bytes, *, shard: str | os.PathLike, index: int) ->
 # ----------------------------------------------------------------------------------------------
 # raw folder
 
-STANDARD_SPLITS = ("train", "valid", "validation", "dev", "test")
-
-
-def discover_splits(raw: str | os.PathLike) -> list[str]:
-    """Split names of a RAW folder: the standard ones present (train, valid, validation, dev, test, in that
-    order), else every ``*.json`` whose name does not contain "meta" (sample_meta.json is no split)."""
-    raw = Path(raw)
-    present = [s for s in STANDARD_SPLITS if (raw / f"{s}.json").is_file()]
-    if not present:
-        present = sorted(p.stem for p in raw.glob("*.json") if "meta" not in p.stem.lower())
-    if not present:
-        raise FileNotFoundError(f"{raw}: no {{split}}.json files (expected e.g. train.json, valid.json)")
-    return present
-
 
 # ----------------------------------------------------------------------------------------------
 # shard folder

@@ -508,13 +508,12 @@ def standin_jobs(
     every dialogue of the RAW split files.
     """
     from empatheia_jax.data import schema
-    from empatheia_jax.data.shard_format import discover_splits
 
     raw = Path(raw)
     if dialogues is None:
         dialogues = [
             d
-            for split in (splits or discover_splits(raw))
+            for split in (splits or schema.discover_splits(raw))
             for d in schema.load_dialogues(schema.split_json_path(raw, split))
         ]
     media = Path(schema.media_dir_of(raw))

@@ -46,7 +46,7 @@ from empatheia_jax.eval.report import metric_order, write_predictions
 from empatheia_jax.models.empatheia import Empatheia
 from empatheia_jax.serve.forward import KEEP, cached_jit, embed_prompts
 from empatheia_jax.serve.generation import eos_token_ids, generate_tokens, left_pad, score_continuations
-from empatheia_jax.train import losses, stages
+from empatheia_jax.train import losses, objective, stages
 from empatheia_jax.train.stages import TemplateError, eval_stage
 
 # ----------------------------------------------------------------------------------------------------------
@@ -502,10 +502,10 @@ def evaluate(
 def _loss_and_outputs(graphdef, state, batch, stage, weights):
     model = nnx.merge(graphdef, state)
     out = model(batch, train=False, heads=stage.heads)
-    _, metrics = model.loss(batch, out, stage, weights)
+    _, metrics = objective.stage_loss(model, batch, out, stage, weights)
     # the gold reply's own tokens (r^t inside the target): its perplexity, apart from the CoE steps around it
     reply = batch["loss_mask"].astype(bool) & batch["response_mask"].astype(bool)
-    nll, n = losses.masked_token_mean(model.token_nll(out, batch["target_ids"], reply), reply)
+    nll, n = losses.masked_token_mean(objective.token_nll(model, out, batch["target_ids"], reply), reply)
     return {**metrics, "reply_nll": nll, "reply_tokens": n}, {k: out[k] for k in KEEP if k in out}
 
 

@@ -24,7 +24,7 @@ groups): `llm` (LoRA: "lora"; added rows: "added_rows"), `aud_proj`/`vid_proj` (
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -38,10 +38,9 @@ from empatheia_jax.models.llama import Llama, LlamaConfig, init_added_rows
 from empatheia_jax.models.lora import LoraConfig, apply_lora, lora_config_of, lora_layers
 from empatheia_jax.models.vae import TransformerVAE, VAEConfig, VAEOutput, as_key, split_keys
 from empatheia_jax.sharding import create_sharded, shard_model
-from empatheia_jax.train import losses
 
 if TYPE_CHECKING:
-    from empatheia_jax.train.stages import Stage
+    pass
 
 # Trainable groups of the modules defined here (the LLM's "lora" and "added_rows" are in trainable.py).
 trainable.register_group("cs", nnx.All(nnx.Param, nnx.PathContains("content_sync")))
@@ -611,133 +610,6 @@ class Empatheia(nnx.Module):
         out["vae"] = vae
         return out
 
-    # -- losses ---------------------------------------------------------------------------------------------
-
-    def loss_counts(self, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-        """Every denominator of `loss` for this batch, from the batch alone (module-level `loss_counts`)."""
-        return loss_counts(self.config, batch)
-
-    def token_nll(self, outputs: Mapping[str, Any], target_ids: jax.Array, mask: jax.Array) -> jax.Array:
-        """-log p(target) at every position [B, T] (float32; any value where mask is 0), from the forward's
-        hidden states in chunks of `config.ce_chunk` positions, or from its whole logits when that is 0. Under
-        jit the whole logits of `__call__` are then never computed: nothing reads them."""
-        if self.config.ce_chunk:
-            ids = jnp.where(mask, target_ids, 0)  # padding ids may be out of range; they are masked anyway
-            return self.llm.token_nll(outputs["hidden"], ids, chunk=self.config.ce_chunk)
-        return losses.token_nll(outputs["logits"], target_ids, mask)
-
-    def loss_terms(
-        self,
-        batch: Mapping[str, jax.Array],
-        outputs: Mapping[str, Any],
-        *,
-        counts: Mapping[str, jax.Array] | None = None,
-    ) -> dict[str, jax.Array]:
-        """Every loss term (names from `losses`) that the outputs allow, plus extra metrics under other keys.
-
-        emp: CE on loss_mask; signal_ce: the same CE restricted to targets that are <AUDi>/<VIDi>;
-        ccl_*: masked row L2 against speech/video_content (+ *_mask); sal_*: L2 against speech/video_style,
-        for examples with that style target (style_mask) and the modality's signal tokens present;
-        cls_*: CE with -1 ignored (also ignored where no signal token is present). `counts` (from
-        `loss_counts`) replaces every denominator, see `loss`.
-        """
-        cfg = self.config
-        count = _count_getter(counts)
-        target_ids = batch["target_ids"]
-        loss_mask = batch["loss_mask"].astype(bool)
-        terms: dict[str, jax.Array] = {}
-        nll = self.token_nll(outputs, target_ids, loss_mask)
-        emp, n_tok = losses.masked_token_mean(nll, loss_mask, count=count("emp_tokens"))
-        is_signal = _is_signal_target(cfg, target_ids)
-        sig, n_sig = losses.masked_token_mean(nll, loss_mask & is_signal, count=count("signal_tokens"))
-        terms[losses.EMP], terms[losses.SIGNAL_CE] = emp, sig
-        extra = {"emp_tokens": n_tok, "signal_tokens": n_sig}
-        if "speech_content" in outputs:
-            for term, key in ((losses.CCL_SPEECH, "speech_content"), (losses.CCL_VIDEO, "video_content")):
-                pred, target = outputs[key], batch[key]
-                if pred.shape != target.shape:
-                    raise ValueError(
-                        f"{key}: the CS predicts {pred.shape} but the batch holds {target.shape}; "
-                        "max_speech_len/max_video_len/content dims must match the pipeline"
-                    )
-                terms[term] = losses.masked_squared_l2(pred, target, batch[f"{key}_mask"],
-                                                       count=count(f"{key}_rows"))
-        if "speech_style" in outputs:
-            style, accuracy = style_terms(batch, outputs, count)
-            terms.update(style)
-            extra.update(accuracy)
-        terms.update({f"_{k}": v for k, v in extra.items()})
-        return terms
-
-    def kl_terms(
-        self,
-        batch: Mapping[str, jax.Array],
-        outputs: Mapping[str, Any],
-        *,
-        counts: Mapping[str, jax.Array] | None = None,
-    ) -> dict[str, jax.Array]:
-        """KL of the VAE blocks that ran, summed per trainable group: {"cs": ..., "sd": ...}.
-
-        CS blocks count the queries that have a target row (*_content_mask) and average over the examples
-        having one (count `*_content_examples`); SD blocks average over the examples whose modality has its
-        signal tokens (count `speech_signal_examples` / `video_signal_examples`).
-        """
-        count = _count_getter(counts)
-        vae = outputs["vae"]
-        out = {}
-        if "cs_speech" in vae:
-            out["cs"] = sum(
-                losses.kl_term(vae[name].mu, vae[name].logvar, batch[f"{key}_mask"],
-                               count=count(f"{key}_examples"))
-                for name, key in (("cs_speech", "speech_content"), ("cs_video", "video_content"))
-            )
-        if "sd_speech_emotion" in vae:
-            out["sd"] = sd_kl(vae, outputs["r_s_mask"], outputs["r_v_mask"], count)
-        return out
-
-    def loss(
-        self,
-        batch: Mapping[str, jax.Array],
-        outputs: Mapping[str, Any],
-        stage: Stage,
-        weights: losses.LossWeights | None = None,
-        *,
-        counts: Mapping[str, jax.Array] | None = None,
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """(total, metrics) of `stage` (a `stages.Stage`) via `losses.combine`.
-
-        Terms the stage's formula (`stage.loss_stage`) needs but the stage dropped (ablations) enter as 0;
-        a term the stage keeps but the outputs cannot give raises (a head that did not run). KL = the KL of
-        the VAE groups the stage trains. Metrics also hold kl_cs/kl_sd, token counts (emp_tokens,
-        signal_tokens: this batch's own counts) and classifier accuracy (acc_*).
-
-        counts=None: every term and acc_* is a mean over this batch's own valid items.
-        counts=`loss_counts(whole batch)` (gradient accumulation): every term, kl_*, acc_* and the total use
-        those counts as denominators, i.e. each is this micro-batch's SUM over the whole batch's count.
-        Every metric is then additive: summed over the micro-batches of the whole batch (with the same
-        counts), total, each term, ccl/sal/cls/sac, kl_*, acc_* and the token counts equal the values of
-        one call on the whole batch with counts=None, and so do the summed gradients. A missing count
-        raises KeyError.
-        """
-        all_terms = self.loss_terms(batch, outputs, counts=counts)
-        extra = {k[1:]: v for k, v in all_terms.items() if k.startswith("_")}
-        terms = {k: v for k, v in all_terms.items() if not k.startswith("_")}
-        kls = self.kl_terms(batch, outputs, counts=counts)
-        terms[losses.KL] = sum((kls[g] for g in sorted(kls) if g in stage.trainable_groups),
-                               jnp.zeros((), jnp.float32))
-        missing = [t for t in stage.loss_terms if t not in terms]
-        if missing:
-            raise KeyError(f"stage {stage.name!r} trains on {missing} but the outputs lack the head for it "
-                           f"(run the model with heads={sorted(stage.heads)})")
-        zero = jnp.zeros((), jnp.float32)
-        for t in losses.STAGE_TERMS[stage.loss_stage]:
-            if t not in stage.loss_terms:
-                terms[t] = zero  # ablated: reported as 0, adds nothing
-        total, metrics = losses.combine(terms, stage.loss_stage, weights)
-        metrics.update({f"kl_{g}": v for g, v in kls.items()})
-        metrics.update(extra)
-        return total, metrics
-
     # -- construction from a pretrained backbone ----------------------------------------------------------
 
     @classmethod
@@ -802,201 +674,6 @@ class Empatheia(nnx.Module):
 # Loss denominators (gradient accumulation)
 # ----------------------------------------------------------------------------------------------------------
 
-COUNT_KEYS = (
-    "emp_tokens", "signal_tokens",
-    "speech_content_rows", "video_content_rows", "speech_content_examples", "video_content_examples",
-    "speech_signal_examples", "video_signal_examples", "speech_style_examples", "video_style_examples",
-    "emotion_labels", "age_labels", "gender_labels", "timbre_labels",
-)
-
-
-def _is_signal_target(cfg: EmpatheiaConfig, target_ids: jax.Array) -> jax.Array:
-    return jnp.any(target_ids[..., None] == jnp.asarray(cfg.signal_ids, target_ids.dtype), axis=-1)
-
-
-def signal_present(
-    input_ids: jax.Array, attention_mask: jax.Array | None, ids: Sequence[int]
-) -> jax.Array:
-    """[...] bool: the example has at least one of `ids` among its attended input tokens (the rule of
-    `Empatheia.gather_signal_states`: `any(r_s_mask, -1)` for the <AUDi> ids). input_ids [..., T]."""
-    attended = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask.astype(bool)
-    hit = jnp.any(input_ids[..., None] == jnp.asarray(ids, input_ids.dtype), axis=-1) & attended
-    return jnp.any(hit, axis=-1)
-
-
-def loss_counts(cfg: EmpatheiaConfig, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """Every denominator of `Empatheia.loss`, as int32 scalars computed from the batch alone (no forward).
-
-    Each count is a total over all leading axes, so the leaves may be [B, ...] or [A, m, ...] (A
-    micro-batches of m) and the counts are additive: the counts of a batch are the sums of the counts of
-    any split of it. Keys (each only when the batch has the keys it needs):
-
-        emp_tokens               Σ loss_mask                                        emp
-        signal_tokens            Σ loss_mask ∧ target ∈ <AUDi>/<VIDi>               signal_ce
-        {speech,video}_content_rows      Σ *_content_mask                           ccl_speech / ccl_video
-        {speech,video}_content_examples  examples with a content row                KL of cs_speech / cs_video
-        {speech,video}_signal_examples   examples with an attended <AUDi> / <VIDi>  KL of the SD blocks
-        {speech,video}_style_examples    style_mask[:, j] ∧ that modality's signal  sal_speech / sal_video
-        {emotion,age,gender,timbre}_labels  label >= 0 ∧ any signal token           cls_* and acc_*
-    """
-    out: dict[str, jax.Array] = {}
-    if "loss_mask" in batch and "target_ids" in batch:
-        lm = batch["loss_mask"].astype(bool)
-        out["emp_tokens"] = losses.masked_count(lm)
-        out["signal_tokens"] = losses.masked_count(lm & _is_signal_target(cfg, batch["target_ids"]))
-    for key in ("speech_content", "video_content"):
-        if f"{key}_mask" in batch:
-            m = batch[f"{key}_mask"]
-            out[f"{key}_rows"] = losses.masked_count(m)
-            out[f"{key}_examples"] = losses.kl_count(m)
-    ids, attn = batch["input_ids"], batch.get("attention_mask")
-    has_s = signal_present(ids, attn, cfg.aud_signal_ids)
-    has_v = signal_present(ids, attn, cfg.vid_signal_ids)
-    out["speech_signal_examples"] = losses.masked_count(has_s)
-    out["video_signal_examples"] = losses.masked_count(has_v)
-    if "style_mask" in batch:
-        style = batch["style_mask"].astype(bool)
-        out["speech_style_examples"] = losses.masked_count(style[..., 0] & has_s)
-        out["video_style_examples"] = losses.masked_count(style[..., 1] & has_v)
-    for name in ("emotion", "age", "gender", "timbre"):
-        if name in batch:
-            out[f"{name}_labels"] = losses.label_count(jnp.where(has_s | has_v, batch[name], -1))
-    return out
-
-
-def _count_getter(counts: Mapping[str, jax.Array] | None):
-    def get(name: str) -> jax.Array | None:
-        if counts is None:
-            return None
-        if name not in counts:
-            raise KeyError(f"counts lack {name!r} (got {sorted(counts)}); build them with "
-                           "Empatheia.loss_counts(batch) of the whole batch")
-        return counts[name]
-
-    return get
-
-
-def style_terms(
-    batch: Mapping[str, jax.Array], outputs: Mapping[str, Any], count
-) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
-    """(sal_* and cls_* terms, acc_* metrics) of the SD outputs; `count` is a `_count_getter`.
-
-    sal_*: L2 against speech/video_style for examples with that style target (style_mask) and the modality's
-    signal tokens present; cls_*: CE with -1 ignored, also where no signal token is present.
-    """
-    terms, extra = {}, {}
-    style_mask = batch["style_mask"].astype(bool)
-    has_s, has_v = jnp.any(outputs["r_s_mask"], -1), jnp.any(outputs["r_v_mask"], -1)
-    sal = ((losses.SAL_SPEECH, "speech", has_s), (losses.SAL_VIDEO, "video", has_v))
-    for j, (term, key, has) in enumerate(sal):
-        terms[term] = losses.squared_l2(outputs[f"{key}_style"], batch[f"{key}_style"],
-                                        style_mask[:, j] & has, count=count(f"{key}_style_examples"))
-    has_any = has_s | has_v
-    for term, name in ((losses.CLS_EMOTION, "emotion"), (losses.CLS_AGE, "age"),
-                       (losses.CLS_GENDER, "gender"), (losses.CLS_TIMBRE, "timbre")):
-        labels = jnp.where(has_any, batch[name], -1)
-        lg = outputs[f"{name}_logits"]
-        n_labels = count(f"{name}_labels")
-        terms[term] = losses.classification_ce(lg, labels, count=n_labels)
-        correct = jnp.sum((labels >= 0) & (jnp.argmax(lg, -1) == labels))
-        n_labels = losses.label_count(labels) if n_labels is None else n_labels
-        extra[f"acc_{name}"] = correct / jnp.maximum(n_labels, 1).astype(jnp.float32)
-    return terms, extra
-
-
-def sd_kl(vae: Mapping[str, VAEOutput], r_s_mask: jax.Array, r_v_mask: jax.Array, count) -> jax.Array:
-    """KL of the four SD blocks, each averaged over the examples whose modality has its signal tokens."""
-    total = jnp.zeros((), jnp.float32)
-    for name in SD_VAES:
-        modality = "speech" if "speech" in name else "video"
-        present = jnp.any(r_s_mask if modality == "speech" else r_v_mask, -1)
-        mu = vae[name].mu
-        total = total + losses.kl_term(mu, vae[name].logvar, jnp.broadcast_to(present[:, None], mu.shape[:2]),
-                                       count=count(f"{modality}_signal_examples"))
-    return total
-
-
-def sd_head_loss(
-    sd: StyleDisentangler,
-    inputs: Mapping[str, jax.Array],
-    stage: Stage,
-    weights: losses.LossWeights | None = None,
-    *,
-    rng: jax.Array,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(total, metrics) of the SD alone on cached inputs (`collect_sd_inputs`): the SD warm-up's objective.
-
-    The "sac" formula L_sal + L_cls + kl·KL_sd with the terms and denominators of `Empatheia.loss`. The
-    signal CE needs the LLM and enters as 0, as does any term `stage` does not train (ablations).
-    """
-    out = dict(sd(inputs["r_s"], inputs["r_s_mask"], inputs["r_v"], inputs["r_v_mask"], sample=True, rng=rng))
-    vae = out.pop("vae")
-    outputs = {**out, "r_s_mask": inputs["r_s_mask"], "r_v_mask": inputs["r_v_mask"]}
-    no_counts = _count_getter(None)
-    terms, extra = style_terms(inputs, outputs, no_counts)
-    terms[losses.KL] = sd_kl(vae, inputs["r_s_mask"], inputs["r_v_mask"], no_counts)
-    zero = jnp.zeros((), jnp.float32)
-    terms = {t: terms.get(t, zero) if t in stage.loss_terms else zero for t in losses.STAGE_TERMS["sac"]}
-    total, metrics = losses.combine(terms, "sac", weights)
-    return total, {**metrics, **extra}
-
-
-def sd_inputs_calibrated(model: Empatheia) -> bool:
-    """False while the SD input affines are still the identity they start as."""
-    sd = model.style_dis
-    return not (sd.speech_in.is_identity() and sd.video_in.is_identity())
-
-
-SD_INPUT_KEYS = ("r_s", "r_s_mask", "r_v", "r_v_mask")
-SD_TARGET_KEYS = ("speech_style", "video_style", "style_mask", "emotion", "age", "gender", "timbre")
-
-
-def collect_sd_inputs(model: Empatheia, batches: Iterable[Mapping[str, jax.Array]]) -> dict[str, jax.Array]:
-    """The SD's inputs (`SD_INPUT_KEYS`, from one frozen forward per batch) and targets (`SD_TARGET_KEYS`,
-    those the batches hold), concatenated over the examples of `batches`.
-
-    A few MB per thousand examples (n_signal x d per modality). It feeds `calibrate_sd_inputs` and the SD
-    warm-up (`sd_head_loss`). Under a mesh the batches are global arrays and so are the results.
-    """
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def signal_states(state, batch):
-        out = nnx.merge(graphdef, state)(batch, train=False, heads=frozenset())
-        return {k: out[k] for k in SD_INPUT_KEYS}
-
-    got = [{**signal_states(state, b), **{k: b[k] for k in SD_TARGET_KEYS if k in b}} for b in batches]
-    if not got:
-        raise ValueError("collect_sd_inputs: no batches")
-    return {k: jnp.concatenate([g[k] for g in got]) for k in got[0]}
-
-
-def calibrate_sd_inputs(model: Empatheia, inputs: Mapping[str, jax.Array]) -> int:
-    """Sets the SD input affines from `collect_sd_inputs` output; returns the number of examples used.
-
-    shift = the mean of r^m at each signal position over the examples where the signal token is present;
-    scale = 1 / the per-dimension std over those examples, averaged over the positions (docs/design.md,
-    "SD input standardisation"). Two-pass mean/variance: the spread of the states is ~1e-2 of their mean,
-    where the one-pass E[r^2] - E[r]^2 loses most of its digits in float32. Deterministic given the inputs;
-    under a mesh the sums are global reductions and every process sets the same values.
-    """
-    n_examples = 0
-    for key, norm in (("r_s", model.style_dis.speech_in), ("r_v", model.style_dis.video_in)):
-        r = inputs[key].astype(jnp.float32)  # [N, n_signal, d]
-        w = inputs[f"{key}_mask"].astype(jnp.float32)[..., None]
-        n = jnp.sum(w, 0)  # [n_signal, 1]
-        seen = n > 0
-        if not bool(jnp.any(seen)):
-            raise ValueError(f"calibrate_sd_inputs: no example has a {key} signal token")
-        mean = jnp.sum(r * w, 0) / jnp.maximum(n, 1.0)
-        std = jnp.sqrt(jnp.sum(jnp.square(r - mean) * w, 0) / jnp.maximum(n, 1.0))
-        std_d = jnp.sum(jnp.where(seen, std, 0.0), 0) / jnp.sum(seen)
-        floor = 1e-3 * jnp.max(std_d) + 1e-12  # a constant dimension must not be blown up
-        norm.shift[...] = jnp.where(seen, mean, 0.0).astype(norm.shift.dtype)
-        norm.scale[...] = (1.0 / jnp.maximum(std_d, floor)).astype(norm.scale.dtype)
-        n_examples = max(n_examples, int(jnp.max(n)))
-    return n_examples
-
 
 def copy_backbone(src: Llama, dst: Llama) -> None:
     """Copies every parameter of `src` into `dst` (same architecture, `dst` may have more added rows).
@@ -1031,7 +708,6 @@ def copy_backbone(src: Llama, dst: Llama) -> None:
             new[...] = new[...].at[idx].set(old[idx].astype(new.dtype))
 
 __all__ = [
-    "COUNT_KEYS",
     "CS_VAES",
     "HEADS",
     "SD_VAES",
@@ -1040,16 +716,6 @@ __all__ = [
     "EmpatheiaConfig",
     "StyleDisentangler",
     "SignalStandardizer",
-    "SD_INPUT_KEYS",
-    "SD_TARGET_KEYS",
-    "calibrate_sd_inputs",
-    "collect_sd_inputs",
     "copy_backbone",
-    "sd_head_loss",
-    "sd_kl",
-    "style_terms",
-    "sd_inputs_calibrated",
-    "loss_counts",
     "run_vaes",
-    "signal_present",
 ]

@@ -46,7 +46,25 @@ import orbax.checkpoint as ocp
 from flax import nnx, traverse_util
 from jax.sharding import SingleDeviceSharding
 
-from empatheia_jax.weights.checkpoint_io import _flat_params, _key, _nested_str, _unreadable_keys
+from empatheia_jax.weights.checkpoint_io import (
+    CheckpointError,
+    _flat_params,
+    _key,
+    _nested_str,
+    _unreadable_keys,
+)
+
+
+def checkpoints_of(path: str | Path) -> Path:
+    """A training workdir means its checkpoints folder; anything else (that folder, a step) is kept."""
+    path = Path(path)
+    return path / CHECKPOINT_DIR if (path / CHECKPOINT_DIR).is_dir() else path
+
+
+
+
+CHECKPOINT_DIR = "checkpoints"
+
 
 __all__ = [
     "CheckpointError",
@@ -60,10 +78,6 @@ __all__ = [
 ARRAY_ITEMS = ("params", "opt_state")
 JSON_ITEMS = ("data", "meta")
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
-
-
-class CheckpointError(ValueError):
-    """A training checkpoint that cannot be used; the message names the directory, step and key at fault."""
 
 
 @dataclasses.dataclass

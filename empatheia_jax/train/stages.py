@@ -228,26 +228,6 @@ def merge_after_step(
 TrainStep = Callable[..., tuple[nnx.State, nnx.State, dict[str, jax.Array]]]
 
 
-def make_loss_fn(stage: Stage, weights: losses.LossWeights | None = None) -> Callable[..., Any]:
-    """`loss_fn(params, model_graphdef, frozen, batch, rng, *, counts=None) -> (total, metrics)`,
-    differentiable in params.
-
-    The forward pass runs with train=True (sampled VAE latents from `rng`) and only the heads the stage's
-    losses read. Exposed so a trainer can accumulate gradients over micro-batches before `apply_update`:
-    with `rng` one key per example ([m], e.g. `fold_in(step_key, global example index)`) and `counts` =
-    `Empatheia.loss_counts` of the WHOLE batch, the sums over the micro-batches of total, metrics and
-    gradients equal one call on the whole batch (see `Empatheia.loss`).
-    """
-    heads = stage.heads
-
-    def loss_fn(params, graphdef, frozen, batch, rng, *, counts=None):
-        model = nnx.merge(graphdef, params, frozen)
-        outputs = model(batch, train=True, rng=rng, heads=heads)
-        return model.loss(batch, outputs, stage, weights, counts=counts)
-
-    return loss_fn
-
-
 def apply_update(
     graphs: StepGraphs, params: nnx.State, frozen: nnx.State, opt_state: nnx.State, grads: nnx.State
 ) -> tuple[nnx.State, nnx.State]:
@@ -258,44 +238,10 @@ def apply_update(
     return nnx.state(model, optimizer.wrt), nnx.state(optimizer)
 
 
-def make_train_step(stage: Stage, weights: losses.LossWeights | None = None) -> TrainStep:
-    """The pure update of one stage: `step(graphs, params, frozen, opt_state, batch, rng)`.
-
-    Returns (new params, new opt_state, metrics + grad_norm). `graphs` is static
-    (`jax.jit(step, static_argnums=0)`, donating params and opt_state); the gradient is taken only with
-    respect to `params` (the stage's trainable state from `split_for_step`); `frozen` is read, never
-    written. The trainer wraps this (or `make_loss_fn` + `apply_update`) for accumulation, sharding and
-    dtype policy; it keeps no state of its own.
-    """
-    loss_fn = make_loss_fn(stage, weights)
-
-    def step(graphs: StepGraphs, params, frozen, opt_state, batch, rng):
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (_, metrics), grads = grad_fn(params, graphs.model, frozen, batch, rng)
-        params, opt_state = apply_update(graphs, params, frozen, opt_state, grads)
-        return params, opt_state, dict(metrics, grad_norm=optax.global_norm(grads))
-
-    return step
-
-
-def jit_train_step(
-    stage: Stage,
-    weights: losses.LossWeights | None = None,
-    *,
-    donate: bool = True,
-    compiler_options: Mapping[str, Any] | None = None,
-) -> TrainStep:
-    """`make_train_step` under `jax.jit` (graphs static; params and opt_state donated by default)."""
-    return jax.jit(make_train_step(stage, weights), static_argnums=0, donate_argnums=(1, 3) if donate else (),
-                   compiler_options=dict(compiler_options) if compiler_options else None)
-
-
 def trainable_paths(model: Empatheia, groups: Iterable[str]) -> set[tuple[str, ...]]:
     """Paths of the parameters that `groups` select (what an optimizer over them updates)."""
     state = nnx.state(model, trainable_filter(groups))
     return {tuple(str(p) for p in path) for path, _ in nnx.to_flat_state(state)}
-
-
 
 
 # What `eval_stage(cfg, template)` accepts: the four stages and the Pipeline baseline.
@@ -339,10 +285,7 @@ __all__ = [
     "apply_ablations",
     "apply_update",
     "get_stage",
-    "jit_train_step",
-    "make_loss_fn",
     "make_optimizer",
-    "make_train_step",
     "merge_after_step",
     "split_for_step",
     "stage_plan",

@@ -10,7 +10,7 @@ The story of a run (`train(config, workdir)`):
 3. Each step takes `batch_size / process_count` examples from this process's grain pipeline, assembles
    them into global arrays shaped `[grad_accum, micro_batch, ...]`, and runs ONE jitted program: a
    `lax.scan` over the micro-batches accumulates gradients, each micro-batch's loss normalised by the
-   whole step's counts (`Empatheia.loss_counts`) and its VAE noise drawn from per-example keys, so the
+   whole step's counts (`objective.loss_counts`) and its VAE noise drawn from per-example keys, so the
    update equals the one of a single big batch. A non-finite loss or gradient norm leaves parameters and
    optimizer state untouched inside the program; the host then applies `train.nan_policy`.
 4. Checkpoints (`checkpoint.TrainCheckpointer`, async orbax) hold the parameters the run can change
@@ -49,33 +49,27 @@ from empatheia_jax.data.input_pipeline import (
     pipeline_config_fields,
 )
 from empatheia_jax.data.shard_format import load_manifest
-from empatheia_jax.data.templates import extend_tokenizer
 from empatheia_jax.models.empatheia import (
     Empatheia,
     EmpatheiaConfig,
-    calibrate_sd_inputs,
-    collect_sd_inputs,
-    copy_backbone,
-    sd_head_loss,
 )
 from empatheia_jax.models.llama import Llama, LlamaConfig
 from empatheia_jax.models.lora import LoraConfig
 from empatheia_jax.models.trainable import groups as all_groups
 from empatheia_jax.models.trainable import trainable_filter
 from empatheia_jax.train import config as config_lib
-from empatheia_jax.train import losses, stages
+from empatheia_jax.train import losses, objective, sd_warmup, stages
 from empatheia_jax.train.checkpoint import (
-    CheckpointError,
+    CHECKPOINT_DIR,
     PreemptionWatcher,
     TrainCheckpointer,
-    read_meta,
+    checkpoints_of,
     resolve_checkpoint,
 )
 from empatheia_jax.weights.checkpoint_io import load_checkpoint, load_tokenizer
 
 log = logging.getLogger("empatheia_jax.train.trainer")
 
-CHECKPOINT_DIR = "checkpoints"
 # Compiled with flushed denormals on CPU: SiLU of very negative gates feeds denormals into the matmuls
 # (see docs/design.md, "CPU speed"); accelerators flush them anyway.
 _CPU_COMPILER_OPTIONS = {"xla_cpu_ftz": True}
@@ -370,13 +364,13 @@ def make_step(stage: stages.Stage, weights: losses.LossWeights) -> stages.TrainS
     summed metrics) are those of one batch of A*m examples. The update is skipped in-program (params and
     optimizer state returned unchanged) when the loss or gradient norm is not finite; `nonfinite` reports it.
     """
-    loss_fn = stages.make_loss_fn(stage, weights)
+    loss_fn = objective.make_loss_fn(stage, weights)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(graphs: stages.StepGraphs, params, frozen, opt_state, batch, key):
         accum, micro = batch["input_ids"].shape[:2]
         flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batch)
-        counts = nnx.merge(graphs.model, params, frozen).loss_counts(flat)
+        counts = objective.loss_counts(nnx.merge(graphs.model, params, frozen).config, flat)
         keys = example_keys(key, (accum, micro))
 
         def micro_step(acc, xs):
@@ -429,12 +423,12 @@ def make_eval_step(stage: stages.Stage, weights: losses.LossWeights):
 
     @jax.jit
     def counts_of(graphdef, params, frozen, batch):
-        return nnx.merge(graphdef, params, frozen).loss_counts(batch)
+        return objective.loss_counts(nnx.merge(graphdef, params, frozen).config, batch)
 
     def eval_step(graphdef, params, frozen, batch, counts):
         model = nnx.merge(graphdef, params, frozen)
         outputs = model(batch, train=False, heads=stage.heads)
-        return model.loss(batch, outputs, stage, weights, counts=counts)[1]
+        return objective.stage_loss(model, batch, outputs, stage, weights, counts=counts)[1]
 
     return counts_of, jax.jit(eval_step, static_argnums=0)
 
@@ -488,8 +482,8 @@ def prepare_sd(
     batches = eval_batches(config, stage, model, tokenizer, mesh, split=config.data.train_split,
                            max_batches=int(config.train.calibration_batches))
     with jax.set_mesh(mesh):
-        inputs = collect_sd_inputs(model, batches)
-        n = calibrate_sd_inputs(model, inputs)
+        inputs = sd_warmup.collect_sd_inputs(model, batches)
+        n = sd_warmup.calibrate_sd_inputs(model, inputs)
     sharding.shard_model(model.style_dis, mesh)
     log.info("SD inputs standardised from %d train examples (%s template)", n, stage.template_stage)
     done = not schedule.sd_warmup_steps or warmup_sd(config, stage, model, inputs, schedule, mesh,
@@ -540,7 +534,7 @@ def warmup_sd(
 
         def loss_fn(p):
             sd = nnx.merge(graphdef, p, rest)
-            return sd_head_loss(sd, batch, stage, weights, rng=example_keys(key, idx.shape))
+            return objective.sd_head_loss(sd, batch, stage, weights, rng=example_keys(key, idx.shape))
 
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         grad_norm = optax.global_norm(grads)
@@ -947,80 +941,15 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
 # ----------------------------------------------------------------------------------------------------------
 
 
-def checkpoints_of(path: str | Path) -> Path:
-    """A training workdir means its checkpoints folder; anything else (that folder, a step) is kept."""
-    path = Path(path)
-    return path / CHECKPOINT_DIR if (path / CHECKPOINT_DIR).is_dir() else path
-
-
-def untrained_model(config: ml_collections.ConfigDict, meta: Mapping[str, Any]) -> Empatheia:
-    """The run's model before its first step: its backbone (the converted folder, or the random one rebuilt
-    from the run's seed and shards), fresh heads, LoRA B = 0. Shared by training checkpoints and exports."""
-    if not meta["backbone"]:
-        return build_model(config, model_manifest(config))[0]
-    model = Empatheia(EmpatheiaConfig.from_dict(meta["model_config"]), rngs=nnx.Rngs(config.seed + 1))
-    llm, _ = load_checkpoint(meta["backbone"])
-    copy_backbone(llm, model.llm)
-    return model
-
-
-def load_trained(
-    path: str | Path, *, step: int | None = None, restore: bool = True, backbone: str | Path | None = None
-) -> tuple[Empatheia, Any, ml_collections.ConfigDict, dict[str, Any]]:
-    """(model, tokenizer, config, meta) from a training workdir, its checkpoints folder, one step folder, or
-    an export folder (`empatheia_jax.weights.export_empatheia`, recognised by its `empatheia_config.json`).
-
-    restore=False gives the run's model untrained (same config and backbone, fresh heads, LoRA B = 0): the
-    "untrained" column of `empatheia eval`. `backbone` replaces the converted-backbone folder the run or
-    export recorded (it moved, or the export came from another machine: the committed reference model).
-    """
-    from empatheia_jax.weights.export_empatheia import is_export, load_exported
-
-    if is_export(path):
-        loaded = load_exported(path, step=step, restore=restore, backbone=backbone)
-        config_lib.set_matmul_precision(loaded[2])  # the run's numerics, as it trained
-        return loaded
-    directory, found = resolve_checkpoint(checkpoints_of(path))
-    step = found if step is None else step
-    _, meta = read_meta(directory, step)
-    if backbone is not None:
-        if not meta["backbone"]:
-            raise CheckpointError(f"{directory}: the run trained a random backbone; backbone= has nothing to "
-                                  "replace")
-        meta["backbone"] = str(backbone)
-    config = ml_collections.ConfigDict(meta["config"])
-    config_lib.set_matmul_precision(config)
-    cfg = EmpatheiaConfig.from_dict(meta["model_config"])
-    for what, folder in (("backbone", meta["backbone"]), ("tokenizer", config.model.tokenizer)):
-        if folder and not Path(folder).is_dir():  # else transformers would look it up as a Hub model id
-            raise CheckpointError(f"{directory}: the run's {what} folder {folder} does not exist (a relative "
-                                  "path is read from the current directory: run from the directory training "
-                                  "ran in, or put the folder there)")
-    tokenizer = load_tokenizer(config.model.tokenizer or meta["backbone"])
-    extend_tokenizer(tokenizer, cfg.n_signal)
-    if not restore:
-        return untrained_model(config, meta), tokenizer, config, meta
-    if meta["backbone"]:
-        model = untrained_model(config, meta)
-    else:  # every parameter is in the checkpoint
-        model = Empatheia(cfg, rngs=nnx.Rngs(config.seed + 1))
-    with TrainCheckpointer(directory, create=False, async_save=False) as ckpt:
-        restored = ckpt.restore(step, params=saved_state(model, meta["include_backbone"]))
-    nnx.update(model, restored.params)
-    return model, tokenizer, config, meta
-
-
 __all__ = [
     "NonFiniteLossError",
     "TrainResult",
     "build_model",
     "evaluate_loss",
     "jit_step",
-    "load_trained",
     "make_step",
     "make_tx",
     "saved_state",
     "step_batch",
     "train",
-    "untrained_model",
 ]

@@ -51,7 +51,9 @@ _EXTRA_KEYS = ("lora", "source", "format_version")
 
 
 class CheckpointError(ValueError):
-    """A converted-checkpoint folder that cannot be loaded; the message names the file/key at fault."""
+    """A checkpoint that cannot be used: a converted folder, a training step (`train.checkpoint`) or an
+    export (`serve.load`). One class for all three, so a caller catches one; the message names the folder,
+    file, step or key at fault."""
 
 
 # ----------------------------------------------------------------------------------------------------------

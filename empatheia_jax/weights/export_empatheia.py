@@ -48,30 +48,21 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
-from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
-from empatheia_jax.data.templates import extend_tokenizer
-from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
-from empatheia_jax.models.llama import Llama
-from empatheia_jax.models.lora import lora_layers
-from empatheia_jax.train.checkpoint import CheckpointError
-from empatheia_jax.weights.checkpoint_io import read_config, read_json
+from empatheia_jax.models.empatheia import Empatheia
+from empatheia_jax.weights.checkpoint_io import CheckpointError, read_config
 from empatheia_jax.weights.export_hf import (
     SAFETENSORS_METADATA,
     AtomicDir,
     ExportError,
-    check_out_dir,
     checked_lora_config,
-    load_peft_tensors,
     store_dtype,
     write_merged,
     write_peft,
 )
-from empatheia_jax.weights.hf_names import ConversionError, check_config_matches, load_hf_tensors
 
 EXPORT_CONFIG = "empatheia_config.json"
 HEADS_FILE = "heads.safetensors"
@@ -80,8 +71,8 @@ FORMAT = "empatheia_jax.export"
 FORMAT_VERSION = 1
 MODES = ("peft", "merged")
 _EXPORT_KEYS = ("format", "format_version", "mode", "backbone_source", "exported_from", "stored_dtype")
-_RUN_KEYS = ("step", "model_config", "config", "stage", "encoder", "backbone", "include_backbone")
-_HF_VOCAB_TABLES = ("model.embed_tokens.weight", "lm_head.weight")
+RUN_KEYS = ("step", "model_config", "config", "stage", "encoder", "backbone", "include_backbone")
+HF_VOCAB_TABLES = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -122,11 +113,6 @@ def load_head_tensors(model: Empatheia, tensors: dict[str, np.ndarray], where: s
 # ----------------------------------------------------------------------------------------------------------
 # Export
 # ----------------------------------------------------------------------------------------------------------
-
-
-def _is_within(inner: Path, outer: Path) -> bool:
-    inner, outer = inner.resolve(), outer.resolve()
-    return inner == outer or outer in inner.parents
 
 
 def _backbone_source(backbone: str) -> str | None:
@@ -178,7 +164,7 @@ def export_model(
         exported_from=str(meta.get("exported_from") or ""),
         stored_dtype=dtype,
     )
-    missing = [k for k in _RUN_KEYS if k not in record]
+    missing = [k for k in RUN_KEYS if k not in record]
     if missing:
         raise ExportError(f"meta lacks {missing}: pass the meta dict of trainer.load_trained")
     llm = model.llm
@@ -194,157 +180,9 @@ def export_model(
     return out
 
 
-def export_trained(
-    ckpt: str | os.PathLike,
-    out: str | os.PathLike,
-    *,
-    step: int | None = None,
-    mode: str = "peft",
-    overwrite: bool = False,
-    dtype: str = "float32",
-) -> Path:
-    """Exports a training workdir, its checkpoints folder, one step folder or another export folder.
-
-    mode "peft": PEFT adapter (LoRA + added rows) over the converted backbone; "merged": a full HF
-    checkpoint. Both add heads.safetensors, empatheia_config.json and the tokenizer (module docstring).
-    Errors a caller can cause are raised before anything is loaded or written.
-    """
-    if mode not in MODES:
-        raise ExportError(f"mode={mode!r} is not one of {MODES}")
-    store_dtype(dtype)
-    src, out = Path(ckpt), Path(out)
-    if not src.exists():
-        raise CheckpointError(f"no trained checkpoint at {src}: pass a training workdir, its checkpoints "
-                              "folder, one step folder in it, or an export folder")
-    if _is_within(src, out):
-        raise ExportError(f"out={out} would replace the checkpoint {src} that is being exported")
-    check_out_dir(out, overwrite)
-    from empatheia_jax.train.trainer import load_trained
-
-    model, tokenizer, _, meta = load_trained(src, step=step)
-    if not is_export(src):
-        meta = {**meta, "exported_from": str(src.absolute())}
-    return export_model(model, tokenizer, meta, out, mode=mode, overwrite=overwrite, dtype=dtype)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Load
 # ----------------------------------------------------------------------------------------------------------
-
-
-def is_export(path: str | os.PathLike) -> bool:
-    """True for a folder written by `export_trained` (it holds empatheia_config.json)."""
-    return (Path(path) / EXPORT_CONFIG).is_file()
-
-
-def read_export_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """The export's empatheia_config.json, checked (format, version, mode, keys); errors name the file."""
-    path = Path(path)
-    file = path / EXPORT_CONFIG
-    if ".tmp-" in path.name:
-        raise CheckpointError(f"{path} is the temporary folder of an interrupted (or running) export")
-    meta = read_json(file, CheckpointError, f"{path} is not an Empatheia export folder")
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{file}: format={meta.get('format') if isinstance(meta, dict) else None!r}, "
-                              f"expected {FORMAT!r}")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{file}: format_version={meta.get('format_version')!r}, this code reads "
-                              f"{FORMAT_VERSION}")
-    if meta.get("mode") not in MODES:
-        raise CheckpointError(f"{file}: mode={meta.get('mode')!r} is not one of {MODES}")
-    missing = [k for k in _RUN_KEYS if k not in meta]
-    if missing:
-        raise CheckpointError(f"{file} lacks {missing}")
-    return meta
-
-
-def _load_merged_backbone(llm: Llama, folder: Path) -> None:
-    """Fills `llm`'s base parameters and `*_extra` rows (not its LoRA) from a merged HF folder."""
-    from empatheia_jax.weights.hf_to_flax import (
-        _open_safetensors,  # reads torch dtypes too; torch is a converter dep
-    )
-
-    cfg = llm.config
-    hf_file = folder / "config.json"
-    try:
-        check_config_matches(cfg.replace(vocab_size=cfg.total_vocab, extra_vocab=0),
-                             json.loads(hf_file.read_text()))
-    except (OSError, json.JSONDecodeError, ValueError) as e:
-        raise CheckpointError(f"{hf_file} does not describe the exported model: {e}") from e
-    added: dict[str, np.ndarray] = {}
-
-    def get_tensor(name: str) -> np.ndarray:
-        value = get(name)
-        if name in _HF_VOCAB_TABLES:  # [total_vocab, d]: base rows, then the added ones
-            added[name] = value[cfg.vocab_size:]
-            value = value[: cfg.vocab_size]
-        return value
-
-    try:
-        with _open_safetensors(folder) as (get, available):
-            load_hf_tensors(llm, get_tensor, available)
-    except ConversionError as e:
-        raise CheckpointError(f"merged weights in {folder}: {e}") from e
-    if cfg.extra_vocab:
-        llm.embed_extra[...] = jnp.asarray(added["model.embed_tokens.weight"], llm.embed_extra.dtype)
-        if not cfg.tie_word_embeddings:
-            llm.lm_head_extra[...] = jnp.asarray(added["lm_head.weight"].T, llm.lm_head_extra.dtype)
-
-
-def load_exported(
-    path: str | os.PathLike,
-    *,
-    step: int | None = None,
-    restore: bool = True,
-    backbone: str | os.PathLike | None = None,
-) -> tuple[Empatheia, Any, ml_collections.ConfigDict, dict[str, Any]]:
-    """(model, tokenizer, config, meta) from an export folder: `trainer.load_trained`'s contract.
-
-    `step`, when given, must be the exported step (an export holds one). `restore=False` gives the run's
-    untrained model (`trainer.untrained_model`). `backbone` replaces the recorded converted-backbone folder
-    (a "peft" export needs it) when it has moved.
-    """
-    from empatheia_jax.train.trainer import load_tokenizer, untrained_model
-
-    path = Path(path)
-    meta = read_export_meta(path)
-    if step is not None and int(step) != int(meta["step"]):
-        raise CheckpointError(f"{path} exports step {meta['step']}, not step {step}")
-    if backbone is not None:
-        meta["backbone"] = str(backbone)
-    config = ml_collections.ConfigDict(meta["config"])
-    cfg = EmpatheiaConfig.from_dict(meta["model_config"])
-    tokenizer = load_tokenizer(path)
-    ids = extend_tokenizer(tokenizer, cfg.n_signal)
-    if tuple(sorted(ids.values())) != tuple(cfg.added_ids) or len(tokenizer) > cfg.llm.total_vocab:
-        raise CheckpointError(f"the tokenizer in {path} does not match {path / EXPORT_CONFIG}: added token "
-                              f"ids {sorted(ids.values())} vs {list(cfg.added_ids)}")
-    if not restore:
-        return untrained_model(config, meta), tokenizer, config, meta
-    if meta["mode"] == "peft":
-        if not meta["backbone"]:
-            raise CheckpointError(f"{path / EXPORT_CONFIG} names no backbone for its PEFT adapter")
-        try:  # the run's own construction: base backbone, then every other parameter from the files
-            model = untrained_model(config, meta)
-        except ValueError as e:  # CheckpointError (missing folder) included: it names the folder
-            raise CheckpointError(f"the backbone {meta['backbone']} of the PEFT export {path} cannot be "
-                                  f"used (pass backbone= when it moved): {e}") from e
-        adapter = path / ADAPTER_FILE
-        try:
-            load_peft_tensors(model.llm, cfg.lora, load_file(str(adapter)), str(adapter))
-        except (OSError, SafetensorError, ExportError) as e:
-            raise CheckpointError(f"cannot load the adapter {adapter}: {e}") from e
-    else:
-        model = Empatheia(cfg, rngs=nnx.Rngs(config.seed + 1))
-        _load_merged_backbone(model.llm, path)
-        for layer in lora_layers(model.llm):  # the update is in the kernels: a zero adapter on top
-            layer.lora.lora_b[...] = jnp.zeros_like(layer.lora.lora_b[...])
-    try:
-        heads = load_file(str(path / HEADS_FILE))
-    except (OSError, SafetensorError) as e:
-        raise CheckpointError(f"cannot read {path / HEADS_FILE}: {e}") from e
-    load_head_tensors(model, heads, str(path / HEADS_FILE))
-    return model, tokenizer, config, meta
 
 
 __all__ = [
@@ -353,9 +191,5 @@ __all__ = [
     "HEADS_FILE",
     "MODES",
     "export_model",
-    "export_trained",
     "head_tensors",
-    "is_export",
-    "load_exported",
-    "read_export_meta",
 ]
