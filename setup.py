@@ -61,7 +61,10 @@ setup(
     version="0.1.0",
     description="Empatheia multimodal empathetic LLM in JAX/Flax",
     python_requires=">=3.11",
-    packages=find_packages(include=["empatheia_jax*", "converters*", "data*", "configs*"]),
+    # The library only: converters/, data/ and configs/ are command lines and config files that run from a
+    # clone (`python -m converters.X`, `python -m data.X`, `--config configs/X.py`) and import the library;
+    # installed as top-level `data`/`converters`/`configs` they would collide with any package of those names.
+    packages=find_packages(include=["empatheia_jax", "empatheia_jax.*"]),
     package_data={"empatheia_jax": ["resources/*.json", "resources/reference/*"]},
     install_requires=CORE,
     extras_require={

@@ -16,7 +16,7 @@ from the saved layout). These tests pin that down through the trainer's own code
   meta and data-iterator state are step 1's;
 - the trainer's resume calls (`build_model` on the mesh, `make_optimizer`, `TrainCheckpointer.restore` of
   `saved_state` + the optimizer state) on a one-device mesh of the LAST device (not the default one);
-- `serve_load.load_trained`, what `empatheia eval` and `chat` load through: a host model on one device.
+- `serve.load.load_trained`, what `empatheia eval` and `chat` load through: a host model on one device.
 
 The final eval of both runs is stubbed out (`trainer.evaluate_loss`): its compiles would double the test's
 time, and it reads but does not restore the state checked here. The resumed run takes no step on the new

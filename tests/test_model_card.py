@@ -91,3 +91,18 @@ def test_card_errors_name_what_is_missing(tmp_path, capsys):
         model_card.read_card(export)
     assert model_card.main([str(export), "--metrics", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+def test_card_records_the_sha256_of_each_weight_file(tmp_path):
+    """The card names the bytes its figures were measured on; a changed weight file no longer matches."""
+    import hashlib
+
+    export = _export(tmp_path)
+    (export / "adapter_model.safetensors").write_bytes(b"adapter")
+    (export / "heads.safetensors").write_bytes(b"heads")
+    card = model_card.build_card(export, {"trained": {"eval_loss": 1.0}})
+    assert card["weights"] == {"adapter_model.safetensors": hashlib.sha256(b"adapter").hexdigest(),
+                               "heads.safetensors": hashlib.sha256(b"heads").hexdigest()}
+    assert f"`heads.safetensors`: `{hashlib.sha256(b'heads').hexdigest()}`" in model_card.render(card)
+    (export / "heads.safetensors").write_bytes(b"heads, retrained")
+    assert model_card.weight_digests(export) != card["weights"]

@@ -48,6 +48,16 @@ def test_the_card_describes_these_weights(card):
     assert any("CC BY-NC" in line for line in card["license"])
 
 
+def test_the_card_names_the_sha256_of_every_weight_file(card):
+    """The card's figures describe exactly these bytes: every *.safetensors of the export, none missing or
+    added, with the sha256 card.json records."""
+    from empatheia_jax.eval.model_card import weight_digests
+
+    got = weight_digests(reference.path())
+    assert set(got) == {"adapter_model.safetensors", "heads.safetensors"}
+    assert card["weights"] == got
+
+
 def test_it_scores_its_card_on_the_first_64_dev_records(card, tmp_path):
     # The dev part as launch/ed_reference.sh made it (its HOLDOUT default), then the script's subset eval.
     _run("data.import_ed", "--csv", str(CSV), "--out", str(tmp_path / "raw"), "--split", "train",

@@ -7,13 +7,22 @@ Writes EXPORT/README.md (the card, for people) and EXPORT/card.json (the same fa
 
 Why generated, not typed: a card's figures must be the ones measured on the exported weights, so they are
 copied from the `empatheia eval --json/--report` of that export, and the training facts (stages, steps,
-compute time, data) from the run's own workdirs. A test re-measures the headline figure against
-card.json, so a card cannot drift from its model.
+compute time, data) from the run's own workdirs. card.json also records the sha256 of every weight file
+of the export ("weights": {file: sha256}), so its figures name the exact bytes they were measured on.
+
+What tests/test_reference_model.py re-measures for the committed reference model, so its card cannot drift
+from its weights: (1) the sha256 of each *.safetensors file against card.json's "weights", and that no
+weight file is missing from or added to that list; (2) the export's step and stored dtype (bfloat16)
+against the card's model section; (3) `empatheia eval` of the first 64 ED dev records ("ci_subset",
+rebuilt from the shipped csv with the recipe's hold-out), against the card's ci_subset figures: the four
+emotion accuracies (32- and 7-class, free and scored) within 1 point, eval_loss within 1e-3, and the
+repetition rate at most 2 points above. The whole-dev figures ("eval") are not re-run in CI (19 minutes).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from collections.abc import Mapping, Sequence
@@ -37,6 +46,18 @@ LICENSES = {
 
 class CardError(ValueError):
     """A card cannot be written from these inputs (missing export, report without a trained column)."""
+
+
+def weight_digests(export: str | Path) -> dict[str, str]:
+    """{file name: sha256} of every weight file (*.safetensors) of an export folder."""
+    out = {}
+    for path in sorted(Path(export).glob("*.safetensors")):
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+        out[path.name] = h.hexdigest()
+    return out
 
 
 def _peak_lr(config: Mapping[str, Any]) -> float | None:
@@ -121,6 +142,7 @@ def build_card(export: str | Path, metrics: Mapping[str, Any], workdirs: Sequenc
             "backbone_source": Path(str(meta.get("backbone_source") or "")).name,
             "lora": model_config.get("lora"),
         },
+        "weights": weight_digests(export),
         "eval": {
             "template": metrics.get("template"),
             "data": metrics.get("shards"),
@@ -199,6 +221,9 @@ def render(card: Mapping[str, Any]) -> str:
                       f"test re-measures): {shown}."]
     if card.get("notes"):
         lines += ["", "## Notes", "", card["notes"]]
+    if card.get("weights"):
+        lines += ["", "## Weights", "", "sha256 of the files the figures were measured on:", ""]
+        lines += [f"- `{name}`: `{digest}`" for name, digest in card["weights"].items()]
     lines += ["", "## License", ""] + [f"- {x}" for x in card["license"]]
     return "\n".join(lines) + "\n"
 
@@ -246,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["CardError", "HEADLINE", "build_card", "read_card", "render", "stage_summary", "write_card"]
+__all__ = ["CardError", "HEADLINE", "build_card", "read_card", "render", "stage_summary", "weight_digests",
+           "write_card"]
 
 if __name__ == "__main__":
     sys.exit(main())
