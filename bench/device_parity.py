@@ -8,8 +8,9 @@ precision, and the teacher-forced loss of CKPT (a workdir, step folder or export
 batches of --split. Run it where the checkpoint trained and where it will be served, with the same
 arguments, and compare the rows: equal losses (to ~1e-4) mean the same function.
 
-Why it exists (docs/design.md "Session 12"): a float32 coe run trained on a lent H200 (jax 0.11.2, flax
-0.12.10) reached dev loss 1.2023 there, and the same checkpoint gives 1.2638 on the 2-core CPU (jax 0.10.2).
+Why it exists (docs/design.md "The GGUF tokenizer check"): a float32 coe run trained on a lent H200
+(jax 0.11.2, flax 0.12.10) reached dev loss 1.2023 there, and the same checkpoint gives 1.2638 on the 2-core
+CPU (jax 0.10.2).
 `--emulate-tf32` rounds the inputs of every float32 dot to TF32 (10-bit mantissa, round to nearest even;
 float32 accumulation, as cuBLAS does) on any backend: on the CPU it moves that checkpoint's loss by 3e-5,
 so TF32 did not explain the gap (the GPU image's transformers had converted the tokenizer with another eos

@@ -29,7 +29,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Precision of every float32 dot of the run (process-wide: jax_default_matmul_precision). "float32" is
     # true f32 everywhere (as torch's CUDA matmuls); jax's "default" is TF32 on NVIDIA GPUs and one bf16 pass
     # on TPU. Set by train and load_trained, so a run is served with the numerics it trained with (docs/
-    # design.md "Session 12"). bf16 dots are unaffected: a bfloat16 model (model.llm.dtype) loses no speed.
+    # design.md "Matmul precision"). bf16 dots are unaffected: a bfloat16 model (model.llm.dtype) loses
+    # no speed.
     c.model.matmul_precision = "float32"
     c.model.lora = ml_collections.ConfigDict(
         {"rank": 16, "alpha": 32.0, "targets": ("q_proj", "k_proj", "v_proj", "o_proj")}

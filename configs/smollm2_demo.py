@@ -41,7 +41,7 @@ def get_config(arg: str | None = None):
     # No SD warm-up here (schedule.<stage>.sd_warmup_steps = 0): measured, the joint steps that follow it at
     # this lr move the (tied) signal-token rows and with them the signal states, and the warmed-up SD is
     # back at chance; at a lr low enough to keep it, the overall stage no longer teaches the CoE format
-    # (docs/benchmarks.md, "Session 4").
+    # (docs/design.md "SD warm-up on cached signal states").
     c.schedule.pipeline.steps = 12
     c.checkpoint.every = 20
     c.checkpoint.keep = 1

@@ -112,7 +112,8 @@ def test_every_tokenizer_loader_reads_the_converted_folder_quietly(smollm2):
 
 def test_a_gguf_tokenizer_with_other_special_tokens_is_refused():
     """transformers 5.17 reads this GGUF with eos <|im_start|>: a model trained on that conversion learns
-    another end token (session 12's GPU run). The pinned transformers reads it right; a wrong eos is named."""
+    another end token (docs/design.md "The GGUF tokenizer check"). The pinned transformers reads it right;
+    a wrong eos is named."""
     from transformers import AutoTokenizer
 
     from empatheia_jax.weights.hf_names import ConversionError

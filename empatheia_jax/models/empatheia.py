@@ -360,7 +360,7 @@ class SignalStandardizer(nnx.Module):
     """`(r - shift[position]) * scale` over the n signal-token states [B, n, d] that feed the SD.
 
     Across examples those states differ by ~10 % of their magnitude; the identity of each signal token
-    dominates, and raw the SD cannot learn from them (docs/benchmarks.md, "Session 3"). Starts as the
+    dominates, and raw the SD cannot learn from them (design.md "SD input standardisation"). Starts as the
     identity; `calibrate_sd_inputs` sets it from data before the SD first trains.
     """
 

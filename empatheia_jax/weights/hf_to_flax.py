@@ -166,7 +166,7 @@ def check_gguf_special_tokens(path: Path, tokenizer: Any) -> None:
     Why: transformers 5.17 reads SmolLM2's GGUF with eos_token <|im_start|> (the GGUF says <|im_end|>) and
     no pad token. Every training target ends in the eos token, so a model trained on that conversion learns
     another end token, and its checkpoint scores worse under a correct conversion (docs/design.md
-    "Session 12"). A special token the GGUF does not name is not checked.
+    "The GGUF tokenizer check"). A special token the GGUF does not name is not checked.
     """
     from gguf import GGUFReader
 
