@@ -47,7 +47,7 @@ config = config_flags.DEFINE_config_file("config", None, lock_config=True)
 flags.FLAGS(["plan", "--config", *sys.argv[1:]], known_only=True)
 c = config.value
 
-from empatheia_jax import stages  # noqa: E402
+from empatheia_jax.train import stages  # noqa: E402
 
 names = ["pipeline"] if c.stage == "pipeline" else [s.name for s in stages.stage_plan(**dict(c.ablations))]
 for name in names:

@@ -133,11 +133,15 @@ def chat_inputs(media, tmp_path_factory) -> dict:
 REFERENCE = """
 import json, sys
 import numpy as np
-from empatheia_jax import chat, evaluate, speech_eval, trainer, video_eval
+from empatheia_jax.eval import baselines, evaluate, report
+from empatheia_jax.eval import speech as speech_eval
+from empatheia_jax.eval import video as video_eval
+from empatheia_jax.serve import chat
+from empatheia_jax.serve.load import load_trained
 
 workdir, shards, out, inputs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 ed_shards = sys.argv[5]
-model, tokenizer, config, meta = trainer.load_trained(workdir)
+model, tokenizer, config, meta = load_trained(workdir)
 speech = speech_eval.SpeechEval(shards, "test", train_split=config.data.train_split, examples=16,
                                 progress=False)
 video = video_eval.VideoEval(shards, "test", train_split=config.data.train_split, examples=6, progress=False)
@@ -145,13 +149,13 @@ columns = {"trained": evaluate.evaluate(
     model, tokenizer, shards, "test", batch_size=4, max_len=int(config.data.max_len), generate_text=False,
     pipeline_overrides={"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)},
     progress=False, speech=speech, video=video)}
-columns["baseline"] = evaluate.baselines(shards, "test", train_split=config.data.train_split,
-                                         max_speech_len=model.config.max_speech_len,
-                                         max_video_len=model.config.max_video_len)
+columns["baseline"] = baselines.baselines(shards, "test", train_split=config.data.train_split,
+                                          max_speech_len=model.config.max_speech_len,
+                                          max_video_len=model.config.max_video_len)
 for rows in (speech, video):
     for name, values in rows.reference_columns().items():
         columns.setdefault(name, {}).update(values)
-columns["chance"] = evaluate.chance_levels(model.config)
+columns["chance"] = baselines.chance_levels(model.config)
 overrides = {"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)}
 ed = evaluate.evaluate(model, tokenizer, ed_shards, "test", batch_size=4, max_len=int(config.data.max_len),
                        max_new_tokens=4, pipeline_overrides=overrides, progress=False, template="coe")
@@ -167,7 +171,7 @@ c = chat.respond(model, tokenizer, text=inputs["text"], encoder=encoder, max_new
 np.savez(out + "_controls.npz", input_ids=c.input_ids, **c.features)
 plain = chat.respond(model, tokenizer, text=inputs["text"], encoder=encoder, max_new_tokens=12,
                      max_len=int(config.data.max_len) + 12 + 2 * model.config.n_signal + 2)
-json.dump({"eval": columns, "table": evaluate.format_table(columns), "ed": ed, "text": r.text,
+json.dump({"eval": columns, "table": report.format_table(columns), "ed": ed, "text": r.text,
            "reply": r.reply, "emotion": r.emotion, "features": sorted(r.features), "controls_text": c.text,
            "plain_text": plain.text},
           open(out + ".json", "w"))

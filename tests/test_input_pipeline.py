@@ -384,7 +384,7 @@ RESUME_SCRIPT = textwrap.dedent(
     """
     import json, sys
     import numpy as np
-    from empatheia_jax import input_pipeline as ip
+    from empatheia_jax.data import input_pipeline as ip
 
     shards, tok_dir, state_file, out, workers = sys.argv[1:]
     p = ip.make_dataset(shards, "train", "overall", tok_dir, batch_size=4, seed=3, process_index=0,

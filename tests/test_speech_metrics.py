@@ -59,7 +59,7 @@ def test_speaker_similarity(wavs):
 
 def test_speaker_encoder_is_quiet():
     """Loading and running the encoder prints nothing and leaks no warning (webrtcvad's pkg_resources one)."""
-    code = ("import numpy as np; from empatheia_jax import speech_metrics as sm; "
+    code = ("import numpy as np; from empatheia_jax.eval.metrics import speech as sm; "
             "t = np.arange(24000) / 24000; sm.embed(0.3 * np.sin(2 * np.pi * 180 * t), 24000)")
     res = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1], timeout=120)

@@ -230,7 +230,7 @@ def test_video_rows(clips):
 def test_import_is_cheap_and_facemesh_is_quiet():
     """Importing the module loads none of the heavy libraries; loading FaceMesh and running it prints nothing
     (no protobuf AttributeError, no TFLite/absl log lines, no Python warning)."""
-    code = ("import sys; from empatheia_jax import video_metrics as vm; "
+    code = ("import sys; from empatheia_jax.eval.metrics import video as vm; "
             "heavy = {'mediapipe', 'skimage', 'cpbd', 'scipy', 'cv2'} & set(sys.modules); "
             "assert not heavy, heavy; "
             "from empatheia_jax.generators.face_render import render_frames; import numpy as np; "

@@ -29,7 +29,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import grain
 import numpy as np
@@ -291,6 +291,39 @@ def _features(rec: Mapping[str, Any], key: str, n_hist: int) -> np.ndarray:
     return x
 
 
+class _Fit(NamedTuple):
+    """The tokenised prompt + target that fits `max_len` (or the shortest one, when none does)."""
+
+    prompt: str
+    enc: Any  # tokenizers.Encoding of prompt + target text
+    n: int  # tokens with bos and eos
+    start: int  # first kept history utterance
+    text_cut: bool  # the last utterance lost text from the left
+
+
+def _lines_to_drop(lines: Sequence[str], starts: Sequence[int], pos: int, over: int) -> int:
+    """How many of `lines` (oldest first, starting at character `pos`) to drop to lose `over` tokens.
+
+    Counts the tokens starting inside each line instead of re-tokenising per candidate cut, so one
+    tokenizer call per round suffices (the next round checks the estimate)."""
+    removed, drop = 0, 0
+    for line in lines:
+        end = pos + len(line)
+        removed += bisect.bisect_left(starts, end) - bisect.bisect_left(starts, pos)
+        pos, drop = end, drop + 1
+        if removed >= over:
+            break
+    return drop
+
+
+def _cut_text_left(text: str, starts: Sequence[int], lo: int, over: int) -> str:
+    """`text` (at character `lo` of the encoded string) without its first `over` tokens; the end of the
+    utterance is kept because it is what the response answers."""
+    hi = lo + len(text)
+    inside = starts[bisect.bisect_left(starts, lo) : bisect.bisect_left(starts, hi)]
+    return text[inside[over] - lo :].lstrip() if len(inside) > over else ""
+
+
 class ExampleBuilder:
     """Template + tokenise + truncate + masks + features for one record.
 
@@ -353,113 +386,170 @@ class ExampleBuilder:
         where: str = "record",
     ) -> dict[str, Any]:
         """One unpadded example (token arrays of its own length n; see `collate` for the batch)."""
-        cfg, spec = self.cfg, self.spec
         counters = counters if counters is not None else PipelineCounters()
         hist = list(rec.get("history") or [])
-        n_hist = len(hist)
         roles = [u["role"] for u in hist]
         texts = [self._clean(u.get("utterance")) for u in hist]
-        k_a = k_v = 1
-        aud = vid = None
-        start = 0
-        if spec.has_media and n_hist:
-            aud = _features(rec, "audio_feats", n_hist)
-            vid = _features(rec, "video_feats", n_hist)
-            k_a, k_v = aud.shape[1], vid.shape[1]
-            keep = min(cfg.max_aud // k_a, cfg.max_vid // k_v)
-            if keep < 1:
-                raise ValueError(f"max_aud={cfg.max_aud}/max_vid={cfg.max_vid} < k={k_a}/{k_v} per utterance")
-            start = max(0, n_hist - keep)
+        aud, vid, start = self._history_features(rec, len(hist))
+        target = self.target(rec) if self.cfg.include_target else None
+        fit = self._fit_to_max_len(roles, texts, start, aud, vid, target)
+        if fit.n > self.cfg.max_len:
+            counters["skipped_target_too_long"] += 1
+            raise ExampleTooLongError(
+                f"{where}: {fit.n} tokens with the shortest prompt > max_len {self.cfg.max_len}"
+            )
+        ids = self._input_ids(fit, with_eos=target is not None)
+        loss_mask, response_mask = self._masks(fit, target)
+        target_ids = np.full(fit.n, self.pad_id, np.int32)
+        target_ids[:-1] = ids[1:]
+        aud_rows, vid_rows = self._feature_rows(ids, aud, vid, fit.start)
+        generator_targets = self._generator_targets(rec.get("targets") or {}, counters)
+        dropped, text_cut = fit.start, fit.text_cut
+        counters["examples"] += 1
+        counters["dropped_utterances"] += dropped
+        counters["text_truncated"] += int(text_cut)
+        counters["truncated_examples"] += int(dropped > 0 or text_cut)
+        emotion, age, gender, timbre = _labels(rec)
+        return {
+            "input_ids": ids,
+            "target_ids": target_ids,
+            "loss_mask": loss_mask,
+            "response_mask": response_mask,
+            "aud_feats": aud_rows,
+            "vid_feats": vid_rows,
+            **generator_targets,
+            "emotion": emotion,
+            "age": age,
+            "gender": gender,
+            "timbre": timbre,
+            "record_index": int(record_index),
+            "dropped_utterances": dropped,
+            "text_truncated": text_cut,
+        }
 
-        if cfg.include_target:
-            target = self.target(rec)
-            tgt_text = self.chat.target_prefix + target.text
-            n_eos = 1
-        else:
-            target, tgt_text, n_eos = None, "", 0
-        head = self.chat.prefix + tpl.prompt_head(spec)
+    # -- steps of __call__ --------------------------------------------------------------------------
+
+    def _history_features(
+        self, rec: Mapping[str, Any], n_hist: int
+    ) -> tuple[np.ndarray | None, np.ndarray | None, int]:
+        """(audio, video, first kept utterance): the feature budget, not the token budget, may already
+        cut the oldest utterances, since every kept utterance needs its k rows of both modalities."""
+        if not (self.spec.has_media and n_hist):
+            return None, None, 0
+        cfg = self.cfg
+        aud = _features(rec, "audio_feats", n_hist)
+        vid = _features(rec, "video_feats", n_hist)
+        k_a, k_v = aud.shape[1], vid.shape[1]
+        keep = min(cfg.max_aud // k_a, cfg.max_vid // k_v)
+        if keep < 1:
+            raise ValueError(f"max_aud={cfg.max_aud}/max_vid={cfg.max_vid} < k={k_a}/{k_v} per utterance")
+        return aud, vid, max(0, n_hist - keep)
+
+    def _fit_to_max_len(
+        self,
+        roles: Sequence[str],
+        texts: Sequence[str],
+        start: int,
+        aud: np.ndarray | None,
+        vid: np.ndarray | None,
+        target: tpl.Target | None,
+    ) -> _Fit:
+        """Tokenise prompt + target, shortening the history until it fits `max_len`.
+
+        Whole utterances go first, oldest first, then the last utterance's text from the left (its end
+        is what the response answers); the target is never cut. Every round re-tokenises the shortened
+        prompt, so the fit is decided on real token counts, not estimates. A result with `n > max_len`
+        means even the shortest prompt reachable does not fit.
+        """
+        k_a, k_v = (aud.shape[1], vid.shape[1]) if aud is not None else (1, 1)
+        tgt_text = self.chat.target_prefix + target.text if target is not None else ""
+        n_eos = int(target is not None)
+        head = self.chat.prefix + tpl.prompt_head(self.spec)
         tail = tpl.PROMPT_TAIL + self.chat.suffix
+        n_hist = len(texts)
         last_text = texts[-1] if n_hist else ""
         text_cut = False
-        nb = len(self.bos_ids)
-
         for _ in range(n_hist + 16):
             lines = [
                 tpl.history_line(
-                    roles[i], last_text if i == n_hist - 1 else texts[i], spec, k_aud=k_a, k_vid=k_v
+                    roles[i], last_text if i == n_hist - 1 else texts[i], self.spec, k_aud=k_a, k_vid=k_v
                 )
                 for i in range(start, n_hist)
             ]
             prompt = head + "".join(lines) + tail
             enc = self.backend.encode(prompt + tgt_text, add_special_tokens=False)
-            n = nb + len(enc.ids) + n_eos
-            if n <= cfg.max_len:
+            n = len(self.bos_ids) + len(enc.ids) + n_eos
+            if n <= self.cfg.max_len:
                 break
-            over = n - cfg.max_len
+            over = n - self.cfg.max_len
             starts = [o[0] for o in enc.offsets]
             if start < n_hist - 1:
-                pos, removed, drop = len(head), 0, 0
-                for line in lines[:-1]:  # tokens starting inside each droppable line, oldest first
-                    end = pos + len(line)
-                    removed += bisect.bisect_left(starts, end) - bisect.bisect_left(starts, pos)
-                    pos, drop = end, drop + 1
-                    if removed >= over:
-                        break
-                start += drop
+                start += _lines_to_drop(lines[:-1], starts, len(head), over)
                 continue
-            if spec.has_text and last_text:
+            if self.spec.has_text and last_text:
                 lo = len(head) + len(f"  {tpl.role_label(roles[-1])}:")
-                hi = lo + len(last_text)
-                inside = starts[bisect.bisect_left(starts, lo) : bisect.bisect_left(starts, hi)]
-                last_text = last_text[inside[over] - lo :].lstrip() if len(inside) > over else ""
+                last_text = _cut_text_left(last_text, starts, lo, over)
                 text_cut = True
                 continue
             break
-        if n > cfg.max_len:
-            counters["skipped_target_too_long"] += 1
-            raise ExampleTooLongError(f"{where}: {n} tokens with the shortest prompt > max_len {cfg.max_len}")
+        return _Fit(prompt=prompt, enc=enc, n=n, start=start, text_cut=text_cut)
 
-        ids = np.empty(n, np.int32)
+    def _input_ids(self, fit: _Fit, *, with_eos: bool) -> np.ndarray:
+        nb = len(self.bos_ids)
+        ids = np.empty(fit.n, np.int32)
         ids[:nb] = self.bos_ids
-        m = len(enc.ids)
-        ids[nb : nb + m] = enc.ids
+        ids[nb : nb + len(fit.enc.ids)] = fit.enc.ids
+        if with_eos:
+            ids[-1] = self.eos_id
+        return ids
+
+    def _masks(self, fit: _Fit, target: tpl.Target | None) -> tuple[np.ndarray, np.ndarray]:
+        """(loss_mask, response_mask) from character offsets, so masks follow the text exactly whatever
+        the tokenizer merges across the prompt/target boundary."""
+        n, nb = fit.n, len(self.bos_ids)
         # Offsets are non-decreasing, so the target is a suffix of the tokens and the response a range:
         # binary searches instead of a per-token pass.
-        offsets = enc.offsets
+        offsets = fit.enc.offsets
         loss_mask = np.zeros(n, np.int32)
         response_mask = np.zeros(n, np.int32)
-        if n_eos:
-            ids[-1] = self.eos_id
-            t0 = len(prompt)
-            # a token holding any target character is a target token (end offset past the prompt)
-            first = nb + bisect.bisect_right(offsets, t0, key=_end)
-            loss_mask[max(first - 1, 0) : n - 1] = 1  # aligned with target_ids: position t predicts token t+1
-            if target.response_span is not None:
-                lo = t0 + len(self.chat.target_prefix) + target.response_span[0]
-                hi = t0 + len(self.chat.target_prefix) + target.response_span[1]
-                r0 = bisect.bisect_right(offsets, lo, key=_end)
-                r1 = bisect.bisect_left(offsets, hi, key=_start)
-                response_mask[nb + r0 : nb + r1] = 1
-        target_ids = np.full(n, self.pad_id, np.int32)
-        target_ids[:-1] = ids[1:]
+        if target is None:
+            return loss_mask, response_mask
+        t0 = len(fit.prompt)
+        # a token holding any target character is a target token (end offset past the prompt)
+        first = nb + bisect.bisect_right(offsets, t0, key=_end)
+        loss_mask[max(first - 1, 0) : n - 1] = 1  # aligned with target_ids: position t predicts token t+1
+        if target.response_span is not None:
+            lo = t0 + len(self.chat.target_prefix) + target.response_span[0]
+            hi = t0 + len(self.chat.target_prefix) + target.response_span[1]
+            r0 = bisect.bisect_right(offsets, lo, key=_end)
+            r1 = bisect.bisect_left(offsets, hi, key=_start)
+            response_mask[nb + r0 : nb + r1] = 1
+        return loss_mask, response_mask
 
+    def _feature_rows(
+        self, ids: np.ndarray, aud: np.ndarray | None, vid: np.ndarray | None, start: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Feature rows of the kept utterances, checked against the placeholders actually in `ids`: the
+        model scatters rows into placeholder positions, and a count mismatch would misalign them silently."""
         d_a, d_v = self.audio_dim, self.video_dim
-        if aud is not None:
-            aud_rows = aud[start:].reshape(-1, aud.shape[-1])
-            vid_rows = vid[start:].reshape(-1, vid.shape[-1])
-            if aud_rows.shape[1] != d_a or vid_rows.shape[1] != d_v:
-                got = f"{aud_rows.shape[1]}/{vid_rows.shape[1]}"
-                raise ValueError(f"feature dims {got} differ from the split's {d_a}/{d_v}")
-            n_aud, n_vid = int(np.sum(ids == self.aud_id)), int(np.sum(ids == self.vid_id))
-            if n_aud != len(aud_rows) or n_vid != len(vid_rows):
-                raise ValueError(
-                    f"{n_aud} <Aud> / {n_vid} <Vid> tokens but {len(aud_rows)} / {len(vid_rows)} feature rows"
-                )
-        else:
-            aud_rows = np.zeros((0, d_a), np.float32)
-            vid_rows = np.zeros((0, d_v), np.float32)
+        if aud is None or vid is None:
+            return np.zeros((0, d_a), np.float32), np.zeros((0, d_v), np.float32)
+        aud_rows = aud[start:].reshape(-1, aud.shape[-1])
+        vid_rows = vid[start:].reshape(-1, vid.shape[-1])
+        if aud_rows.shape[1] != d_a or vid_rows.shape[1] != d_v:
+            got = f"{aud_rows.shape[1]}/{vid_rows.shape[1]}"
+            raise ValueError(f"feature dims {got} differ from the split's {d_a}/{d_v}")
+        n_aud, n_vid = int(np.sum(ids == self.aud_id)), int(np.sum(ids == self.vid_id))
+        if n_aud != len(aud_rows) or n_vid != len(vid_rows):
+            raise ValueError(
+                f"{n_aud} <Aud> / {n_vid} <Vid> tokens but {len(aud_rows)} / {len(vid_rows)} feature rows"
+            )
+        return aud_rows, vid_rows
 
-        targets = rec.get("targets") or {}
+    def _generator_targets(self, targets: Mapping[str, Any], counters: PipelineCounters) -> dict[str, Any]:
+        """Content and style targets with a fixed layout: an absent target is empty (content) or zeros
+        with mask 0 (style), so every example has the same keys whatever its record carries."""
+        cfg = self.cfg
         speech_content = self._content(
             targets, "speech_content", cfg.max_speech_len, cfg.speech_content_dim, counters
         )
@@ -477,32 +567,12 @@ class ExampleBuilder:
                     raise ValueError(f"{key} has {s.shape[0]} dims, expected {cfg.style_dim}")
                 styles.append(s)
                 style_mask[j] = 1
-
-        dropped = start
-        counters["examples"] += 1
-        counters["dropped_utterances"] += dropped
-        counters["text_truncated"] += int(text_cut)
-        counters["truncated_examples"] += int(dropped > 0 or text_cut)
-        emotion, age, gender, timbre = _labels(rec)
         return {
-            "input_ids": ids,
-            "target_ids": target_ids,
-            "loss_mask": loss_mask,
-            "response_mask": response_mask,
-            "aud_feats": aud_rows,
-            "vid_feats": vid_rows,
             "speech_content": speech_content,
             "video_content": video_content,
             "speech_style": styles[0],
             "video_style": styles[1],
             "style_mask": style_mask,
-            "emotion": emotion,
-            "age": age,
-            "gender": gender,
-            "timbre": timbre,
-            "record_index": int(record_index),
-            "dropped_utterances": dropped,
-            "text_truncated": text_cut,
         }
 
     @staticmethod
@@ -972,29 +1042,16 @@ def make_dataset(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if process_index is None or process_count is None:
-        import jax
-
-        process_index = jax.process_index() if process_index is None else process_index
-        process_count = jax.process_count() if process_count is None else process_count
-    if not 0 <= process_index < process_count:
-        raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+    process_index, process_count = _this_process(process_index, process_count)
     drop_remainder = shuffle if drop_remainder is None else drop_remainder
     cfg = PipelineConfig(stage=stage, max_len=max_len, **config)
     manifest = shard_format.load_manifest(shards_dir)
     needs_media = cfg.template_spec().has_media
     shard_format.check_media_for_template(manifest, shards_dir, split, stage=stage, needs_media=needs_media)
     reader = ShardReader.for_split(shards_dir, split)
-    feats = manifest.get("features") or {}
-    if feats.get("audio_dim") is not None and feats.get("video_dim") is not None:
-        audio_dim, video_dim = int(feats["audio_dim"]), int(feats["video_dim"])
-    else:
-        audio_dim, video_dim = _record_dims(reader[0]) if len(reader) else (0, 0)
-    if feature_dims is not None:
-        if needs_media and tuple(feature_dims) != (audio_dim, video_dim):
-            raise ValueError(f"feature_dims={tuple(feature_dims)} but {shards_dir} holds features of dims "
-                             f"{(audio_dim, video_dim)}, which the {stage} template reads")
-        audio_dim, video_dim = (int(d) for d in feature_dims)
+    audio_dim, video_dim = _batch_feature_dims(
+        manifest, reader, feature_dims, needs_media=needs_media, shards_dir=shards_dir, stage=stage
+    )
     builder = ExampleBuilder(tokenizer, cfg, audio_dim=audio_dim, video_dim=video_dim)
     fingerprint = {
         "split": split,
@@ -1023,6 +1080,43 @@ def make_dataset(
         read_threads=read_threads,
         fingerprint=fingerprint,
     )
+
+
+def _this_process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
+    """(index, count) of this process; jax is asked only when one is missing, so a caller that names
+    both (tests, data tools) never initialises a jax backend."""
+    if process_index is None or process_count is None:
+        import jax
+
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+    return process_index, process_count
+
+
+def _batch_feature_dims(
+    manifest: Mapping[str, Any],
+    reader: ShardReader,
+    feature_dims: tuple[int, int] | None,
+    *,
+    needs_media: bool,
+    shards_dir: str | os.PathLike[str],
+    stage: str,
+) -> tuple[int, int]:
+    """(audio_dim, video_dim) of the batches: the shards' (from the manifest, else the first record), or
+    `feature_dims`, which may differ from them only where the template reads no features."""
+    feats = manifest.get("features") or {}
+    if feats.get("audio_dim") is not None and feats.get("video_dim") is not None:
+        audio_dim, video_dim = int(feats["audio_dim"]), int(feats["video_dim"])
+    else:
+        audio_dim, video_dim = _record_dims(reader[0]) if len(reader) else (0, 0)
+    if feature_dims is not None:
+        if needs_media and tuple(feature_dims) != (audio_dim, video_dim):
+            raise ValueError(f"feature_dims={tuple(feature_dims)} but {shards_dir} holds features of dims "
+                             f"{(audio_dim, video_dim)}, which the {stage} template reads")
+        audio_dim, video_dim = (int(d) for d in feature_dims)
+    return audio_dim, video_dim
 
 
 def make_global_batch(

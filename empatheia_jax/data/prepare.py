@@ -151,12 +151,7 @@ def load_raw(
         raise ValueError(f"media={media!r}: expected one of {MEDIA_MODES}")
     raw = Path(raw)
     splits = splits or discover_splits(raw)
-    media_dir: str | None = schema.media_dir_of(raw)
-    names: frozenset[str] | None = None
-    if media == "none" or (media == "optional" and not Path(media_dir).is_dir()):
-        media_dir = None
-    elif media == "optional":
-        names = frozenset(e.name for e in os.scandir(media_dir) if e.is_file())
+    media_dir, names = _media_to_check(raw, media)
     fatal: list[str] = []
     skipped: list[dict[str, Any]] = []
     out: dict[str, list[schema.Dialogue]] = {}
@@ -164,54 +159,115 @@ def load_raw(
     text_only: set[str] = set()
     for split in splits:
         path = schema.split_json_path(raw, split)
-        problems = schema.validate_file(
-            path, media_dir, emotion_map=emotion_map, check_media_readable=check_media_readable
+        by_conv, objs, no_media = _split_problems(
+            path, media_dir, names, media=media, emotion_map=emotion_map,
+            check_media_readable=check_media_readable,
         )
-        objs = None
-        no_media: set[str] = set()  # labels of the dialogues prepared text-only
-        if media != "required" and not any(p.conversation_id is None for p in problems):
-            with open(path, encoding="utf-8") as f:
-                objs = json.load(f)
-            no_media = {_conv_label(o, i) for i, o in enumerate(objs) if _has_no_media(o, names)}
-            # a dialogue with none of its files claims no media: its "missing media file" lines go
-            problems = [
-                p for p in problems if not (p.conversation_id in no_media and p.key.endswith(_MEDIA_KEYS))
-            ]
-        by_conv: dict[str | None, list[str]] = defaultdict(list)
-        for p in problems:
-            by_conv[p.conversation_id].append(str(p))
         if None in by_conv:  # file-level (JSON) problems: nothing can be salvaged
             fatal += by_conv.pop(None)
             continue
         if objs is None:
-            with open(path, encoding="utf-8") as f:
-                objs = json.load(f)
+            objs = _read_json(path)
         if by_conv and not skip_invalid:
             fatal += [p for ps in by_conv.values() for p in ps]
             continue
-        dialogues = []
-        for i, obj in enumerate(objs):
-            label = _conv_label(obj, i)
-            if label in by_conv:
-                skipped.append({"split": split, "conversation_id": label, "problems": by_conv[label]})
-                continue
-            d = schema.Dialogue.from_json(obj, source=path)
-            if d.conversation_id in owner:
-                fatal.append(
-                    f"{split}.json: conversation {d.conversation_id} is also in "
-                    f"{owner[d.conversation_id]}.json; a conversation must not span splits "
-                    "(--split-by conversation)"
-                )
-                continue
-            owner[d.conversation_id] = split
-            dialogues.append(d)
-            if label in no_media:
-                text_only.add(d.conversation_id)
-        out[split] = dialogues
+        out[split], split_skipped, split_fatal, split_text_only = _split_dialogues(
+            split, path, objs, by_conv, no_media, owner
+        )
+        skipped += split_skipped
+        fatal += split_fatal
+        text_only |= split_text_only
     if fatal:
         hint = "" if skip_invalid else " (use --skip-invalid to skip the bad dialogues and report them)"
         raise InvalidInputError(fatal, hint)
     return PreparedRaw(raw, out, skipped, text_only)
+
+
+def _read_json(path: str | os.PathLike) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _media_to_check(raw: Path, media: str) -> tuple[str | None, frozenset[str] | None]:
+    """(media folder to validate against, listing of it): no folder when nothing is checked, and the
+    listing only for "optional", which decides per dialogue from one scan instead of a stat per file."""
+    media_dir: str | None = schema.media_dir_of(raw)
+    names: frozenset[str] | None = None
+    if media == "none" or (media == "optional" and not Path(media_dir).is_dir()):
+        media_dir = None
+    elif media == "optional":
+        names = frozenset(e.name for e in os.scandir(media_dir) if e.is_file())
+    return media_dir, names
+
+
+def _split_problems(
+    path: str,
+    media_dir: str | None,
+    names: frozenset[str] | None,
+    *,
+    media: str,
+    emotion_map: schema.EmotionMap,
+    check_media_readable: bool,
+) -> tuple[dict[str | None, list[str]], list[Any] | None, set[str]]:
+    """(problems by conversation, the parsed split file or None, labels of its text-only dialogues).
+
+    Problems are grouped per conversation (None: the file itself) because a dialogue is skipped or kept
+    as a whole. Outside "required" media, the missing-file problems of dialogues that have none of their
+    media are dropped: such a dialogue is prepared text-only rather than reported.
+    """
+    problems = schema.validate_file(
+        path, media_dir, emotion_map=emotion_map, check_media_readable=check_media_readable
+    )
+    objs = None
+    no_media: set[str] = set()  # labels of the dialogues prepared text-only
+    if media != "required" and not any(p.conversation_id is None for p in problems):
+        objs = _read_json(path)
+        no_media = {_conv_label(o, i) for i, o in enumerate(objs) if _has_no_media(o, names)}
+        # a dialogue with none of its files claims no media: its "missing media file" lines go
+        problems = [
+            p for p in problems if not (p.conversation_id in no_media and p.key.endswith(_MEDIA_KEYS))
+        ]
+    by_conv: dict[str | None, list[str]] = defaultdict(list)
+    for p in problems:
+        by_conv[p.conversation_id].append(str(p))
+    return by_conv, objs, no_media
+
+
+def _split_dialogues(
+    split: str,
+    path: str,
+    objs: list[Any],
+    by_conv: dict[str | None, list[str]],
+    no_media: set[str],
+    owner: dict[str, str],
+) -> tuple[list[schema.Dialogue], list[dict[str, Any]], list[str], set[str]]:
+    """(dialogues, skipped, fatal problems, text-only conversation ids) of one validated split file.
+
+    `owner` (conversation id -> split, shared by all splits and updated here) catches a conversation
+    in two splits, which is fatal even with --skip-invalid: a split leak silently inflates evaluation.
+    """
+    dialogues: list[schema.Dialogue] = []
+    skipped: list[dict[str, Any]] = []
+    fatal: list[str] = []
+    text_only: set[str] = set()
+    for i, obj in enumerate(objs):
+        label = _conv_label(obj, i)
+        if label in by_conv:
+            skipped.append({"split": split, "conversation_id": label, "problems": by_conv[label]})
+            continue
+        d = schema.Dialogue.from_json(obj, source=path)
+        if d.conversation_id in owner:
+            fatal.append(
+                f"{split}.json: conversation {d.conversation_id} is also in "
+                f"{owner[d.conversation_id]}.json; a conversation must not span splits "
+                "(--split-by conversation)"
+            )
+            continue
+        owner[d.conversation_id] = split
+        dialogues.append(d)
+        if label in no_media:
+            text_only.add(d.conversation_id)
+    return dialogues, skipped, fatal, text_only
 
 
 def history_utterances(dialogue: schema.Dialogue) -> list[str]:
@@ -422,6 +478,300 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def _check_options(*, split_by: str, records_per_shard: int, media: str, make_standin: bool) -> None:
+    """Refuse option combinations before anything is read or written."""
+    if split_by != "conversation":
+        raise ValueError(
+            f"--split-by {split_by!r}: only 'conversation' (splits = RAW/{{split}}.json) is supported"
+        )
+    if records_per_shard < 1:
+        raise ValueError("records_per_shard must be >= 1")
+    if media not in MEDIA_MODES:
+        raise ValueError(f"media={media!r}: expected one of {MEDIA_MODES}")
+    if make_standin and media != "required":
+        raise ValueError("--make-standin-targets computes targets from every utterance's media; "
+                         f"it cannot run with media={media!r} (--text-only / --media optional)")
+
+
+def _make_missing_standins(
+    raw: Path,
+    targets: str | os.PathLike | None,
+    data: PreparedRaw,
+    *,
+    workers: int,
+    progress: bool,
+    log: Callable[[str], None],
+) -> None:
+    """Stand-in targets for the kinds no generator has exported into `targets`: a stand-in must never
+    replace real generator features, so a partly exported folder keeps its real kinds."""
+    if targets is None:
+        raise ValueError("--make-standin-targets needs --targets DIR to write them to")
+    valid = [d for ds in data.splits.values() for d in ds]  # skipped dialogues may lack media
+    real = {k: v.get("source") for k, v in read_targets_meta(Path(targets)).items()
+            if isinstance(v, dict) and v.get("source") != STAND_IN}
+    missing = [k for k in TARGET_KINDS if k not in real]
+    if real:
+        log(f"targets already exported by a generator, kept: "
+            f"{', '.join(f'{k} ({s})' for k, s in real.items())}")
+    if missing:
+        make_standin_targets(raw, targets, dialogues=valid, workers=workers, progress=progress,
+                             kinds=missing)
+
+
+def _open_targets(
+    targets: str | os.PathLike | None, media: str, log: Callable[[str], None]
+) -> TargetReader | None:
+    """The target reader, logging each kind's source so stand-ins are visible in every run's log."""
+    reader = TargetReader(targets) if targets is not None else None
+    if reader is not None:
+        for kind, info in reader.summary().items():
+            flag = "  <-- STAND-IN, not generator features" if info["stand_in"] else ""
+            log(f"targets {kind}: dim {info['dim']}, source {info['source']}{flag}")
+    elif media != "none":  # a text-only run is for the text stages, which read no target
+        log("no --targets: records carry no generator targets (stages 2-4 need them)")
+    return reader
+
+
+@dataclass
+class _SplitRun:
+    """What writing every split of one `prepare` run shares, so the per-split steps take one argument
+    instead of a dozen."""
+
+    out: Path
+    data: PreparedRaw  # `skipped` grows when a dialogue's features fail under --skip-invalid
+    emotion_map: schema.EmotionMap
+    targets: TargetReader | None
+    audio_dim: int
+    video_dim: int
+    k: int
+    records_per_shard: int
+    skip_invalid: bool
+    require_targets: bool
+    progress: bool
+    log: Callable[[str], None]
+
+
+@dataclass
+class _Written:
+    """What the split writers report back for the manifest and for the sweep of stale shards."""
+
+    split_info: dict[str, Any] = field(default_factory=dict)
+    coverage: dict[str, dict[str, int]] = field(default_factory=dict)
+    keep: set[Path] = field(default_factory=set)  # shard files of this run (resolved)
+    utterances: int = 0
+    feature_seconds: float = 0.0
+
+
+def _write_splits(run: _SplitRun, features: _FeaturePool) -> _Written:
+    """Every split's shards in turn, checking target coverage after each so a run with
+    `require_targets` stops at the first split that lacks some."""
+    written = _Written()
+    for split, dialogues in run.data.splits.items():
+        info, cov, feature_seconds = _write_split(run, features, split, dialogues)
+        written.feature_seconds += feature_seconds
+        shards = info["shards"]
+        written.keep |= {(run.out / s["path"]).resolve() for s in shards}
+        written.utterances += info["utterances"]
+        written.split_info[split] = info
+        coverage = {k: cov.get(k, 0) for k in (run.targets.kinds if run.targets else ())}
+        written.coverage[split] = coverage
+        n_rec = info["records"]
+        run.log(f"{split}: {n_rec} records from {info['dialogues']} dialogues in {len(shards)} shard(s)")
+        if run.targets is not None:
+            for kind in run.targets.kinds:
+                if coverage[kind] < n_rec:
+                    missing = n_rec - coverage[kind]
+                    msg = f"{split}: {missing} of {n_rec} records have no {kind} target"
+                    if run.require_targets:
+                        raise InvalidInputError([msg])
+                    run.log("WARNING " + msg)
+    return written
+
+
+def _write_split(
+    run: _SplitRun, features: _FeaturePool, split: str, dialogues: list[schema.Dialogue]
+) -> tuple[dict[str, Any], dict[str, int], float]:
+    """(split info for the manifest, records per target kind, feature seconds) of one split.
+
+    Records are written as each dialogue's features arrive, so a split's features are never all held at
+    once; any failure removes this split's temporary shards, leaving no half-written shard behind.
+    """
+    from tqdm import tqdm
+
+    writer = _ShardSetWriter(run.out, split, run.records_per_shard)
+    cov: dict[str, int] = defaultdict(int)
+    n_rec = n_dia = n_split_utts = n_text_rec = n_text_dia = 0
+    jobs = [
+        (i, [] if d.conversation_id in run.data.text_only else history_utterances(d), str(run.data.media_dir))
+        for i, d in enumerate(dialogues)
+    ]
+    total_utts = sum(len(j[1]) for j in jobs)
+    if total_utts:
+        bar = tqdm(total=total_utts, desc=f"{split}: utterances", unit="utt", disable=not run.progress)
+    else:  # nothing to encode: count dialogues
+        bar = tqdm(total=len(jobs), desc=f"{split}: dialogues", unit="dia", disable=not run.progress)
+    try:
+        t0 = time.perf_counter()
+        for i, feats, err in features.stream(jobs):
+            d = dialogues[i]
+            bar.update(len(jobs[i][1]) if total_utts else 1)
+            recs = _dialogue_records_or_skip(run, split, d, feats, err)
+            if recs is None:
+                continue
+            for r in recs:
+                writer.write(encode_shard_record(r))
+                for kind in r["targets"]:
+                    cov[kind] += 1
+            text_only = d.conversation_id in run.data.text_only
+            n_rec += len(recs)
+            n_dia += 1
+            n_text_rec += len(recs) if text_only else 0
+            n_text_dia += int(text_only)
+            n_split_utts += len(jobs[i][1])
+        feature_seconds = time.perf_counter() - t0
+        shards = writer.finish(run.out)
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+    info = {
+        "records": n_rec,
+        "dialogues": n_dia,
+        "utterances": n_split_utts,
+        "text_only_records": n_text_rec,
+        "text_only_dialogues": n_text_dia,
+        "shards": shards,
+    }
+    return info, cov, feature_seconds
+
+
+def _dialogue_records_or_skip(
+    run: _SplitRun, split: str, d: schema.Dialogue, feats: dict[str, Any] | None, err: str | None
+) -> list[dict[str, Any]] | None:
+    """The dialogue's records, or None when its features failed and --skip-invalid skips it (recorded
+    like a validation skip, so the report lists every dialogue left out, whatever the reason)."""
+    if err is not None:
+        if not run.skip_invalid:
+            raise InvalidInputError([f"{split}.json: conversation {d.conversation_id}: {err}"])
+        run.data.skipped.append({"split": split, "conversation_id": d.conversation_id, "problems": [err]})
+        run.log(f"SKIPPING {split}/{d.conversation_id}: {err}")
+        return None
+    return dialogue_records(
+        d,
+        split=split,
+        feats=feats,
+        emotion_map=run.emotion_map,
+        targets=run.targets,
+        audio_dim=run.audio_dim,
+        video_dim=run.video_dim,
+        k=run.k,
+        text_only=d.conversation_id in run.data.text_only,
+    )
+
+
+def _write_skipped_report(out: Path, skipped: list[dict[str, Any]]) -> None:
+    """SKIPPED_REPORT lists the skipped dialogues with every problem; a run that skipped nothing removes
+    an earlier run's report, which would otherwise describe other shards."""
+    report = out / SKIPPED_REPORT
+    if skipped:
+        lines = [f"# {len(skipped)} dialogue(s) skipped by data/prepare.py --skip-invalid", ""]
+        for s in skipped:
+            lines.append(f"{s['split']}\t{s['conversation_id']}")
+            lines += [f"    {p}" for p in s["problems"]]
+        report.write_text("\n".join(lines) + "\n")
+    else:
+        report.unlink(missing_ok=True)
+
+
+def _targets_summary(
+    reader: TargetReader | None, targets: str | os.PathLike | None, coverage: dict[str, dict[str, int]]
+) -> dict[str, Any] | None:
+    """The manifest's `targets`: stand-in and real kinds listed apart, so no consumer mistakes stand-ins
+    for generator features."""
+    if reader is None:
+        return None
+    return {
+        "dir": str(Path(targets).resolve()),
+        "stand_in": any(v["stand_in"] for v in reader.summary().values()),
+        "stand_in_kinds": sorted(k for k, v in reader.summary().items() if v["stand_in"]),
+        "real_kinds": sorted(k for k, v in reader.summary().items() if not v["stand_in"]),
+        "kinds": reader.summary(),
+        "coverage": coverage,
+    }
+
+
+def _manifest(
+    *,
+    command: str | None,
+    raw: Path,
+    split_by: str,
+    em: schema.EmotionMap,
+    media: str,
+    enc: Encoder | None,
+    features: dict[str, int],
+    targets: dict[str, Any] | None,
+    written: _Written,
+    skipped: list[dict[str, Any]],
+    total_records: int,
+    seconds: float,
+    workers: int,
+) -> dict[str, Any]:
+    """The manifest.json content (docs/design.md "Shards and manifest"); its key order is the file's."""
+    return {
+        "format": MANIFEST_FORMAT,
+        "schema_version": schema.SCHEMA_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": command if command is not None else shlex.join([sys.executable, *sys.argv]),
+        "raw": str(raw.resolve()),
+        "split_by": split_by,
+        "emotion_map": {"name": em.name, "classes": list(em.classes)},
+        "media": media,
+        "encoder": None if enc is None else {"name": enc.name, "config": enc.config()},
+        "features": features,
+        "targets": targets,
+        "record_fields": list(SHARD_RECORD_FIELDS),
+        "array_record_options": ARRAY_RECORD_OPTIONS,
+        "records": total_records,
+        "splits": written.split_info,
+        "skipped": {
+            "count": len(skipped),
+            "report": SKIPPED_REPORT if skipped else None,
+            "dialogues": [
+                {"split": s["split"], "conversation_id": s["conversation_id"], "problems": len(s["problems"])}
+                for s in skipped
+            ],
+        },
+        "timing": {
+            "seconds": round(seconds, 3),
+            "feature_seconds": round(written.feature_seconds, 3),
+            "utterances": written.utterances,
+            "records_per_second": round(total_records / max(seconds, 1e-9), 2),
+            "utterances_per_second": round(written.utterances / max(written.feature_seconds, 1e-9), 2),
+            "workers": workers,
+        },
+    }
+
+
+def _log_done(
+    log: Callable[[str], None], manifest: dict[str, Any], enc: Encoder | None, *, out: Path, seconds: float
+) -> None:
+    """The closing lines; stand-in targets are named again last, where a reader of the log looks."""
+    tsum = manifest["targets"]
+    if tsum and tsum["stand_in"]:
+        real = ", ".join(tsum["real_kinds"]) or "none"
+        log(f"NOTE: targets {', '.join(tsum['stand_in_kinds'])} are STAND-INS (source=stand-in), "
+            f"real: {real}; recorded as such in manifest.json")
+    how = "text-only: no media, no encoder"
+    if enc is not None:
+        how = f"{manifest['timing']['utterances']} utterances encoded with {enc.name}"
+    log(
+        f"wrote {manifest['records']} records ({how}) to {out} "
+        f"in {seconds:.1f}s "
+        f"({manifest['timing']['records_per_second']} records/s)"
+    )
+
+
 def prepare(
     raw: str | os.PathLike,
     out: str | os.PathLike,
@@ -449,21 +799,10 @@ def prepare(
     writes `encoder: null`, `features: {k: 0, audio_dim: 0, video_dim: 0}`; every mode records
     `media` and each split's `text_only_records`/`text_only_dialogues` in the manifest.
     """
-    from tqdm import tqdm
-
     log = log or (lambda s: print(f"[prepare] {s}", file=sys.stderr))
     t_start = time.perf_counter()
-    if split_by != "conversation":
-        raise ValueError(
-            f"--split-by {split_by!r}: only 'conversation' (splits = RAW/{{split}}.json) is supported"
-        )
-    if records_per_shard < 1:
-        raise ValueError("records_per_shard must be >= 1")
-    if media not in MEDIA_MODES:
-        raise ValueError(f"media={media!r}: expected one of {MEDIA_MODES}")
-    if make_standin and media != "required":
-        raise ValueError("--make-standin-targets computes targets from every utterance's media; "
-                         f"it cannot run with media={media!r} (--text-only / --media optional)")
+    _check_options(split_by=split_by, records_per_shard=records_per_shard, media=media,
+                   make_standin=make_standin)
     raw, out = Path(raw), Path(out)
     if (out / MANIFEST).exists() and not overwrite:
         raise FileExistsError(f"{out / MANIFEST} exists; pass --overwrite to replace this shard folder")
@@ -478,185 +817,34 @@ def prepare(
     if media == "optional" and data.text_only:
         log(f"{len(data.text_only)} dialogue(s) have none of their media files: prepared text-only "
             "(--media optional)")
-
     if make_standin:
-        if targets is None:
-            raise ValueError("--make-standin-targets needs --targets DIR to write them to")
-        valid = [d for ds in data.splits.values() for d in ds]  # skipped dialogues may lack media
-        # Stand-ins only fill the kinds no generator has exported into TARGETS (never replace real ones).
-        real = {k: v.get("source") for k, v in read_targets_meta(Path(targets)).items()
-                if isinstance(v, dict) and v.get("source") != STAND_IN}
-        missing = [k for k in TARGET_KINDS if k not in real]
-        if real:
-            log(f"targets already exported by a generator, kept: "
-                f"{', '.join(f'{k} ({s})' for k, s in real.items())}")
-        if missing:
-            make_standin_targets(raw, targets, dialogues=valid, workers=workers, progress=progress,
-                                 kinds=missing)
-    reader = TargetReader(targets) if targets is not None else None
-    if reader is not None:
-        for kind, info in reader.summary().items():
-            flag = "  <-- STAND-IN, not generator features" if info["stand_in"] else ""
-            log(f"targets {kind}: dim {info['dim']}, source {info['source']}{flag}")
-    elif media != "none":  # a text-only run is for the text stages, which read no target
-        log("no --targets: records carry no generator targets (stages 2-4 need them)")
+        _make_missing_standins(raw, targets, data, workers=workers, progress=progress, log=log)
+    reader = _open_targets(targets, media, log)
 
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)  # from here on the folder is "unfinished"
-    split_info: dict[str, Any] = {}
-    coverage: dict[str, dict[str, int]] = {}
-    keep: set[Path] = set()
-    n_utts = 0
-    t_feat = 0.0
+    run = _SplitRun(
+        out=out, data=data, emotion_map=em, targets=reader, audio_dim=audio_dim, video_dim=video_dim, k=k,
+        records_per_shard=records_per_shard, skip_invalid=skip_invalid, require_targets=require_targets,
+        progress=progress, log=log,
+    )
     # text-only dialogues have no utterance to encode; a text-only run needs no pool (and has no encoder)
     pool_workers = workers if enc is not None else 1
     with _FeaturePool(enc, encoder, encoder_kwargs, pool_workers) as features:
-        for split, dialogues in data.splits.items():
-            writer = _ShardSetWriter(out, split, records_per_shard)
-            cov: dict[str, int] = defaultdict(int)
-            n_rec = n_dia = n_split_utts = n_text_rec = n_text_dia = 0
-            jobs = [
-                (i, [] if d.conversation_id in data.text_only else history_utterances(d), str(data.media_dir))
-                for i, d in enumerate(dialogues)
-            ]
-            total_utts = sum(len(j[1]) for j in jobs)
-            if total_utts:
-                bar = tqdm(total=total_utts, desc=f"{split}: utterances", unit="utt", disable=not progress)
-            else:  # nothing to encode: count dialogues
-                bar = tqdm(total=len(jobs), desc=f"{split}: dialogues", unit="dia", disable=not progress)
-            try:
-                t0 = time.perf_counter()
-                for i, feats, err in features.stream(jobs):
-                    d = dialogues[i]
-                    bar.update(len(jobs[i][1]) if total_utts else 1)
-                    if err is not None:
-                        if not skip_invalid:
-                            raise InvalidInputError(
-                                [f"{split}.json: conversation {d.conversation_id}: {err}"]
-                            )
-                        data.skipped.append(
-                            {"split": split, "conversation_id": d.conversation_id, "problems": [err]}
-                        )
-                        log(f"SKIPPING {split}/{d.conversation_id}: {err}")
-                        continue
-                    text_only = d.conversation_id in data.text_only
-                    recs = dialogue_records(
-                        d,
-                        split=split,
-                        feats=feats,
-                        emotion_map=em,
-                        targets=reader,
-                        audio_dim=audio_dim,
-                        video_dim=video_dim,
-                        k=k,
-                        text_only=text_only,
-                    )
-                    for r in recs:
-                        writer.write(encode_shard_record(r))
-                        for kind in r["targets"]:
-                            cov[kind] += 1
-                    n_rec += len(recs)
-                    n_dia += 1
-                    n_text_rec += len(recs) if text_only else 0
-                    n_text_dia += int(text_only)
-                    n_split_utts += len(jobs[i][1])
-                t_feat += time.perf_counter() - t0
-                shards = writer.finish(out)
-            except BaseException:
-                writer.abort()
-                raise
-            finally:
-                bar.close()
-            keep |= {(out / s["path"]).resolve() for s in shards}
-            n_utts += n_split_utts
-            split_info[split] = {
-                "records": n_rec,
-                "dialogues": n_dia,
-                "utterances": n_split_utts,
-                "text_only_records": n_text_rec,
-                "text_only_dialogues": n_text_dia,
-                "shards": shards,
-            }
-            coverage[split] = {k: cov.get(k, 0) for k in (reader.kinds if reader else ())}
-            log(f"{split}: {n_rec} records from {n_dia} dialogues in {len(shards)} shard(s)")
-            if reader is not None:
-                for kind in reader.kinds:
-                    if coverage[split][kind] < n_rec:
-                        missing = n_rec - coverage[split][kind]
-                        msg = f"{split}: {missing} of {n_rec} records have no {kind} target"
-                        if require_targets:
-                            raise InvalidInputError([msg])
-                        log("WARNING " + msg)
-    _clean_stale(out, keep)
+        written = _write_splits(run, features)
+    _clean_stale(out, written.keep)
+    _write_skipped_report(out, data.skipped)
 
-    report = out / SKIPPED_REPORT
-    if data.skipped:
-        lines = [f"# {len(data.skipped)} dialogue(s) skipped by data/prepare.py --skip-invalid", ""]
-        for s in data.skipped:
-            lines.append(f"{s['split']}\t{s['conversation_id']}")
-            lines += [f"    {p}" for p in s["problems"]]
-        report.write_text("\n".join(lines) + "\n")
-    else:
-        report.unlink(missing_ok=True)
-
-    total_records = sum(s["records"] for s in split_info.values())
+    total_records = sum(s["records"] for s in written.split_info.values())
     seconds = time.perf_counter() - t_start
-    tsum = None
-    if reader is not None:
-        tsum = {
-            "dir": str(Path(targets).resolve()),
-            "stand_in": any(v["stand_in"] for v in reader.summary().values()),
-            "stand_in_kinds": sorted(k for k, v in reader.summary().items() if v["stand_in"]),
-            "real_kinds": sorted(k for k, v in reader.summary().items() if not v["stand_in"]),
-            "kinds": reader.summary(),
-            "coverage": coverage,
-        }
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "schema_version": schema.SCHEMA_VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": command if command is not None else shlex.join([sys.executable, *sys.argv]),
-        "raw": str(raw.resolve()),
-        "split_by": split_by,
-        "emotion_map": {"name": em.name, "classes": list(em.classes)},
-        "media": media,
-        "encoder": None if enc is None else {"name": enc.name, "config": enc.config()},
-        "features": {"k": k, "audio_dim": audio_dim, "video_dim": video_dim},
-        "targets": tsum,
-        "record_fields": list(SHARD_RECORD_FIELDS),
-        "array_record_options": ARRAY_RECORD_OPTIONS,
-        "records": total_records,
-        "splits": split_info,
-        "skipped": {
-            "count": len(data.skipped),
-            "report": SKIPPED_REPORT if data.skipped else None,
-            "dialogues": [
-                {"split": s["split"], "conversation_id": s["conversation_id"], "problems": len(s["problems"])}
-                for s in data.skipped
-            ],
-        },
-        "timing": {
-            "seconds": round(seconds, 3),
-            "feature_seconds": round(t_feat, 3),
-            "utterances": n_utts,
-            "records_per_second": round(total_records / max(seconds, 1e-9), 2),
-            "utterances_per_second": round(n_utts / max(t_feat, 1e-9), 2),
-            "workers": workers,
-        },
-    }
-    _write_json_atomic(out / MANIFEST, manifest)
-    if tsum and tsum["stand_in"]:
-        real = ", ".join(tsum["real_kinds"]) or "none"
-        log(f"NOTE: targets {', '.join(tsum['stand_in_kinds'])} are STAND-INS (source=stand-in), "
-            f"real: {real}; recorded as such in manifest.json")
-    how = "text-only: no media, no encoder"
-    if enc is not None:
-        how = f"{n_utts} utterances encoded with {enc.name}"
-    log(
-        f"wrote {total_records} records ({how}) to {out} "
-        f"in {seconds:.1f}s "
-        f"({manifest['timing']['records_per_second']} records/s)"
+    tsum = _targets_summary(reader, targets, written.coverage)
+    manifest = _manifest(
+        command=command, raw=raw, split_by=split_by, em=em, media=media, enc=enc,
+        features={"k": k, "audio_dim": audio_dim, "video_dim": video_dim}, targets=tsum, written=written,
+        skipped=data.skipped, total_records=total_records, seconds=seconds, workers=workers,
     )
+    _write_json_atomic(out / MANIFEST, manifest)
+    _log_done(log, manifest, enc, out=out, seconds=seconds)
     return manifest
 
 
