@@ -30,8 +30,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from empatheia_jax.serve import load as serve_load
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -66,10 +64,11 @@ def measure(ckpt: str, shards: str | None, split: str, batches: int, precision: 
     import ml_collections
 
     from empatheia_jax import sharding
+    from empatheia_jax.serve.load import load_trained
     from empatheia_jax.train import config as config_lib
     from empatheia_jax.train import trainer
 
-    model, tokenizer, config, _ = serve_load.load_trained(ckpt)
+    model, tokenizer, config, _ = load_trained(ckpt)
     config = ml_collections.ConfigDict(config.to_dict())
     config.model.matmul_precision = precision
     config_lib.set_matmul_precision(config)  # after load_trained, which set the run's own

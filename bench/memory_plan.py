@@ -75,8 +75,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from empatheia_jax.train import objective
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -579,7 +577,7 @@ def residual_bytes(config: Any, run: AbstractRun, stage: Any, micro: int, seq: i
     import jax
     from jax._src.ad_checkpoint import saved_residuals  # public jax only prints them
 
-    from empatheia_jax.train import losses
+    from empatheia_jax.train import losses, objective
 
     loss_fn = objective.make_loss_fn(stage, losses.LossWeights(**dict(config.loss)))
     graphdef = run.graphs.model

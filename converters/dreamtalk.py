@@ -298,7 +298,8 @@ class DreamTalkVideo(VideoGenerator):
 
     name = "dreamtalk"
     description = "DreamTalk"
-    how = "python -m converters.dreamtalk_targets exports its features"
+    how = ("python -m converters.dreamtalk_targets exports its features; python -m converters.synthesize "
+           "--dreamtalk-repo renders them")
     fps = FPS
 
     def __init__(self, repo: str, ckpt: str, renderer: str, image: str, pose: str | None = None,

@@ -27,6 +27,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import converters.dreamtalk  # noqa: F401 - registers the "dreamtalk" video generator
 from empatheia_jax.generators import registry
 from empatheia_jax.generators.kokoro import KokoroAssetError
 from empatheia_jax.serve.avatar import render_avatar, synthesize_reply
@@ -61,8 +62,6 @@ def main(argv: list[str] | None = None) -> int:
                                   ("--renderer", args.renderer), ("--image", args.image)) if not v]
         if missing:
             ap.error(f"--dreamtalk-repo needs {', '.join(missing)}")
-        import converters.dreamtalk  # noqa: F401 - registers the "dreamtalk" video generator
-
         dreamtalk = {"repo": args.dreamtalk_repo, "ckpt": args.ckpt, "renderer": args.renderer,
                      "image": args.image, "pose": args.pose, "ddim_steps": args.ddim_steps, "seed": args.seed,
                      "device": args.device}
@@ -83,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             path, seconds, notes = synthesize_reply(args.features, args.out, rows=args.rows, speed=args.speed)
             print(f"speech ({seconds:.2f} s) -> {path}")
         if args.avatar and dreamtalk is not None:
-            mp4, frames, more = render_avatar(args.features, path, args.avatar, renderer="dreamtalk",
+            mp4, frames, more = render_avatar(args.features, path, args.avatar, generator="dreamtalk",
                                               **dreamtalk)
             print(f"avatar ({frames} frames at 25 fps, DreamTalk) -> {mp4}")
         elif args.avatar:

@@ -60,6 +60,7 @@ CONVERTER_SOURCES = (
     "empatheia_jax/weights/checkpoint_io.py",
     "empatheia_jax/models/llama.py",
     "empatheia_jax/models/lora.py",
+    "empatheia_jax/data/templates.py",
 )
 # transformers + gguf dequantize the GGUF into a torch model (hf_to_flax._load_gguf): their code decides the
 # values as much as ours does.

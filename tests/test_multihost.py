@@ -61,7 +61,8 @@ out, tag, mode, argv = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
 import jax
 from flax import nnx
 
-from empatheia_jax import cli, stages, trainer
+from empatheia_jax import cli
+from empatheia_jax.train import stages, trainer
 from empatheia_jax.data.input_pipeline import TOKEN_KEYS, make_dataset
 
 rec = {"model": None, "init": {}, "shardings": {}, "records": [], "metrics": [], "steps": {}, "lengths": [],

@@ -90,7 +90,7 @@ def paper_tables(reports: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str
 
 def format_tables(tables: Mapping[str, Mapping[str, Mapping[str, float]]], digits: int = 4) -> str:
     """Markdown, one table per modality; "-" where a row lacks a metric."""
-    from empatheia_jax.eval.evaluate import HIGHER_IS_BETTER, LOWER_IS_BETTER
+    from empatheia_jax.eval.metrics.names import HIGHER_IS_BETTER, LOWER_IS_BETTER
 
     titles = {"text": "Table 2: textual ERG", "speech": "Table 3: speech generation",
               "video": "Table 4: talking-head generation"}

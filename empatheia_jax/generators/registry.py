@@ -51,7 +51,8 @@ def check_trained_on(name: str, trained_on: str | None, where: str = "features")
         why = (f"stand-in {cls.modality} targets (deterministic functions of the sample's media, not "
                "generator features)")
     elif trained_on in _GENERATORS:
-        why = f"{trained_on} features, which {_GENERATORS[trained_on].description} reads"
+        other = _GENERATORS[trained_on]
+        why = f"{trained_on} features, which {other.description} reads ({other.how})"
     else:
         why = f"{cls.modality} targets of source {trained_on!r}"
     raise GeneratorError(f"{where}: the model was trained on {why}; {cls.description} reads {name} features "

@@ -76,13 +76,13 @@ def synthesize_reply(features: str | Path, out: str | Path, *, rows: int | None 
     return out, len(audio) / speaker.sample_rate, notes
 
 
-def render_avatar(features: str | Path, wav: str | Path, out: str | Path, *, renderer: str = VIDEO_GENERATOR,
+def render_avatar(features: str | Path, wav: str | Path, out: str | Path, *, generator: str = VIDEO_GENERATOR,
                   **options: Any) -> tuple[Path, int, list[str]]:
-    """The talking face: predicted C^v/S^v drawn by the video generator `renderer` for the speech in
-    `wav`, that speech muxed in; (path, frames, notes)."""
+    """The talking face: predicted C^v/S^v drawn by the video generator `generator` (built with `options`)
+    for the speech in `wav`, that speech muxed in; (path, frames, notes)."""
     content, style, meta = _features(features, "video")
-    registry.check_trained_on(renderer, meta.get("video_targets"), str(features))
-    drawer = registry.get(renderer, **options)
+    registry.check_trained_on(generator, meta.get("video_targets"), str(features))
+    drawer = registry.get(generator, **options)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     frames, notes = drawer.render(content, style, wav, out)
