@@ -37,7 +37,6 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from empatheia_jax.data import splits
-from empatheia_jax.eval import baselines as eval_baselines
 from empatheia_jax.eval import report as eval_report
 from empatheia_jax.eval.metrics import text as mtext
 from empatheia_jax.serve import load as serve_load
@@ -189,16 +188,43 @@ def _trained_stage(meta: dict[str, Any]) -> str | None:
     return name if name in TEMPLATE_NAMES else None
 
 
+_Columns = dict[str, dict[str, float]]  # column name -> {metric: value}, as the table prints them
+_Voters = dict[str, list[dict[str, Any]]]  # voter name -> its parsed generations
+
+
 def _eval() -> int:
     from empatheia_jax.data import shard_format
     from empatheia_jax.eval import evaluate
-    from empatheia_jax.eval import speech as speech_eval
-    from empatheia_jax.eval import video as video_eval
 
     if not FLAGS.ckpt:
         raise app.UsageError("eval needs --ckpt")
     if FLAGS.data and FLAGS.shards:
         raise app.UsageError("eval takes --data or --shards, not both")
+    shards, split, ed_json = _eval_data()
+    model, tokenizer, config, meta = _load_trained()
+    shards = _eval_shards(shards, split, ed_json, model.config, config)
+    stage, why = _eval_template(model.config, meta)
+    kwargs = _eval_kwargs(config, stage)
+    manifest = splits.check_split(shards, split)
+    # text-only data under a template that reads media: one line now, not a failure inside the pipeline
+    shard_format.check_media_for_template(manifest, shards, split, stage=stage.name,
+                                          needs_media=stage.template_spec(model.config.n_signal).has_media,
+                                          hint="--template coe (the CoE prompt reads text only)")
+    speech, video = evaluate.media_evals(shards, split, stage, train_split=config.data.train_split,
+                                         speech_examples=FLAGS.speech_examples,
+                                         video_examples=FLAGS.video_examples, gold_speech=FLAGS.gold_speech)
+    columns, details, voters = _eval_columns(model, tokenizer, shards, split, stage, kwargs, speech, video)
+    columns.update(evaluate.reference_columns(model.config, shards, split, manifest, speech=speech,
+                                              video=video, train_split=config.data.train_split))
+    _eval_outputs(columns, details, voters, manifest=manifest, stage=stage.name, why=why, meta=meta,
+                  shards=shards, split=split)
+    return 0
+
+
+def _eval_data() -> tuple[str | None, str, str | None]:
+    """(--shards or the --data folder, the split, the JSON text of a --data csv), read before the model is
+    loaded, so a wrong folder or file fails in seconds. A csv's split is named from its file unless --split
+    is given: ED ships one file per split."""
     shards, split, ed_json = FLAGS.shards, FLAGS.split, None
     if FLAGS.data:
         data = Path(FLAGS.data)
@@ -211,23 +237,40 @@ def _eval() -> int:
             ed_json = _import_ed_csv(data, split)
         else:
             raise FileNotFoundError(f"--data {data}: no such file or folder")
-    if shards:  # checked before the model is loaded: a wrong folder fails in seconds
+    if shards:
         splits.check_split(shards, split)
-    model, tokenizer, config, meta = _load_trained()
-    if ed_json is not None:  # labels in the model's emotion classes (as chat maps them)
+    return shards, split, ed_json
+
+
+def _eval_shards(shards: str | None, split: str, ed_json: str | None, model_cfg: Any, config: Any) -> str:
+    """The shards folder to evaluate: an imported csv's cached text-only shards (labelled in the model's
+    emotion classes, as chat maps them, hence after loading), else the given one, else the run's own."""
+    if ed_json is not None:
         from empatheia_jax.serve.chat import emotion_map_name
 
-        shards, _ = _prepare_cached(ed_json, split, emotion_map_name(model.config))
+        shards, _ = _prepare_cached(ed_json, split, emotion_map_name(model_cfg))
     shards = shards or config.data.shards
     if not FLAGS.shards and not FLAGS.data and not Path(shards).is_dir():
         raise FileNotFoundError(f"shards folder {shards} (the run's config.data.shards) does not exist; "
                                 "pass --shards or --data")
+    return shards
+
+
+def _eval_template(model_cfg: Any, meta: dict[str, Any]) -> tuple[stages.Stage, str]:
+    """(the eval stage, why it was chosen): a checkpoint is scored on the prompt it was trained for unless
+    --template says otherwise; the choice is printed, since every number depends on it."""
     trained_stage = _trained_stage(meta)
-    stage = stages.eval_stage(model.config, FLAGS.template or trained_stage)
+    stage = stages.eval_stage(model_cfg, FLAGS.template or trained_stage)
     why = ("--template" if FLAGS.template else "the stage this checkpoint was trained for" if trained_stage
            else "the default: its checkpoint does not name its stage")
     print(f"template: {stage.name} ({why})", file=sys.stderr)
-    kwargs = dict(
+    return stage, why
+
+
+def _eval_kwargs(config: Any, stage: stages.Stage) -> dict[str, Any]:
+    """`evaluate.evaluate`'s arguments from the flags, shared by every column, so the trained and untrained
+    models are scored alike (the prompt budget and media maxima are the run's training ones)."""
+    return dict(
         batch_size=FLAGS.batch_size,
         max_len=int(config.data.max_len),
         max_new_tokens=FLAGS.max_new_tokens,
@@ -240,34 +283,26 @@ def _eval() -> int:
         max_examples=FLAGS.max_examples or None,
         score_emotions=FLAGS.score_emotions,
     )
-    manifest = splits.check_split(shards, split)
-    # text-only data under a template that reads media: one line now, not a failure inside the pipeline
-    shard_format.check_media_for_template(manifest, shards, split, stage=stage.name,
-                                          needs_media=stage.template_spec(model.config.n_signal).has_media,
-                                          hint="--template coe (the CoE prompt reads text only)")
-    # speech and video rows are rendered from C and S: only a stage that runs both heads has them
-    heads = {"cs", "sd"} <= stage.heads
-    speech = None
-    if FLAGS.speech_examples and heads:
-        try:
-            speech = speech_eval.SpeechEval(shards, split, train_split=config.data.train_split,
-                                            gold_dir=FLAGS.gold_speech, examples=FLAGS.speech_examples)
-        except speech_eval.SpeechEvalUnavailable as e:
-            if FLAGS.gold_speech:  # asked for explicitly: a user error
-                raise
-            print(f"note: no speech rows: {e}", file=sys.stderr)
-    video = None
-    if FLAGS.video_examples and heads:
-        try:
-            video = video_eval.VideoEval(shards, split, train_split=config.data.train_split,
-                                         examples=FLAGS.video_examples)
-        except video_eval.VideoEvalUnavailable as e:
-            print(f"note: no video rows: {e}", file=sys.stderr)
-    voting = bool(FLAGS.vote_templates or FLAGS.vote_ckpt)
+
+
+def _voting() -> bool:
+    """Whether emotion voting is asked for: it decides what the run keeps as well as what is written."""
+    return bool(FLAGS.vote_templates or FLAGS.vote_ckpt)
+
+
+def _eval_columns(model: Any, tokenizer: Any, shards: str, split: str, stage: stages.Stage,
+                  kwargs: dict[str, Any], speech: Any, video: Any
+                  ) -> tuple[_Columns, dict[str, Any] | None, _Voters]:
+    """(the model columns: trained, with the voting rows, and --untrained; the trained model's details for
+    the report, None when nothing reads them; the voters' predictions by name). The details are kept only
+    for a report or a vote: they hold every generation of the split."""
+    from empatheia_jax.eval import evaluate
+
+    voting = _voting()
     details: dict[str, Any] | None = {} if FLAGS.report or voting else None
     columns = {"trained": evaluate.evaluate(model, tokenizer, shards, split, speech=speech, video=video,
                                             details=details, **kwargs)}
-    voters: dict[str, list[dict[str, Any]]] = {}
+    voters: _Voters = {}
     if details is not None and "predictions" in details:
         voters[stage.name] = details["predictions"]
     if voting:
@@ -277,42 +312,35 @@ def _eval() -> int:
     if FLAGS.untrained:  # loss, classifier and feature rows: an untrained head's features drive no generator
         fresh, tok, _, _ = _load_trained(restore=False)
         columns["untrained"] = evaluate.evaluate(fresh, tok, shards, split, name="untrained", **kwargs)
-    if config.data.train_split in (manifest.get("splits") or {}):
-        columns["baseline"] = eval_baselines.baselines(
-            shards,
-            split,
-            train_split=config.data.train_split,
-            max_speech_len=model.config.max_speech_len,
-            max_video_len=model.config.max_video_len,
-        )
-    else:  # e.g. one imported csv: the majority and mean predictors need a train split to be fitted on
-        print(f"note: no baseline column: {shards} has no split {config.data.train_split!r} "
-              "(config.data.train_split) to fit it on", file=sys.stderr)
-    for rows in (speech, video):
-        if rows is not None:
-            for name, values in rows.reference_columns().items():
-                columns.setdefault(name, {}).update(values)
-    columns["chance"] = eval_baselines.chance_levels(model.config)
+    return columns, details, voters
+
+
+def _eval_outputs(columns: _Columns, details: dict[str, Any] | None, voters: _Voters, *,
+                  manifest: dict[str, Any], stage: str, why: str, meta: dict[str, Any], shards: str,
+                  split: str) -> None:
+    """Prints the table with what it was computed on (targets, template, data: the numbers mean nothing
+    without them), then writes --json and --report, which record the same."""
+    from empatheia_jax.eval import speech as speech_eval
+
     print(eval_report.format_table(columns))
     targets = speech_eval.describe_targets(manifest)
     print(targets)
-    print(f"template: {stage.name}; data: {shards} split {split}")
-    extra = {"targets": targets, "template": stage.name, "shards": str(shards), "split": split}
-    if voting:
+    print(f"template: {stage}; data: {shards} split {split}")
+    extra = {"targets": targets, "template": stage, "shards": str(shards), "split": split}
+    if _voting():
         extra["voters"] = list(voters)
     if FLAGS.json:
         Path(FLAGS.json).parent.mkdir(parents=True, exist_ok=True)
         Path(FLAGS.json).write_text(json.dumps({**columns, **extra}, indent=1))
     if FLAGS.report:
         notes = [f"checkpoint: {FLAGS.ckpt} (step {meta.get('step', '?')})",
-                 f"template: {stage.name} ({why})", f"data: {shards} split {split}", targets]
-        if voting:
+                 f"template: {stage} ({why})", f"data: {shards} split {split}", targets]
+        if _voting():
             notes.append(f"emotion voting over {len(voters)} voters: {', '.join(voters)}")
         per_class = eval_report.per_class_report(details, splits.emotion_map_of(manifest))
         report = eval_report.write_report(FLAGS.report, columns, notes=notes, per_class=per_class,
                                        predictions=voters, extra=extra)
         print(f"report: {report}", file=sys.stderr)
-    return 0
 
 
 def _voters(model: Any, tokenizer: Any, shards: str, split: str, kwargs: dict[str, Any], *, exclude: str
@@ -538,6 +566,19 @@ def _flag_error(e: Exception, args: list[str]) -> str:
     raise e
 
 
+def _config_package_importable(argv: list[str]) -> None:
+    """Config files import their siblings as a package (`from configs import base`), and `configs/` is not
+    installed with the library (docs/design.md "Packaging"): put the folder holding a config file's package
+    on sys.path, as running from the repository root does."""
+    for i, arg in enumerate(argv):
+        path = arg.split("=", 1)[1] if arg.startswith("--config=") else (
+            argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)
+        if path:
+            folder = Path(path.split(":", 1)[0]).resolve().parent
+            if (folder / "__init__.py").is_file() and str(folder.parent) not in sys.path:
+                sys.path.insert(0, str(folder.parent))
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv if argv is None else argv)
     usage = (f"usage: empatheia {{{','.join(COMMANDS)}}} [flags]   "
@@ -551,6 +592,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     command = argv.pop(1)
     helpfull = f"(empatheia {command} --helpfull lists the flags)"
+    _config_package_importable(argv)
 
     def parse_flags(args: list[str]) -> list[str]:
         # absl's own parser prints two lines and exits 1; a bad flag is bad usage: one line, exit 2.

@@ -133,7 +133,8 @@ def _module_file(module: str) -> str | None:
 def test_the_key_covers_every_project_module_the_converter_imports():
     """The import closure of `empatheia_jax.weights.hf_to_flax` within the project is CONVERTER_SOURCES,
     the package __init__ files and sharding.py (checkpoint_io imports it for load_checkpoint(mesh=), which
-    converting never calls). A new import fails this test until it is added to CONVERTER_SOURCES or to this list."""
+    converting never calls). A new import fails this test until it is added to CONVERTER_SOURCES or to this
+    list."""
     todo, closure = ["empatheia_jax.weights.hf_to_flax"], set()
     while todo:
         rel = _module_file(todo.pop())

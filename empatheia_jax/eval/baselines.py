@@ -39,37 +39,7 @@ def baselines(
     check_split(shards_dir, split)
     check_split(shards_dir, train_split)
     limits = {"speech_content": max_speech_len, "video_content": max_video_len}
-    train = ip.ShardReader.for_split(shards_dir, train_split)
-    counts = {k: collections.Counter() for k in LABELS}
-    row_sum: dict[str, np.ndarray] = {}
-    row_n: dict[str, np.ndarray] = {}
-    style_sum: dict[str, np.ndarray] = {}
-    style_n: dict[str, int] = collections.Counter()
-    for i in range(len(train)):
-        rec = train[i]
-        lab = rec.get("labels") or {}
-        for k in LABELS:
-            if lab.get(k) is not None and int(lab[k]) >= 0:
-                counts[k][int(lab[k])] += 1
-        for kind, x in (rec.get("targets") or {}).items():
-            x = np.asarray(x, np.float64)
-            if kind in limits:
-                x = x[: limits[kind]]
-                if kind not in row_sum:
-                    row_sum[kind] = np.zeros((limits[kind], x.shape[-1]))
-                    row_n[kind] = np.zeros(limits[kind])
-                row_sum[kind][: len(x)] += x
-                row_n[kind][: len(x)] += 1
-            else:
-                style_sum[kind] = style_sum.get(kind, 0) + x.reshape(-1)
-                style_n[kind] += 1
-    majority = {k: min(c, key=lambda v, c=c: (-c[v], v)) for k, c in counts.items() if c}
-    mean_rows = {}
-    for kind, s in row_sum.items():
-        n = row_n[kind]
-        overall = s.sum(0) / max(n.sum(), 1)
-        mean_rows[kind] = np.where(n[:, None] > 0, s / np.maximum(n, 1)[:, None], overall)
-    mean_style = {kind: s / style_n[kind] for kind, s in style_sum.items()}
+    majority, mean_rows, mean_style = _fit(ip.ShardReader.for_split(shards_dir, train_split), limits)
 
     test = ip.ShardReader.for_split(shards_dir, split)
     means = Means()
@@ -101,6 +71,44 @@ def baselines(
     out.update(reply_text_metrics(replies))
     out["num_examples"] = float(n)
     return {k: out[k] for k in sorted(out, key=metric_order)}
+
+
+def _fit(train: ip.ShardReader, limits: dict[str, int]
+         ) -> tuple[dict[str, int], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The predictors `baselines` scores, fitted on the train records in one pass (a split may be too large to
+    hold): the majority class of each label, the mean content row at each row index, the mean style vector.
+    Returns (majority, mean_rows, mean_style)."""
+    counts = {k: collections.Counter() for k in LABELS}
+    row_sum: dict[str, np.ndarray] = {}
+    row_n: dict[str, np.ndarray] = {}
+    style_sum: dict[str, np.ndarray] = {}
+    style_n: dict[str, int] = collections.Counter()
+    for i in range(len(train)):
+        rec = train[i]
+        lab = rec.get("labels") or {}
+        for k in LABELS:
+            if lab.get(k) is not None and int(lab[k]) >= 0:
+                counts[k][int(lab[k])] += 1
+        for kind, x in (rec.get("targets") or {}).items():
+            x = np.asarray(x, np.float64)
+            if kind in limits:
+                x = x[: limits[kind]]
+                if kind not in row_sum:
+                    row_sum[kind] = np.zeros((limits[kind], x.shape[-1]))
+                    row_n[kind] = np.zeros(limits[kind])
+                row_sum[kind][: len(x)] += x
+                row_n[kind][: len(x)] += 1
+            else:
+                style_sum[kind] = style_sum.get(kind, 0) + x.reshape(-1)
+                style_n[kind] += 1
+    majority = {k: min(c, key=lambda v, c=c: (-c[v], v)) for k, c in counts.items() if c}
+    mean_rows = {}
+    for kind, s in row_sum.items():
+        n = row_n[kind]
+        overall = s.sum(0) / max(n.sum(), 1)
+        mean_rows[kind] = np.where(n[:, None] > 0, s / np.maximum(n, 1)[:, None], overall)
+    mean_style = {kind: s / style_n[kind] for kind, s in style_sum.items()}
+    return majority, mean_rows, mean_style
 
 
 def chance_levels(cfg: EmpatheiaConfig | None = None) -> dict[str, float]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -38,12 +39,13 @@ from empatheia_jax.data import templates as tpl
 from empatheia_jax.data.input_pipeline import pipeline_config_fields
 from empatheia_jax.data.parse import emotion_class, parse_generation
 from empatheia_jax.data.splits import ShardsError, check_split, emotion_map_of
+from empatheia_jax.eval import baselines as eval_baselines
 from empatheia_jax.eval import speech as speech_eval
 from empatheia_jax.eval import video as video_eval
 from empatheia_jax.eval.metrics.names import ACC_NAME, LABELS
 from empatheia_jax.eval.metrics.text import Means, accuracy, feature_distances, text_metrics
 from empatheia_jax.eval.report import metric_order, write_predictions
-from empatheia_jax.models.empatheia import Empatheia
+from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
 from empatheia_jax.serve.forward import KEEP, cached_jit, embed_prompts
 from empatheia_jax.serve.generation import eos_token_ids, generate_tokens, left_pad, score_continuations
 from empatheia_jax.train import losses, objective, stages
@@ -165,29 +167,65 @@ def teacher_forced_metrics(
             real &= batch["record_index"] < max_examples
             if not real.any():
                 break
-        for k in _ROW_MASKS:  # filler rows hold zero masks already; this also drops rows past max_examples
-            batch[k] = np.where(_rows(real, batch[k]), batch[k], 0)
-        for k in LABELS:
-            batch[k] = np.where(real, batch[k], -1)
+        _drop_filler_rows(batch, real)
         metrics, out = jax.device_get(step(graphdef, state, {k: jnp.asarray(v) for k, v in batch.items()}))
         if collect is not None:
-            for b in np.flatnonzero(real):
-                got = collect.setdefault(int(batch["record_index"][b]), {})
-                got["labels"] = {name: int(batch[name][b]) for name in LABELS}
-                for name in LABELS:  # the SD classifiers' predictions: per-class accuracy in reports
-                    if f"{name}_logits" in out:
-                        got[f"{name}_cls"] = int(np.argmax(out[f"{name}_logits"][b]))
-                for kind in ("speech", "video") if collect_features else ():
-                    if f"{kind}_content" in out and f"{kind}_style" in out:
-                        rows = int(batch[f"{kind}_content_mask"][b].sum())
-                        got[f"{kind}_content"] = np.asarray(out[f"{kind}_content"][b, :rows], np.float32)
-                        got[f"{kind}_style"] = np.asarray(out[f"{kind}_style"][b], np.float32)
+            _collect_batch(collect, batch, out, real, collect_features)
         n = int(real.sum())
         n_real += n
-        _add_loss_terms(means, metrics, batch, out, n, reported)
-        _add_head_metrics(means, batch, out)
-        means.add("reply_nll", float(metrics["reply_nll"]) * float(metrics["reply_tokens"]),
-                  float(metrics["reply_tokens"]))
+        _accumulate_batch(means, metrics, batch, out, n, reported)
+    result = _stage_result(means, stage, weights)
+    result["num_examples"] = float(n_real)
+    result["skipped_examples"] = float(pipe.counters.as_dict()["skipped_target_too_long"])
+    return result
+
+
+_ROW_MASKS = ("loss_mask", "speech_content_mask", "video_content_mask", "style_mask")
+
+
+def _rows(real: np.ndarray, v: np.ndarray) -> np.ndarray:
+    return real.reshape(real.shape + (1,) * (v.ndim - 1))
+
+
+def _drop_filler_rows(batch: dict[str, np.ndarray], real: np.ndarray) -> None:
+    """Filler rows hold zero masks already; this also drops the rows past max_examples, so that no term,
+    feature or label of a row that is not evaluated counts (in place: the batch is the pipeline's own)."""
+    for k in _ROW_MASKS:
+        batch[k] = np.where(_rows(real, batch[k]), batch[k], 0)
+    for k in LABELS:
+        batch[k] = np.where(real, batch[k], -1)
+
+
+def _collect_batch(collect: dict[int, dict[str, Any]], batch: Mapping[str, np.ndarray],
+                   out: Mapping[str, np.ndarray], real: np.ndarray, collect_features: bool) -> None:
+    """Keeps, per real record, what is needed after the pass: the speech/video rows render whole records'
+    predicted features, and reports break accuracies down by class; batch means would lose both."""
+    for b in np.flatnonzero(real):
+        got = collect.setdefault(int(batch["record_index"][b]), {})
+        got["labels"] = {name: int(batch[name][b]) for name in LABELS}
+        for name in LABELS:  # the SD classifiers' predictions: per-class accuracy in reports
+            if f"{name}_logits" in out:
+                got[f"{name}_cls"] = int(np.argmax(out[f"{name}_logits"][b]))
+        for kind in ("speech", "video") if collect_features else ():
+            if f"{kind}_content" in out and f"{kind}_style" in out:
+                rows = int(batch[f"{kind}_content_mask"][b].sum())
+                got[f"{kind}_content"] = np.asarray(out[f"{kind}_content"][b, :rows], np.float32)
+                got[f"{kind}_style"] = np.asarray(out[f"{kind}_style"][b], np.float32)
+
+
+def _accumulate_batch(means: Means, metrics: Mapping[str, Any], batch: Mapping[str, np.ndarray],
+                      out: Mapping[str, np.ndarray], n_real: int, reported: set[str]) -> None:
+    """Adds one batch to the split's sums, each term weighted by its own item count, so the result is the
+    split's mean whatever the batch composition (never a mean of batch means)."""
+    _add_loss_terms(means, metrics, batch, out, n_real, reported)
+    _add_head_metrics(means, batch, out)
+    means.add("reply_nll", float(metrics["reply_nll"]) * float(metrics["reply_tokens"]),
+              float(metrics["reply_tokens"]))
+
+
+def _stage_result(means: Means, stage: stages.Stage, weights: losses.LossWeights | None) -> dict[str, float]:
+    """The split's means, with the stage formula applied to the aggregated terms (not averaged per batch),
+    as training's `losses.combine` would weigh them; perplexities from the aggregated NLLs."""
     result = means.result()
     if "reply_nll" in result:
         result["reply_ppl"] = float(math.exp(min(result.pop("reply_nll"), 80.0)))
@@ -200,16 +238,7 @@ def teacher_forced_metrics(
     result["eval_loss"] = float(total)
     if "emp" in result:
         result["ppl"] = float(math.exp(min(result["emp"], 80.0)))
-    result["num_examples"] = float(n_real)
-    result["skipped_examples"] = float(pipe.counters.as_dict()["skipped_target_too_long"])
     return result
-
-
-_ROW_MASKS = ("loss_mask", "speech_content_mask", "video_content_mask", "style_mask")
-
-
-def _rows(real: np.ndarray, v: np.ndarray) -> np.ndarray:
-    return real.reshape(real.shape + (1,) * (v.ndim - 1))
 
 
 def _add_loss_terms(means: Means, metrics: Mapping[str, Any], batch, out, n_real: int, reported) -> None:
@@ -300,9 +329,9 @@ def generate_predictions(
     builder = ip.ExampleBuilder(tokenizer, pcfg, audio_dim=cfg.audio_dim, video_dim=cfg.video_dim)
     n = len(reader) if max_examples is None else min(len(reader), max_examples)
     eos = eos_token_ids(model.llm, tokenizer)
-    signal = set(cfg.signal_ids)
     window = batch_size * _SORT_WINDOW_BATCHES
     spec = pcfg.template_spec()
+    signal = set(cfg.signal_ids) if spec.has_signal else None  # signal_rate only where the target has them
     if score_emotions and not (spec.use_coe and spec.has_response and not spec.pipeline_baseline):
         raise TemplateError(f"score_emotions needs a Chain-of-Empathy target; template {stage.name!r} "
                             "has none")
@@ -310,43 +339,17 @@ def generate_predictions(
     out: list[dict[str, Any]] = []
     bar = _progress(None, total=-(-n // batch_size), desc=f"eval {split} (generation)", enabled=progress)
     for w0 in range(0, n, window):
-        # Build one window of prompts (memory stays bounded on a large split), sort it by length, batch it.
-        kept = []
-        for i, (where, rec) in enumerate(reader.read_located(range(w0, min(w0 + window, n))), w0):
-            try:
-                ex = builder(rec, record_index=i, where=where)
-            except ip.ExampleTooLongError:
-                continue
-            lab = rec.get("labels") or {}
-            kept.append({"input_ids": ex["input_ids"], "aud_feats": ex["aud_feats"],
-                         "vid_feats": ex["vid_feats"], "record_index": i, "uid": rec.get("uid"),
-                         "labels": {k: -1 if lab.get(k) is None else int(lab[k])
-                                    for k in (*LABELS, "emotion_fine")}})
-        kept.sort(key=lambda e: len(e["input_ids"]))
-        preds = {}
+        # One window of prompts at a time (memory stays bounded on a large split), sorted by length, batched.
+        kept = _window_prompts(reader, builder, w0, min(w0 + window, n))
+        preds: dict[int, dict[str, Any]] = {}
         for b0 in range(0, len(kept), batch_size):
             chunk = kept[b0 : b0 + batch_size]
-            rows = chunk + [chunk[-1]] * (batch_size - len(chunk))  # constant batch size: one program
-            prompts = [e["input_ids"].tolist() for e in rows]
-            ids, _ = left_pad(prompts, builder.pad_id)
-            embeds = None
-            if spliced:
-                af, am = _pad_rows([e["aud_feats"] for e in rows], pcfg.max_aud, builder.audio_dim)
-                vf, vm = _pad_rows([e["vid_feats"] for e in rows], pcfg.max_vid, builder.video_dim)
-                embeds = embed_prompts(model, ids, af, am, vf, vm, compiler_options=compiler_options)
-            gen = generate_tokens(model.llm, prompts, max_new_tokens, eos_ids=eos,
-                                  pad_token_id=builder.pad_id, inputs_embeds=embeds,
-                                  repetition_penalty=repetition_penalty,
-                                  no_repeat_ngram_size=no_repeat_ngram_size)
-            for r, e in enumerate(chunk):
-                new = gen.new_tokens[r, : gen.num_new[r]].tolist()
-                text = tokenizer.decode(new, skip_special_tokens=False)
-                pred = parse_generation(text, emap, pipeline_baseline=stage.pipeline_baseline)
-                pred.update(record_index=e["record_index"], uid=e["uid"], labels=e["labels"],
-                            prompt_tokens=len(prompts[r]), num_new=int(gen.num_new[r]), text=text)
-                if spec.has_signal:  # signal_rate only where the target has them
-                    pred["signal_complete"] = signal <= set(new)
-                preds[e["record_index"]] = pred
+            prompts, batch_preds = _generate_batch(
+                model, tokenizer, chunk, batch_size=batch_size, builder=builder, pcfg=pcfg, spliced=spliced,
+                emap=emap, pipeline_baseline=stage.pipeline_baseline, signal=signal, eos=eos,
+                max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
+                no_repeat_ngram_size=no_repeat_ngram_size, compiler_options=compiler_options)
+            preds.update(batch_preds)
             if labels is not None:
                 _add_scored_emotions(model, tokenizer, chunk, prompts, preds, labels, emap, builder, pcfg,
                                      spliced, compiler_options)
@@ -354,6 +357,78 @@ def generate_predictions(
         out += [preds[i] for i in sorted(preds)]
     bar.close()
     return out
+
+
+def _window_prompts(reader: ip.ShardReader, builder: ip.ExampleBuilder, start: int, stop: int
+                    ) -> list[dict[str, Any]]:
+    """The prompts of records [start, stop), sorted by length: batches of similar lengths waste little on
+    left padding. A record whose prompt does not fit max_len is left out (it could not be generated for)."""
+    kept = []
+    for i, (where, rec) in enumerate(reader.read_located(range(start, stop)), start):
+        try:
+            ex = builder(rec, record_index=i, where=where)
+        except ip.ExampleTooLongError:
+            continue
+        lab = rec.get("labels") or {}
+        kept.append({"input_ids": ex["input_ids"], "aud_feats": ex["aud_feats"],
+                     "vid_feats": ex["vid_feats"], "record_index": i, "uid": rec.get("uid"),
+                     "labels": {k: -1 if lab.get(k) is None else int(lab[k])
+                                for k in (*LABELS, "emotion_fine")}})
+    kept.sort(key=lambda e: len(e["input_ids"]))
+    return kept
+
+
+def _prompt_embeds(model: Empatheia, ids: np.ndarray, examples: Sequence[Mapping[str, Any]],
+                   builder: ip.ExampleBuilder, pcfg: ip.PipelineConfig,
+                   compiler_options: Mapping[str, Any] | None) -> Any:
+    """The prompts' input embeddings with the media features spliced in; rows are padded to the config's
+    maxima, so every batch has one shape and the embedding program compiles once."""
+    af, am = _pad_rows([e["aud_feats"] for e in examples], pcfg.max_aud, builder.audio_dim)
+    vf, vm = _pad_rows([e["vid_feats"] for e in examples], pcfg.max_vid, builder.video_dim)
+    return embed_prompts(model, ids, af, am, vf, vm, compiler_options=compiler_options)
+
+
+def _generate_batch(
+    model: Empatheia,
+    tokenizer: Any,
+    chunk: Sequence[Mapping[str, Any]],
+    *,
+    batch_size: int,
+    builder: ip.ExampleBuilder,
+    pcfg: ip.PipelineConfig,
+    spliced: bool,
+    emap: schema.EmotionMap,
+    pipeline_baseline: bool,
+    signal: set[int] | None,
+    eos: Sequence[int],
+    max_new_tokens: int,
+    repetition_penalty: float,
+    no_repeat_ngram_size: int,
+    compiler_options: Mapping[str, Any] | None,
+) -> tuple[list[list[int]], dict[int, dict[str, Any]]]:
+    """One batch of `generate_predictions`: (the prompts as generated, padding copies included, for the label
+    scoring that conditions on them; the parsed predictions of `chunk` by record index). A short batch is
+    completed with copies of its last prompt so the batch size, hence the compiled program, never changes.
+    `signal`: the signal token ids where the template's target has them (signal_complete), else None."""
+    rows = list(chunk) + [chunk[-1]] * (batch_size - len(chunk))  # constant batch size: one program
+    prompts = [e["input_ids"].tolist() for e in rows]
+    ids, _ = left_pad(prompts, builder.pad_id)
+    embeds = _prompt_embeds(model, ids, rows, builder, pcfg, compiler_options) if spliced else None
+    gen = generate_tokens(model.llm, prompts, max_new_tokens, eos_ids=eos,
+                          pad_token_id=builder.pad_id, inputs_embeds=embeds,
+                          repetition_penalty=repetition_penalty,
+                          no_repeat_ngram_size=no_repeat_ngram_size)
+    preds = {}
+    for r, e in enumerate(chunk):
+        new = gen.new_tokens[r, : gen.num_new[r]].tolist()
+        text = tokenizer.decode(new, skip_special_tokens=False)
+        pred = parse_generation(text, emap, pipeline_baseline=pipeline_baseline)
+        pred.update(record_index=e["record_index"], uid=e["uid"], labels=e["labels"],
+                    prompt_tokens=len(prompts[r]), num_new=int(gen.num_new[r]), text=text)
+        if signal is not None:  # signal_rate only where the target has them
+            pred["signal_complete"] = signal <= set(new)
+        preds[e["record_index"]] = pred
+    return prompts, preds
 
 
 _SORT_WINDOW_BATCHES = 16  # prompts are length-sorted within windows of this many batches
@@ -387,9 +462,7 @@ def _add_scored_emotions(model, tokenizer, chunk, prompts, preds, labels, emap, 
         ids, _ = left_pad([p for _, _, p in rows], builder.pad_id)
         embeds = None
         if spliced:
-            af, am = _pad_rows([e["aud_feats"] for _, e, _ in rows], pcfg.max_aud, builder.audio_dim)
-            vf, vm = _pad_rows([e["vid_feats"] for _, e, _ in rows], pcfg.max_vid, builder.video_dim)
-            embeds = embed_prompts(model, ids, af, am, vf, vm, compiler_options=compiler_options)
+            embeds = _prompt_embeds(model, ids, [e for _, e, _ in rows], builder, pcfg, compiler_options)
         scores = score_continuations(model.llm, [p for _, _, p in rows], labels, pad_token_id=builder.pad_id,
                                      inputs_embeds=embeds)
         for (pred, _, _), row in zip(group, scores[: len(group)], strict=True):
@@ -497,6 +570,69 @@ def evaluate(
     return {k: result[k] for k in sorted(result, key=metric_order)}
 
 
+def media_evals(
+    shards_dir: str | os.PathLike,
+    split: str,
+    stage: stages.Stage,
+    *,
+    train_split: str,
+    speech_examples: int,
+    video_examples: int,
+    gold_speech: str | os.PathLike | None = None,
+) -> tuple[speech_eval.SpeechEval | None, video_eval.VideoEval | None]:
+    """The speech and video evaluations `evaluate` renders rows with, or None each. They are rendered from C
+    and S, so only a stage that runs both heads has them; data without what they need (gold speech, faces)
+    is a note on stderr and no rows, except gold speech asked for explicitly (`gold_speech`): that is a
+    user error and raises."""
+    heads = {"cs", "sd"} <= stage.heads
+    speech = None
+    if speech_examples and heads:
+        try:
+            speech = speech_eval.SpeechEval(shards_dir, split, train_split=train_split, gold_dir=gold_speech,
+                                            examples=speech_examples)
+        except speech_eval.SpeechEvalUnavailable as e:
+            if gold_speech:  # asked for explicitly: a user error
+                raise
+            print(f"note: no speech rows: {e}", file=sys.stderr)
+    video = None
+    if video_examples and heads:
+        try:
+            video = video_eval.VideoEval(shards_dir, split, train_split=train_split, examples=video_examples)
+        except video_eval.VideoEvalUnavailable as e:
+            print(f"note: no video rows: {e}", file=sys.stderr)
+    return speech, video
+
+
+def reference_columns(
+    model_cfg: EmpatheiaConfig,
+    shards_dir: str | os.PathLike,
+    split: str,
+    manifest: Mapping[str, Any],
+    *,
+    train_split: str,
+    speech: speech_eval.SpeechEval | None = None,
+    video: video_eval.VideoEval | None = None,
+) -> dict[str, dict[str, float]]:
+    """The columns a model's are read against, in table order: the baselines (fitted on `train_split`, so
+    absent, with a note on stderr, where the shards have none), the speech/video references, chance."""
+    columns: dict[str, dict[str, float]] = {}
+    if train_split in (manifest.get("splits") or {}):
+        columns["baseline"] = eval_baselines.baselines(
+            shards_dir,
+            split,
+            train_split=train_split,
+            max_speech_len=model_cfg.max_speech_len,
+            max_video_len=model_cfg.max_video_len,
+        )
+    else:  # e.g. one imported csv: the majority and mean predictors need a train split to be fitted on
+        print(f"note: no baseline column: {shards_dir} has no split {train_split!r} "
+              "(config.data.train_split) to fit it on", file=sys.stderr)
+    for rows in (speech, video):
+        if rows is not None:
+            for name, values in rows.reference_columns().items():
+                columns.setdefault(name, {}).update(values)
+    columns["chance"] = eval_baselines.chance_levels(model_cfg)
+    return columns
 
 
 def _loss_and_outputs(graphdef, state, batch, stage, weights):
@@ -512,5 +648,7 @@ def _loss_and_outputs(graphdef, state, batch, stage, weights):
 __all__ = [
     "evaluate",
     "generate_predictions",
+    "media_evals",
+    "reference_columns",
     "teacher_forced_metrics",
 ]

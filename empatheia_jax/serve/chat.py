@@ -424,9 +424,7 @@ def respond(
     if not isinstance(text, str):
         raise TypeError(f"text must be a string, got {type(text).__name__}")
     cfg = model.config
-    utterances = validate_history(history or [])
-    utterances.append(validate_history([{"role": "speaker", "utterance": text, "audio": _opt(audio),
-                                         "video": _opt(video)}], source="--text/--audio/--video")[0])
+    utterances = _utterances(text, audio, video, history)
     if isinstance(encoder, str):
         encoder = enc_lib.get_encoder(encoder, **dict(encoder_kwargs or {}))
     forced_room = 2 * cfg.n_signal + 2 if cfg.has_sd else 0
@@ -437,16 +435,65 @@ def respond(
     pad = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else eos[0]
     ids, mask = left_pad([prompt.ids], pad)
     feats = _feature_batch(cfg, prompt)
+    new = _generate(model, prompt, ids, feats, eos=eos, pad=pad, max_new_tokens=max_new_tokens,
+                    temperature=temperature, top_p=top_p, seed=seed, repetition_penalty=repetition_penalty,
+                    no_repeat_ngram_size=no_repeat_ngram_size, compiler_options=compiler_options)
+    raw = tokenizer.decode(new, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    final, forced = _with_signal_tokens(cfg, tokenizer, new, eos, notes)
+    parsed = parse.parse_generation(raw, schema.EmotionMap.load(emotion_map_name(cfg)),
+                                    pipeline_baseline=cfg.pipeline_baseline)
+    response = _reply_mask(cfg, tokenizer, final, parsed["reply"], notes)
+    out = _run_heads(model, ids, mask, final, response, feats, pad, compiler_options)
+    keep = mask[0].astype(bool)
+    return _assemble_result(
+        cfg, out, parsed, raw=raw, forced=forced, notes=notes, prompt_length=len(prompt.ids),
+        input_ids=np.concatenate([ids[0][keep], np.asarray(final, np.int32)]).astype(np.int32),
+        response_mask=np.concatenate([np.zeros(int(keep.sum()), np.int32), response]),
+        speech_targets=speech_targets, video_targets=video_targets)
+
+
+def _utterances(text: str, audio: str | os.PathLike | None, video: str | os.PathLike | None,
+                history: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
+    """The conversation the prompt is built from: `history`, then the latest utterance. Each is validated
+    under its own source, so an error in the latest one names the inputs it came from, not a history entry."""
+    utterances = validate_history(history or [])
+    utterances.append(validate_history([{"role": "speaker", "utterance": text, "audio": _opt(audio),
+                                         "video": _opt(video)}], source="--text/--audio/--video")[0])
+    return utterances
+
+
+def _generate(
+    model: Empatheia,
+    prompt: ChatPrompt,
+    ids: np.ndarray,
+    feats: tuple[np.ndarray, ...],
+    *,
+    eos: Sequence[int],
+    pad: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    repetition_penalty: float,
+    no_repeat_ngram_size: int,
+    compiler_options: Mapping[str, Any] | None,
+) -> list[int]:
+    """The new token ids (up to and including the end token), decoded with the KV cache; a model with media
+    gets its features spliced through `inputs_embeds`, as in the eval generation pass."""
     embeds = None
-    if cfg.has_media:
+    if model.config.has_media:
         embeds = forward.embed_prompts(model, ids, *feats, compiler_options=compiler_options)
     gen = generate_tokens(model.llm, [prompt.ids], max_new_tokens, temperature, top_p, seed=seed, eos_ids=eos,
                           pad_token_id=pad, inputs_embeds=embeds, repetition_penalty=repetition_penalty,
                           no_repeat_ngram_size=no_repeat_ngram_size)
-    new = [int(t) for t in gen.new_tokens[0, : gen.num_new[0]]]
-    raw = tokenizer.decode(new, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return [int(t) for t in gen.new_tokens[0, : gen.num_new[0]]]
 
-    # The tokens the heads read: the generation, plus any missing signal tokens before the end token.
+
+def _with_signal_tokens(cfg: EmpatheiaConfig, tokenizer: Any, new: list[int], eos: Sequence[int],
+                        notes: list[str]) -> tuple[list[int], bool]:
+    """(the tokens the heads read, whether signal tokens were forced): the generation, plus any missing
+    signal tokens before the end token; without them the SD would read zero rows and give every input the
+    same style (module docstring). A forced append adds a note."""
     final = list(new)
     forced = False
     if cfg.has_sd:
@@ -463,14 +510,19 @@ def respond(
             notes.append(f"the generation lacked {len(missing)} of the {2 * cfg.n_signal} signal tokens; "
                          "they were appended after the reply (only stage overall teaches the model to emit "
                          "them; after it, max_new_tokens may be too small)")
+    return final, forced
 
-    emap = schema.EmotionMap.load(emotion_map_name(cfg))
-    parsed = parse.parse_generation(raw, emap, pipeline_baseline=cfg.pipeline_baseline)
+
+def _reply_mask(cfg: EmpatheiaConfig, tokenizer: Any, final: list[int], reply: str, notes: list[str]
+                ) -> np.ndarray:
+    """r^t over `final`: the tokens that overlap the parsed reply's characters. Located in the decoded text,
+    because the reply is parsed from text, not tokens; all zeros (and a note, where a CS reads it) when the
+    reply cannot be found."""
     response = np.zeros(len(final), np.int32)
     if final:
         ends = _token_ends(tokenizer, final)
         span = _span(tokenizer.decode(final, skip_special_tokens=False, clean_up_tokenization_spaces=False),
-                     parsed["reply"])
+                     reply)
         if span is None:
             if cfg.has_cs:
                 notes.append("could not locate the reply in the generated tokens: the CS read no token")
@@ -478,8 +530,16 @@ def respond(
             starts = [0, *ends[:-1]]
             response = np.array([int(s < span[1] and e > span[0]) for s, e in zip(starts, ends, strict=True)],
                                 np.int32)
+    return response
 
-    # One forward over [left padding | prompt | generated (+ forced)], right-padded to a bucket.
+
+def _run_heads(model: Empatheia, ids: np.ndarray, mask: np.ndarray, final: list[int], response: np.ndarray,
+               feats: tuple[np.ndarray, ...], pad: int, compiler_options: Mapping[str, Any] | None
+               ) -> dict[str, Any]:
+    """The heads' outputs from ONE deterministic forward over [left padding | prompt | generated (+ forced)]
+    with the decode's own attention mask and positions, right-padded to a bucket (few compiled shapes);
+    {} for a model without heads."""
+    cfg = model.config
     n_prompt = ids.shape[1]
     length = bucket(n_prompt + len(final))
     seq = np.full((1, length), pad, np.int32)
@@ -494,11 +554,13 @@ def respond(
     batch = {"input_ids": seq, "attention_mask": attn, "positions": positions, "response_mask": resp}
     if cfg.has_media:
         batch.update(zip(("aud_feats", "aud_mask", "vid_feats", "vid_mask"), feats, strict=True))
-    out = forward.model_outputs(model, batch, compiler_options=compiler_options) if cfg.heads else {}
+    return forward.model_outputs(model, batch, compiler_options=compiler_options) if cfg.heads else {}
 
-    features = {k: np.asarray(out[k][0], np.float32) for k in
-                ("speech_content", "video_content", "speech_style", "video_style") if k in out}
-    classes = class_names(cfg.num_emotions)
+
+def _sd_readout(cfg: EmpatheiaConfig, out: Mapping[str, Any], parsed: Mapping[str, Any],
+                classes: Sequence[str]) -> tuple[np.ndarray, str, dict[str, Any]]:
+    """(emotion_probs, emotion, profile) from the SD classifiers; without an SD, empty, except that the
+    Pipeline baseline writes its profile in the text, so it is read from there."""
     if "emotion_logits" in out:
         probs = _softmax(out["emotion_logits"][0])
         emotion = classes[int(np.argmax(probs))]
@@ -513,8 +575,31 @@ def respond(
         if cfg.pipeline_baseline:
             for name, vocab in (("age", schema.AGES), ("gender", schema.GENDERS), ("timbre", schema.TIMBRES)):
                 profile[name] = vocab[parsed[name]] if parsed.get(name, -1) >= 0 else ""
+    return probs, emotion, profile
+
+
+def _assemble_result(
+    cfg: EmpatheiaConfig,
+    out: Mapping[str, Any],
+    parsed: Mapping[str, Any],
+    *,
+    raw: str,
+    forced: bool,
+    notes: list[str],
+    prompt_length: int,
+    input_ids: np.ndarray,
+    response_mask: np.ndarray,
+    speech_targets: str,
+    video_targets: str,
+) -> ChatResult:
+    """The `ChatResult` of the head outputs and the parsed text: the heads' one row as float32 numpy (what
+    `write_outputs` stores), the SD readout, and CoE step 2 in the model's classes, so the text's emotion and
+    the classifier's can be compared."""
+    features = {k: np.asarray(out[k][0], np.float32) for k in
+                ("speech_content", "video_content", "speech_style", "video_style") if k in out}
+    classes = class_names(cfg.num_emotions)
+    probs, emotion, profile = _sd_readout(cfg, out, parsed, classes)
     emotion_text = classes[parsed["emotion"]] if 0 <= parsed["emotion"] < len(classes) else None
-    keep = mask[0].astype(bool)
     return ChatResult(
         text=raw,
         coe=parsed["coe"],
@@ -526,9 +611,9 @@ def respond(
         signal_tokens_forced=forced,
         emotion_text=emotion_text,
         emotion_classes=tuple(classes),
-        input_ids=np.concatenate([ids[0][keep], np.asarray(final, np.int32)]).astype(np.int32),
-        response_mask=np.concatenate([np.zeros(int(keep.sum()), np.int32), response]),
-        prompt_length=len(prompt.ids),
+        input_ids=input_ids,
+        response_mask=response_mask,
+        prompt_length=prompt_length,
         notes=notes,
         speech_targets=speech_targets,
         video_targets=video_targets,
