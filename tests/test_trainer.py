@@ -408,7 +408,7 @@ def complete_steps(workdir: Path) -> list[int]:
 
 def test_keep_best_ranks_steps_by_a_metric_the_evaluation_reports(tok, shards, tmp_path):
     """checkpoint.keep_best with the default best_metric: the manager's best step is the saved step with
-    the lowest eval/total, and it is kept beside the latest (keep=1). Before session 12 the default named
+    the lowest eval/total, and it is kept beside the latest (keep=1). The default once named
     "eval/loss", which no evaluation reports: no step ever ranked best, and keep_best kept nothing."""
     from empatheia_jax.train.checkpoint import TrainCheckpointer
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +66,35 @@ def validate(
     process_count: int | None = None,
     check_paths: bool = True,
 ) -> None:
-    """Raises ConfigError listing every bad value. Device/process counts default to jax's (when known)."""
+    """Raises ConfigError listing every bad value. Device/process counts default to jax's (when known).
+
+    Every section is checked even after a problem, so one run of a bad config names all its problems; the
+    sections run in a fixed order, so the message lists them in it.
+    """
     problems: list[str] = []
 
     def bad(key: str, value: Any, why: str) -> None:
         problems.append(f"config.{key}={value!r}: {why}")
 
-    # -- stage and ablations --------------------------------------------------------------------------------
+    _validate_stage(config, bad)
+    _validate_optim(config, bad)
+    _validate_train(config, bad)
+    process_count = _validate_mesh(config, bad, device_count, process_count)
+    _validate_processes(config, bad, process_count)
+    _validate_model(config, bad)
+    _validate_checkpoint(config, bad)
+    if check_paths:
+        _validate_paths(config, bad)
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+# `bad(key, value, why)`: records one problem of `validate`'s (its sections below all report through it).
+_Bad = Callable[[str, Any, str], None]
+
+
+def _validate_stage(config: ml_collections.ConfigDict, bad: _Bad) -> None:
+    """The stage, its ablations and its schedule entry."""
     try:
         resolve_stage(config)
     except StageSkipped as e:
@@ -94,7 +117,9 @@ def validate(
     elif isinstance(config.stage, str):
         bad("schedule", sorted(config.schedule), f"has no entry for stage {config.stage!r}")
 
-    # -- optimizer ------------------------------------------------------------------------------------------
+
+def _validate_optim(config: ml_collections.ConfigDict, bad: _Bad) -> None:
+    """The optimizer, every stage's learning rates and the loss weights."""
     o = config.optim
     if not o.lr > 0:
         bad("optim.lr", o.lr, "must be > 0")
@@ -119,7 +144,9 @@ def validate(
         if config.loss[name] < 0:
             bad(f"loss.{name}", config.loss[name], "must be >= 0")
 
-    # -- batch, mesh, processes -----------------------------------------------------------------------------
+
+def _validate_train(config: ml_collections.ConfigDict, bad: _Bad) -> None:
+    """The batch, the NaN policy and the loop's intervals."""
     t = config.train
     if t.batch_size < 1:
         bad("train.batch_size", t.batch_size, "must be >= 1")
@@ -142,31 +169,45 @@ def validate(
     ):
         bad("train.profile_steps", t.profile_steps, "must be () or (start, stop) with 0 <= start < stop")
 
+
+def _validate_mesh(
+    config: ml_collections.ConfigDict, bad: _Bad, device_count: int | None, process_count: int | None
+) -> int | None:
+    """The mesh against the devices, and the micro-batch against the data x fsdp shards. Returns the process
+    count the batch must split over: jax's when the devices were asked of it too (only for a well-formed
+    mesh), else the given one."""
+    t = config.train
     sizes = {k: config.mesh[k] for k in ("data", "fsdp", "tensor")}
     if any(v == 0 or v < -1 for v in sizes.values()) or sum(v == -1 for v in sizes.values()) > 1:
         bad("mesh", sizes, "sizes must be positive, with at most one -1 (= the remaining devices)")
-    else:
-        if device_count is None:
-            import jax
+        return process_count
+    if device_count is None:
+        import jax
 
-            device_count = jax.device_count()
-            process_count = jax.process_count() if process_count is None else process_count
-        known = 1
-        for v in sizes.values():
-            known *= v if v != -1 else 1
-        if device_count % known or (-1 not in sizes.values() and known != device_count):
-            bad("mesh", sizes, f"does not divide the {device_count} devices")
-        else:
-            resolved = {k: (v if v != -1 else device_count // known) for k, v in sizes.items()}
-            shards = resolved["data"] * resolved["fsdp"]
-            micro = t.batch_size // max(t.grad_accum, 1)
-            if t.batch_size >= 1 and t.grad_accum >= 1 and micro % shards:
-                bad(
-                    "train.batch_size",
-                    t.batch_size,
-                    f"the micro-batch batch_size/grad_accum={micro} must be a multiple of the data x fsdp "
-                    f"mesh size {shards} (mesh {resolved})",
-                )
+        device_count = jax.device_count()
+        process_count = jax.process_count() if process_count is None else process_count
+    known = 1
+    for v in sizes.values():
+        known *= v if v != -1 else 1
+    if device_count % known or (-1 not in sizes.values() and known != device_count):
+        bad("mesh", sizes, f"does not divide the {device_count} devices")
+        return process_count
+    resolved = {k: (v if v != -1 else device_count // known) for k, v in sizes.items()}
+    shards = resolved["data"] * resolved["fsdp"]
+    micro = t.batch_size // max(t.grad_accum, 1)
+    if t.batch_size >= 1 and t.grad_accum >= 1 and micro % shards:
+        bad(
+            "train.batch_size",
+            t.batch_size,
+            f"the micro-batch batch_size/grad_accum={micro} must be a multiple of the data x fsdp "
+            f"mesh size {shards} (mesh {resolved})",
+        )
+    return process_count
+
+
+def _validate_processes(config: ml_collections.ConfigDict, bad: _Bad, process_count: int | None) -> None:
+    """Each process feeds its own slice of every micro-batch."""
+    t = config.train
     if (
         process_count
         and t.batch_size >= 1
@@ -179,7 +220,9 @@ def validate(
             f"the micro-batch must split evenly over {process_count} processes",
         )
 
-    # -- model ----------------------------------------------------------------------------------------------
+
+def _validate_model(config: ml_collections.ConfigDict, bad: _Bad) -> None:
+    """The model's dtypes, precision, remat and sizes, and the sequence length it is fed."""
     for name in ("dtype", "param_dtype"):
         if name in config.model.llm and config.model.llm[name] not in _DTYPES:
             bad(f"model.llm.{name}", config.model.llm[name], f"must be one of {sorted(_DTYPES)}")
@@ -198,7 +241,9 @@ def validate(
     if config.data.max_len < 16:
         bad("data.max_len", config.data.max_len, "must be >= 16")
 
-    # -- checkpoints ----------------------------------------------------------------------------------------
+
+def _validate_checkpoint(config: ml_collections.ConfigDict, bad: _Bad) -> None:
+    """Checkpoint intervals and retention; a best metric the stage's evaluation actually reports."""
     c = config.checkpoint
     if c.every < 1:
         bad("checkpoint.every", c.every, "must be >= 1")
@@ -212,35 +257,34 @@ def validate(
             bad("checkpoint.best_metric", c.best_metric, f"the stage's evaluation reports no such metric, so "
                 f"no step would ever rank best; one of {choices}")
 
-    # -- paths ----------------------------------------------------------------------------------------------
-    if check_paths:
-        shards = Path(config.data.shards) if config.data.shards else None
-        if shards is None:
-            bad("data.shards", config.data.shards, "must name a data.prepare output folder")
-        elif not (shards / "manifest.json").is_file():
-            bad(
-                "data.shards", config.data.shards, "has no manifest.json (not a finished data.prepare folder)"
-            )
-        if config.model.backbone:
-            if not (Path(config.model.backbone) / "COMPLETE").is_file():
-                bad(
-                    "model.backbone",
-                    config.model.backbone,
-                    "is not a complete converted checkpoint (run empatheia_jax.weights.hf_to_flax)",
-                )
-        elif not config.model.tokenizer:
-            bad(
-                "model.tokenizer",
-                config.model.tokenizer,
-                "a random backbone (model.backbone='') needs a tokenizer",
-            )
-        if config.model.tokenizer and not Path(config.model.tokenizer).exists():
-            bad("model.tokenizer", config.model.tokenizer, "does not exist")
-        if config.init_from and not Path(config.init_from).exists():
-            bad("init_from", config.init_from, "does not exist")
 
-    if problems:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+def _validate_paths(config: ml_collections.ConfigDict, bad: _Bad) -> None:
+    """The shards, backbone, tokenizer and init_from exist (skipped by `check_paths=False`, for configs
+    checked away from their data)."""
+    shards = Path(config.data.shards) if config.data.shards else None
+    if shards is None:
+        bad("data.shards", config.data.shards, "must name a data.prepare output folder")
+    elif not (shards / "manifest.json").is_file():
+        bad(
+            "data.shards", config.data.shards, "has no manifest.json (not a finished data.prepare folder)"
+        )
+    if config.model.backbone:
+        if not (Path(config.model.backbone) / "COMPLETE").is_file():
+            bad(
+                "model.backbone",
+                config.model.backbone,
+                "is not a complete converted checkpoint (run empatheia_jax.weights.hf_to_flax)",
+            )
+    elif not config.model.tokenizer:
+        bad(
+            "model.tokenizer",
+            config.model.tokenizer,
+            "a random backbone (model.backbone='') needs a tokenizer",
+        )
+    if config.model.tokenizer and not Path(config.model.tokenizer).exists():
+        bad("model.tokenizer", config.model.tokenizer, "does not exist")
+    if config.init_from and not Path(config.init_from).exists():
+        bad("init_from", config.init_from, "does not exist")
 
 
 def best_metric_choices(config: ml_collections.ConfigDict) -> list[str]:
@@ -264,8 +308,8 @@ def set_matmul_precision(config: ml_collections.ConfigDict) -> str:
     """Sets the run's float32 dot precision process-wide and returns it.
 
     Process-wide rather than per dot, because a run's model, loss and generation must all compute the same
-    function, as it did in training (docs/design.md "Session 12"). Configs from before the key existed mean
-    "float32".
+    function, as it did in training (docs/design.md "Matmul precision"). Configs from before the key
+    existed mean "float32".
     """
     import jax
 

@@ -508,7 +508,7 @@ def warmup_sd(
 ) -> bool:
     """Trains the SD alone on cached inputs (`collect_sd_inputs`) before the stage's joint steps.
 
-    Why: the SD needs a few hundred steps before its classifiers move (docs/benchmarks.md, "Session 3"),
+    Why: the SD needs a few hundred steps before its classifiers move (design.md "SD input standardisation"),
     and a stage step also runs the LLM forward and, for the projections and signal rows, its backward. On
     cached signal states an SD step costs a small fraction of that. This is the head warm-up of
     linear-probe-then-fine-tune (Kumar et al. 2022): the stage's joint steps then start from a trained head
@@ -521,32 +521,7 @@ def warmup_sd(
     steps = int(schedule.sd_warmup_steps)
     n = int(inputs["r_s"].shape[0])
     size = min(int(config.train.sd_warmup_batch_size), n)
-    weights = losses.LossWeights(**dict(config.loss))
-    warm = config_lib.Schedule(steps=steps, lr=schedule.sd_warmup_lr,
-                               warmup_steps=min(schedule.warmup_steps, steps))
-    tx, lr_schedule = make_tx(config, warm)
-    graphdef, params, rest = nnx.split(model.style_dis, nnx.Param, ...)
-    with jax.set_mesh(mesh):
-        opt_state = tx.init(params)
-
-    def step(params, opt_state, idx, key):
-        batch = jax.tree.map(lambda x: x[idx], inputs)
-
-        def loss_fn(p):
-            sd = nnx.merge(graphdef, p, rest)
-            return objective.sd_head_loss(sd, batch, stage, weights, rng=example_keys(key, idx.shape))
-
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        grad_norm = optax.global_norm(grads)
-        ok = jnp.isfinite(metrics["total"]) & jnp.isfinite(grad_norm)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-        return keep(new_params, params), keep(new_opt_state, opt_state), {
-            **metrics, "grad_norm": grad_norm, "nonfinite": (~ok).astype(jnp.float32)}
-
-    shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
-    step_fn = jax.jit(step, donate_argnums=(0, 1), out_shardings=(shardings(params), None, None))
+    step_fn, params, opt_state, lr_schedule = _sd_warmup_program(config, stage, model, inputs, schedule, mesh)
     rng = np.random.default_rng([config.seed, 0x5D])
     perm, cursor = rng.permutation(n), 0
     key = jax.random.fold_in(jax.random.key(config.seed), 0x5D)
@@ -582,6 +557,50 @@ def warmup_sd(
     if skipped:
         log.warning("SD warm-up: %d of %d updates skipped (non-finite loss or gradient)", skipped, steps)
     return completed
+
+
+def _sd_warmup_program(
+    config: ml_collections.ConfigDict,
+    stage: stages.Stage,
+    model: Empatheia,
+    inputs: Mapping[str, jax.Array],
+    schedule: config_lib.Schedule,
+    mesh: Mesh,
+) -> tuple[Callable, nnx.State, Any, optax.Schedule]:
+    """(step, SD params, optimizer state, lr schedule) of `warmup_sd`.
+
+    The warm-up gets an optimizer of its own (`make_tx` over its steps at its lr) so the stage's optimizer
+    starts fresh after it. Like the stage step, it leaves params and optimizer state untouched when the loss
+    or gradient norm is not finite (and reports `nonfinite`), so one bad batch cannot wreck the warm-up.
+    """
+    steps = int(schedule.sd_warmup_steps)
+    weights = losses.LossWeights(**dict(config.loss))
+    warm = config_lib.Schedule(steps=steps, lr=schedule.sd_warmup_lr,
+                               warmup_steps=min(schedule.warmup_steps, steps))
+    tx, lr_schedule = make_tx(config, warm)
+    graphdef, params, rest = nnx.split(model.style_dis, nnx.Param, ...)
+    with jax.set_mesh(mesh):
+        opt_state = tx.init(params)
+
+    def step(params, opt_state, idx, key):
+        batch = jax.tree.map(lambda x: x[idx], inputs)
+
+        def loss_fn(p):
+            sd = nnx.merge(graphdef, p, rest)
+            return objective.sd_head_loss(sd, batch, stage, weights, rng=example_keys(key, idx.shape))
+
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        grad_norm = optax.global_norm(grads)
+        ok = jnp.isfinite(metrics["total"]) & jnp.isfinite(grad_norm)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+        return keep(new_params, params), keep(new_opt_state, opt_state), {
+            **metrics, "grad_norm": grad_norm, "nonfinite": (~ok).astype(jnp.float32)}
+
+    shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
+    step_fn = jax.jit(step, donate_argnums=(0, 1), out_shardings=(shardings(params), None, None))
+    return step_fn, params, opt_state, lr_schedule
 
 
 def evaluate_loss(
@@ -706,7 +725,97 @@ def _function_of(model_config: Mapping[str, Any] | EmpatheiaConfig) -> dict[str,
 
 
 def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult:
-    """Trains `config.stage` in `workdir` (resuming from its latest checkpoint when there is one)."""
+    """Trains `config.stage` in `workdir` (resuming from its latest checkpoint when there is one).
+
+    Read top to bottom, one helper per phase: build, restore, prepare the SD, loop, final evaluation.
+    """
+    run = _build_run(config, Path(workdir))
+    start, nonfinite_skipped, resuming = _restore(run)
+    writer = MetricsWriter(run.workdir, run.lead)
+    watcher = PreemptionWatcher()  # from here on, so that a SIGTERM during the SD warm-up is clean too
+    if not _prepare(run, resuming, writer, watcher):
+        return TrainResult("preempted", 0, run.workdir, {}, {}, 0)
+
+    p = _start_steps(run, start, nonfinite_skipped)
+    trace = (run.workdir / "data_trace.jsonl").open("a") if config.train.trace_data and run.lead else None
+    from tqdm import tqdm
+
+    bar = tqdm(total=run.schedule.steps, initial=start, disable=not run.lead, desc=f"train {run.stage.name}",
+               unit="step")
+    window = _Window(start=time.perf_counter())
+    with watcher:
+        try:
+            _loop(run, p, window, writer, watcher, bar, trace)
+            eval_metrics = _final_eval(run, p, writer)
+            run.ckpt.wait_until_finished()
+        finally:
+            bar.close()
+            writer.close()
+            if trace is not None:
+                trace.close()
+            run.ckpt.close()
+    stages.merge_after_step(run.model, run.optimizer, p.params, p.opt_state)
+    return TrainResult(p.status, p.done, run.workdir, p.last_metrics, eval_metrics, p.nonfinite_skipped)
+
+
+@dataclasses.dataclass
+class _Run:
+    """What a run builds before its first step: one object the steps of `train` share, so that each step's
+    helper takes the run instead of a dozen arguments."""
+
+    config: ml_collections.ConfigDict
+    stage: stages.Stage
+    schedule: config_lib.Schedule
+    workdir: Path
+    lead: bool  # process 0: the one that writes config.json, metrics and the data trace
+    mesh: Mesh
+    model: Empatheia
+    tokenizer: Any
+    optimizer: nnx.Optimizer
+    lr_schedule: optax.Schedule
+    include_backbone: bool  # a random backbone is saved with the run; a converted one is re-read
+    meta: dict[str, Any]
+    ckpt: TrainCheckpointer
+    pipeline: InputPipeline
+    data_iter: Any
+
+
+@dataclasses.dataclass
+class _Progress:
+    """The loop's state. The step's arrays live here, not in the model, between steps (the step donates
+    them); `_save` and the evaluations merge them back first."""
+
+    graphs: stages.StepGraphs
+    params: nnx.State
+    frozen: nnx.State
+    opt_state: nnx.State
+    step_fn: stages.TrainStep
+    key: jax.Array
+    n_trainable: int
+    peak: float | None
+    start: int
+    done: int
+    nonfinite_skipped: int
+    consecutive_bad: int = 0
+    status: str = "completed"
+    last_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _Window:
+    """Metrics summed since the last log line, and the throughput sample (steps, tokens, since when)."""
+
+    start: float
+    sums: dict[str, float] = dataclasses.field(default_factory=dict)
+    steps: int = 0
+    tokens: int = 0
+
+    def reset(self) -> None:
+        self.sums, self.steps, self.tokens, self.start = {}, 0, 0, time.perf_counter()
+
+
+def _build_run(config: ml_collections.ConfigDict, workdir: Path) -> _Run:
+    """Everything that can fail on a bad config or missing data fails here, before a step is compiled."""
     initialize_distributed(config)
     config_lib.validate(config)
     config_lib.set_matmul_precision(config)
@@ -714,7 +823,6 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
     schedule = config_lib.stage_schedule(config)
     manifest = model_manifest(config)
     check_splits(config, manifest)
-    workdir = Path(workdir)
     lead = jax.process_index() == 0
     if lead:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -725,20 +833,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
     tx, lr_schedule = make_tx(config, schedule)
     with jax.set_mesh(mesh):
         optimizer = stages.make_optimizer(model, stage, tx)
-    include_backbone = not config.model.backbone
-    meta = {
-        "stage": stage.to_dict(),
-        "config": config_lib.to_json(config),
-        "model_config": model.config.to_dict(),
-        # absolute, so that eval/chat/export find it from any directory (the config keeps what was given)
-        "backbone": str(Path(config.model.backbone).resolve()) if config.model.backbone else "",
-        "include_backbone": include_backbone,
-        "encoder": manifest.get("encoder"),
-        # {kind: {source, dim, ...}} of the shards' generator targets: the bridge to a generator needs the
-        # source (Kokoro features drive Kokoro; stand-ins drive nothing).
-        "targets": (manifest.get("targets") or {}).get("kinds", {}),
-    }
-
+    meta = _checkpoint_meta(config, stage, model, manifest)
     ckpt = TrainCheckpointer(
         workdir / CHECKPOINT_DIR,
         keep=config.checkpoint.keep,
@@ -748,192 +843,258 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> TrainResult
         async_save=config.checkpoint.async_save,
     )
     pipeline = make_train_pipeline(config, stage, model, tokenizer)
-    data_iter = iter(pipeline)
-    start, nonfinite_skipped = 0, 0
-    resuming = ckpt.latest_step() is not None
-    if resuming:
-        restored = ckpt.restore(params=saved_state(model, include_backbone), opt_state=nnx.state(optimizer))
-        _check_same("stage", restored.meta["stage"], meta["stage"], workdir)
+    return _Run(
+        config=config, stage=stage, schedule=schedule, workdir=workdir, lead=lead, mesh=mesh, model=model,
+        tokenizer=tokenizer, optimizer=optimizer, lr_schedule=lr_schedule,
+        include_backbone=not config.model.backbone, meta=meta, ckpt=ckpt, pipeline=pipeline,
+        data_iter=iter(pipeline),
+    )
+
+
+def _checkpoint_meta(
+    config: ml_collections.ConfigDict, stage: stages.Stage, model: Empatheia, manifest: Mapping[str, Any]
+) -> dict[str, Any]:
+    """What eval, chat and export need to rebuild the model from a checkpoint alone, and what a resume
+    checks it agrees with."""
+    return {
+        "stage": stage.to_dict(),
+        "config": config_lib.to_json(config),
+        "model_config": model.config.to_dict(),
+        # absolute, so that eval/chat/export find it from any directory (the config keeps what was given)
+        "backbone": str(Path(config.model.backbone).resolve()) if config.model.backbone else "",
+        "include_backbone": not config.model.backbone,
+        "encoder": manifest.get("encoder"),
+        # {kind: {source, dim, ...}} of the shards' generator targets: the bridge to a generator needs the
+        # source (Kokoro features drive Kokoro; stand-ins drive nothing).
+        "targets": (manifest.get("targets") or {}).get("kinds", {}),
+    }
+
+
+def _restore(run: _Run) -> tuple[int, int, bool]:
+    """(first step, non-finite steps skipped so far, resuming). A workdir's own checkpoint wins over
+    `init_from`: a preempted run must go on from where it stopped, not start over from the previous
+    stage."""
+    config, model, workdir = run.config, run.model, run.workdir
+    if run.ckpt.latest_step() is not None:
+        restored = run.ckpt.restore(params=saved_state(model, run.include_backbone),
+                                    opt_state=nnx.state(run.optimizer))
+        _check_same("stage", restored.meta["stage"], run.meta["stage"], workdir)
         _check_same("model", _function_of(restored.meta["model_config"]), _function_of(model.config), workdir)
         nnx.update(model, restored.params)
-        nnx.update(optimizer, restored.opt_state)
-        data_iter.set_state(own_data_state(restored.data_state))
+        nnx.update(run.optimizer, restored.opt_state)
+        run.data_iter.set_state(own_data_state(restored.data_state))
         start, nonfinite_skipped = restored.step, int(restored.meta.get("nonfinite_skipped", 0))
         # A resume must be told apart from a restart (both end bit-identical): say where it starts.
         log.info("resuming from step %d (workdir %s)", start, workdir)
-    elif config.init_from:
+        return start, nonfinite_skipped, True
+    if config.init_from:
         src_dir, src_step = resolve_checkpoint(checkpoints_of(config.init_from))
         with TrainCheckpointer(src_dir, create=False, async_save=False) as src:
-            restored = src.restore(src_step, params=saved_state(model, include_backbone))
+            restored = src.restore(src_step, params=saved_state(model, run.include_backbone))
         _check_same("model", _function_of(restored.meta["model_config"]), _function_of(model.config),
                     Path(config.init_from))
         nnx.update(model, restored.params)
         log.info("initialised from %s step %d", src_dir, src_step)
-    writer = MetricsWriter(workdir, lead)
-    watcher = PreemptionWatcher()  # from here on, so that a SIGTERM during the SD warm-up is clean too
+    return 0, 0, False
+
+
+def _prepare(run: _Run, resuming: bool, writer: MetricsWriter, watcher: PreemptionWatcher) -> bool:
+    """`prepare_sd` on a fresh workdir (a resumed run restored its calibrated SD). False when a preemption
+    came during it: the run then ends before step 0, with nothing to save (a restart redoes it all). On
+    that path and on an exception, the writer, the checkpointer and the signal handlers are released here,
+    since the loop that would release them never starts."""
     try:
-        prepared = resuming or prepare_sd(config, stage, model, tokenizer, mesh, schedule, writer=writer,
+        prepared = resuming or prepare_sd(run.config, run.stage, run.model, run.tokenizer, run.mesh,
+                                          run.schedule, writer=writer,
                                           stop_requested=lambda: watcher.requested(None))
     except BaseException:
         watcher.restore_handlers()
         writer.close()
-        ckpt.close()
+        run.ckpt.close()
         raise
     if not prepared:
         watcher.restore_handlers()
         writer.close()
-        ckpt.close()
+        run.ckpt.close()
         log.warning("preemption requested during the SD warm-up: exiting before step 0, nothing to save")
-        return TrainResult("preempted", 0, workdir, {}, {}, 0)
+    return prepared
 
-    weights = losses.LossWeights(**dict(config.loss))
-    graphs, params, frozen, opt_state = stages.split_for_step(model, optimizer, stage)
-    step_fn = jit_step(stage, weights, params, opt_state)
+
+def _start_steps(run: _Run, start: int, nonfinite_skipped: int) -> _Progress:
+    """Splits the model into the arrays the jitted step takes, and builds that step (compiled at its first
+    call). Only now: the restore and the SD preparation both change the model."""
+    weights = losses.LossWeights(**dict(run.config.loss))
+    graphs, params, frozen, opt_state = stages.split_for_step(run.model, run.optimizer, run.stage)
+    step_fn = jit_step(run.stage, weights, params, opt_state)
     n_trainable = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     peak = peak_flops()
-    key = jax.random.key(config.seed)
-    trace = (workdir / "data_trace.jsonl").open("a") if config.train.trace_data and lead else None
+    return _Progress(
+        graphs=graphs, params=params, frozen=frozen, opt_state=opt_state, step_fn=step_fn,
+        key=jax.random.key(run.config.seed), n_trainable=n_trainable, peak=peak, start=start, done=start,
+        nonfinite_skipped=nonfinite_skipped,
+    )
 
-    def save(step: int, metrics: Mapping[str, float] | None = None, force: bool = False) -> None:
-        stages.merge_after_step(model, optimizer, params, opt_state)
-        # save() returns once orbax holds host copies, so the next (donating) step cannot corrupt it.
-        ckpt.save(
-            step,
-            params=saved_state(model, include_backbone),
-            opt_state=nnx.state(optimizer),
-            data_state=gather_data_state(data_iter.get_state()),
-            meta={**meta, "nonfinite_skipped": nonfinite_skipped},
-            metrics=metrics,
-            force=force,
+
+def _loop(
+    run: _Run, p: _Progress, window: _Window, writer: MetricsWriter, watcher: PreemptionWatcher, bar: Any,
+    trace: Any,
+) -> None:
+    """The steps from `p.start` to the schedule's end, or to a preemption (`p.status`)."""
+    for step in range(p.start, run.schedule.steps):
+        host_batch, metrics = _run_step(run, p, window, step, trace)
+        _apply_nan_policy(run, p, step, host_batch, metrics)
+        for k, v in metrics.items():
+            window.sums[k] = window.sums.get(k, 0.0) + v
+        p.last_metrics = metrics
+        p.done = step + 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['total']:.4f}")
+        _log_window(run, p, window, writer, host_batch)
+        if _eval_save_or_stop(run, p, writer, watcher):
+            break
+
+
+def _run_step(
+    run: _Run, p: _Progress, window: _Window, step: int, trace: Any
+) -> tuple[Mapping[str, np.ndarray], dict[str, float]]:
+    """(host batch, metrics) of one step. The step key is `fold_in(seed, step)`, so a resumed run draws
+    the same noise as an uninterrupted one."""
+    profile = tuple(run.config.train.profile_steps)
+    if profile and step == profile[0]:
+        jax.profiler.start_trace(str(run.workdir / "profile"))
+    host_batch = agree_on_length(next(run.data_iter), run.pipeline.pad_id)
+    if trace is not None:
+        trace.write(json.dumps({"step": step, "record_index": host_batch["record_index"].tolist()}) + "\n")
+        trace.flush()
+    batch = step_batch(host_batch, run.mesh, run.config.train.grad_accum)
+    t0 = time.perf_counter()
+    with jax.set_mesh(run.mesh):  # traced for the mesh: activations keep the batch layout
+        p.params, p.opt_state, metrics = p.step_fn(
+            p.graphs, p.params, p.frozen, p.opt_state, batch, jax.random.fold_in(p.key, step)
         )
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    if profile and step + 1 == profile[1]:
+        jax.profiler.stop_trace()
+    if step == p.start:
+        window.start = time.perf_counter()  # the first step compiles: not a throughput sample
+        metrics["compile_s"] = window.start - t0
+    else:
+        window.steps += 1
+        window.tokens += int(host_batch["attention_mask"].sum()) * jax.process_count()
+    return host_batch, metrics
 
-    from tqdm import tqdm
 
-    bar = tqdm(total=schedule.steps, initial=start, disable=not lead, desc=f"train {stage.name}", unit="step")
-    window: dict[str, float] = {}
-    window_steps, window_tokens, window_start = 0, 0, time.perf_counter()
-    consecutive_bad, status, done = 0, "completed", start
-    last_metrics: dict[str, float] = {}
-    profile = tuple(config.train.profile_steps)
-    with watcher:
-        try:
-            for step in range(start, schedule.steps):
-                if profile and step == profile[0]:
-                    jax.profiler.start_trace(str(workdir / "profile"))
-                host_batch = agree_on_length(next(data_iter), pipeline.pad_id)
-                if trace is not None:
-                    trace.write(
-                        json.dumps({"step": step, "record_index": host_batch["record_index"].tolist()}) + "\n"
-                    )
-                    trace.flush()
-                batch = step_batch(host_batch, mesh, config.train.grad_accum)
-                t0 = time.perf_counter()
-                with jax.set_mesh(mesh):  # traced for the mesh: activations keep the batch layout
-                    params, opt_state, metrics = step_fn(
-                        graphs, params, frozen, opt_state, batch, jax.random.fold_in(key, step)
-                    )
-                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                if profile and step + 1 == profile[1]:
-                    jax.profiler.stop_trace()
-                if step == start:
-                    window_start = time.perf_counter()  # the first step compiles: not a throughput sample
-                    metrics["compile_s"] = window_start - t0
-                else:
-                    window_steps += 1
-                    window_tokens += int(host_batch["attention_mask"].sum()) * jax.process_count()
-                if metrics["nonfinite"]:
-                    consecutive_bad += 1
-                    nonfinite_skipped += 1
-                    where = f"step {step} (records {host_batch['record_index'].tolist()})"
-                    if (
-                        config.train.nan_policy == "stop"
-                        or consecutive_bad >= config.train.max_consecutive_nonfinite
-                    ):
-                        save(step + 1, force=True)
-                        ckpt.wait_until_finished()
-                        raise NonFiniteLossError(
-                            f"non-finite loss/gradient at {where}: loss={metrics['total']}, "
-                            f"grad_norm={metrics['grad_norm']}; the update was not applied and the last good "
-                            f"state is checkpointed at step {step + 1} in {ckpt.directory}"
-                        )
-                    log.warning("non-finite loss at %s: update skipped (%d so far)", where, nonfinite_skipped)
-                else:
-                    consecutive_bad = 0
-                for k, v in metrics.items():
-                    window[k] = window.get(k, 0.0) + v
-                last_metrics = metrics
-                done = step + 1
-                bar.update(1)
-                bar.set_postfix(loss=f"{metrics['total']:.4f}")
-                if done % config.train.log_every == 0 or done == schedule.steps:
-                    n = max(done - max(start, done - config.train.log_every), 1)
-                    out = {
-                        f"train/{k}": v / n for k, v in window.items() if k not in ("compile_s", "nonfinite")
-                    }
-                    out["train/nonfinite_skipped"] = nonfinite_skipped
-                    out["train/lr"] = float(lr_schedule(done - 1))
-                    if "compile_s" in window:
-                        out["perf/compile_s"] = window["compile_s"]
-                    if window_steps:
-                        dt = time.perf_counter() - window_start
-                        out["perf/step_time_s"] = dt / window_steps
-                        out["perf/tokens_per_s"] = window_tokens / dt
-                        if peak:
-                            seq = host_batch["input_ids"].shape[1]
-                            achieved = out["perf/tokens_per_s"] * flops_per_token(model, seq, n_trainable)
-                            out["perf/mfu"] = achieved / (peak * jax.device_count())
-                    writer.write(done, out)
-                    window, window_steps, window_tokens, window_start = {}, 0, 0, time.perf_counter()
-                eval_now = (
-                    config.train.eval_every and done % config.train.eval_every == 0 and done < schedule.steps
-                )
-                eval_metrics = None
-                if eval_now:
-                    stages.merge_after_step(model, optimizer, params, opt_state)
-                    eval_metrics = {
-                        f"eval/{k}": v
-                        for k, v in evaluate_loss(
-                            config, stage, model, tokenizer, mesh, max_batches=config.train.eval_batches
-                        ).items()
-                    }
-                    writer.write(done, eval_metrics)
-                if done % config.checkpoint.every == 0 and done < schedule.steps:
-                    save(done, eval_metrics)
-                if watcher.requested(done):
-                    save(done, force=True)
-                    status = "preempted"
-                    log.warning(
-                        "preemption requested: checkpointed step %d in %s, exiting", done, ckpt.directory
-                    )
-                    break
-            eval_metrics = {}
-            # Run again once complete (a launcher re-runs every stage), a stage trains nothing and reports
-            # the final evaluation saved with its last step instead of evaluating the same weights again.
-            recorded = ckpt.saved_metrics(start) if start == schedule.steps else {}
-            recorded = {k: v for k, v in recorded.items() if k.startswith("eval/")}
-            if status == "completed" and recorded:
-                eval_metrics = recorded
-                log.info("already complete at step %d: its final evaluation is the one saved then", start)
-            elif status == "completed":
-                stages.merge_after_step(model, optimizer, params, opt_state)
-                eval_metrics = {
-                    f"eval/{k}": v
-                    for k, v in evaluate_loss(
-                        config, stage, model, tokenizer, mesh, max_batches=config.train.eval_batches
-                    ).items()
-                }
-                writer.write(schedule.steps, eval_metrics)
-                if ckpt.latest_step() != schedule.steps:
-                    save(schedule.steps, eval_metrics or None, force=True)
-            ckpt.wait_until_finished()
-        finally:
-            bar.close()
-            writer.close()
-            if trace is not None:
-                trace.close()
-            ckpt.close()
-    stages.merge_after_step(model, optimizer, params, opt_state)
-    return TrainResult(status, done, workdir, last_metrics, eval_metrics, nonfinite_skipped)
+def _apply_nan_policy(
+    run: _Run, p: _Progress, step: int, host_batch: Mapping[str, np.ndarray], metrics: Mapping[str, float]
+) -> None:
+    """The program already skipped a non-finite update; the host decides whether the run goes on. A stop
+    checkpoints first, so the last good state survives the error."""
+    if not metrics["nonfinite"]:
+        p.consecutive_bad = 0
+        return
+    config = run.config
+    p.consecutive_bad += 1
+    p.nonfinite_skipped += 1
+    where = f"step {step} (records {host_batch['record_index'].tolist()})"
+    if config.train.nan_policy == "stop" or p.consecutive_bad >= config.train.max_consecutive_nonfinite:
+        _save(run, p, step + 1, force=True)
+        run.ckpt.wait_until_finished()
+        raise NonFiniteLossError(
+            f"non-finite loss/gradient at {where}: loss={metrics['total']}, "
+            f"grad_norm={metrics['grad_norm']}; the update was not applied and the last good "
+            f"state is checkpointed at step {step + 1} in {run.ckpt.directory}"
+        )
+    log.warning("non-finite loss at %s: update skipped (%d so far)", where, p.nonfinite_skipped)
+
+
+def _log_window(
+    run: _Run, p: _Progress, window: _Window, writer: MetricsWriter, host_batch: Mapping[str, np.ndarray]
+) -> None:
+    """Every `log_every` steps and at the end: the window's mean metrics, lr and throughput (MFU where the
+    chip's peak is known)."""
+    done, log_every = p.done, run.config.train.log_every
+    if not (done % log_every == 0 or done == run.schedule.steps):
+        return
+    n = max(done - max(p.start, done - log_every), 1)
+    out = {f"train/{k}": v / n for k, v in window.sums.items() if k not in ("compile_s", "nonfinite")}
+    out["train/nonfinite_skipped"] = p.nonfinite_skipped
+    out["train/lr"] = float(run.lr_schedule(done - 1))
+    if "compile_s" in window.sums:
+        out["perf/compile_s"] = window.sums["compile_s"]
+    if window.steps:
+        dt = time.perf_counter() - window.start
+        out["perf/step_time_s"] = dt / window.steps
+        out["perf/tokens_per_s"] = window.tokens / dt
+        if p.peak:
+            seq = host_batch["input_ids"].shape[1]
+            achieved = out["perf/tokens_per_s"] * flops_per_token(run.model, seq, p.n_trainable)
+            out["perf/mfu"] = achieved / (p.peak * jax.device_count())
+    writer.write(done, out)
+    window.reset()
+
+
+def _eval_save_or_stop(run: _Run, p: _Progress, writer: MetricsWriter, watcher: PreemptionWatcher) -> bool:
+    """After a step: the periodic evaluation and checkpoint, then the preemption poll (every step, as a
+    collective must be). True when the run must stop, its step saved."""
+    config, done = run.config, p.done
+    eval_now = config.train.eval_every and done % config.train.eval_every == 0 and done < run.schedule.steps
+    eval_metrics = None
+    if eval_now:
+        eval_metrics = _evaluate(run, p)
+        writer.write(done, eval_metrics)
+    if done % config.checkpoint.every == 0 and done < run.schedule.steps:
+        _save(run, p, done, eval_metrics)
+    if watcher.requested(done):
+        _save(run, p, done, force=True)
+        p.status = "preempted"
+        log.warning("preemption requested: checkpointed step %d in %s, exiting", done, run.ckpt.directory)
+        return True
+    return False
+
+
+def _final_eval(run: _Run, p: _Progress, writer: MetricsWriter) -> dict[str, float]:
+    """The completed run's evaluation, saved with its last step ({} when preempted)."""
+    steps = run.schedule.steps
+    eval_metrics: dict[str, float] = {}
+    # Run again once complete (a launcher re-runs every stage), a stage trains nothing and reports the final
+    # evaluation saved with its last step instead of evaluating the same weights again.
+    recorded = run.ckpt.saved_metrics(p.start) if p.start == steps else {}
+    recorded = {k: v for k, v in recorded.items() if k.startswith("eval/")}
+    if p.status == "completed" and recorded:
+        eval_metrics = recorded
+        log.info("already complete at step %d: its final evaluation is the one saved then", p.start)
+    elif p.status == "completed":
+        eval_metrics = _evaluate(run, p)
+        writer.write(steps, eval_metrics)
+        if run.ckpt.latest_step() != steps:
+            _save(run, p, steps, eval_metrics or None, force=True)
+    return eval_metrics
+
+
+def _evaluate(run: _Run, p: _Progress) -> dict[str, float]:
+    """`evaluate_loss` of the current weights (merged back from the step's arrays first)."""
+    stages.merge_after_step(run.model, run.optimizer, p.params, p.opt_state)
+    config = run.config
+    metrics = evaluate_loss(config, run.stage, run.model, run.tokenizer, run.mesh,
+                            max_batches=config.train.eval_batches)
+    return {f"eval/{k}": v for k, v in metrics.items()}
+
+
+def _save(run: _Run, p: _Progress, step: int, metrics: Mapping[str, float] | None = None,
+          force: bool = False) -> None:
+    """Checkpoints the current state, the data iterator's position with it (what a bit-identical resume
+    needs)."""
+    stages.merge_after_step(run.model, run.optimizer, p.params, p.opt_state)
+    # save() returns once orbax holds host copies, so the next (donating) step cannot corrupt it.
+    run.ckpt.save(
+        step,
+        params=saved_state(run.model, run.include_backbone),
+        opt_state=nnx.state(run.optimizer),
+        data_state=gather_data_state(run.data_iter.get_state()),
+        meta={**run.meta, "nonfinite_skipped": p.nonfinite_skipped},
+        metrics=metrics,
+        force=force,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
