@@ -13,11 +13,11 @@ from typing import Any
 from empatheia_jax import logs
 from empatheia_jax.data import ed as _lib
 from empatheia_jax.data.ed import (
-    _write_atomic,
     convert_ed_csv,
     dumps,
     holdout,
     split_from_filename,
+    write_atomic,
     write_outputs,
 )
 from empatheia_jax.data.schema import (
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path, report_path = write_outputs(result, args.csv, args.out, split)
     if held_name:
         held_path = os.path.join(args.out, f"{held_name}.json")
-        _write_atomic(held_path, dumps(held))
+        write_atomic(held_path, dumps(held))
         with open(report_path, "a", encoding="utf-8") as f:
             turns = sum(len(d["turns"]) for d in held)
             f.write(f"\nholdout: {held_name}.json {len(held)} dialogues, {turns} turns "

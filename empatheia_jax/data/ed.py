@@ -352,7 +352,9 @@ def dumps(dialogues: list[dict[str, Any]]) -> str:
     return json.dumps(dialogues, ensure_ascii=False, indent=1) + "\n"
 
 
-def _write_atomic(path: str, text: str) -> None:
+def write_atomic(path: str, text: str) -> None:
+    """`text` to `path` through a temporary name, so a reader never sees half a file (the CLI's hold-out
+    split is written the same way)."""
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8", newline="\n") as f:
         f.write(text)
@@ -398,6 +400,6 @@ def write_outputs(result: ImportResult, csv_path: str, out_dir: str, split: str)
         "",
         *result.quirks,
     ]
-    _write_atomic(json_path, dumps(result.dialogues))
-    _write_atomic(report_path, "\n".join(lines) + "\n")
+    write_atomic(json_path, dumps(result.dialogues))
+    write_atomic(report_path, "\n".join(lines) + "\n")
     return json_path, report_path
