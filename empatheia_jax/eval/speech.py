@@ -15,6 +15,12 @@ What is compared (docs/design.md "Speech out"):
   listener's profile labels, applied to each system's style vector over every test record with a style
   target. Kokoro has no style encoder, so the probe reads the vector that drives the generator, the one
   the gold voice was chosen as.
+- **Intelligibility** (speech_wer / speech_cer, `empatheia_jax.data.asr`): Whisper tiny.en, a recogniser
+  trained on none of this, transcribes every spoken reply of every system; its corpus WER/CER against the
+  record's gold reply text (`response`, the words the teacher-forced content is over) says whether the
+  speech carries the words. The `gold` column is the same recogniser on the gold speech: its floor (what
+  the recogniser's own errors cost on speech that is right by construction). Transcripts are kept in
+  `SpeechEval.transcripts` ({column: [Transcript]}, in `items` order).
 
 Gold speech: `RAW/gold_speech/{response_utt_id}.wav` (24 kHz, data/make_sample.py), RAW from the shards'
 manifest unless given. Only shards whose speech targets are Kokoro features can be spoken;
@@ -33,14 +39,16 @@ import numpy as np
 
 from empatheia_jax.data import input_pipeline as ip
 
-SPEECH_METRICS = ("speech_mcd", "speech_spk_sim", "speech_f0_diff_st", "speech_dur_ratio", "speech_age_acc",
-                  "speech_gender_acc", "speech_timbre_acc", "speech_examples", "speech_unusable")
+SPEECH_METRICS = ("speech_mcd", "speech_spk_sim", "speech_f0_diff_st", "speech_dur_ratio", "speech_wer",
+                  "speech_cer", "speech_age_acc", "speech_gender_acc", "speech_timbre_acc", "speech_examples",
+                  "speech_unusable")
 HIGHER_IS_BETTER = frozenset({"speech_spk_sim", "speech_age_acc", "speech_gender_acc", "speech_timbre_acc"})
-LOWER_IS_BETTER = frozenset({"speech_mcd", "speech_f0_diff_st"})
+LOWER_IS_BETTER = frozenset({"speech_mcd", "speech_f0_diff_st", "speech_wer", "speech_cer"})
 PROFILE = ("age", "gender", "timbre")
 _ROW_NAMES = {"mcd": "speech_mcd", "speaker_similarity": "speech_spk_sim",
               "f0_semitones": "speech_f0_diff_st",
-              "duration_ratio": "speech_dur_ratio", "n": "speech_examples", "unusable": "speech_unusable"}
+              "duration_ratio": "speech_dur_ratio", "n": "speech_examples", "unusable": "speech_unusable",
+              "wer": "speech_wer", "cer": "speech_cer"}
 
 
 class SpeechEvalUnavailable(RuntimeError):
@@ -84,11 +92,13 @@ class SpeechEval:
             wav = self.gold_dir / f"{rec['response_utt_id']}.wav"
             if len(self.items) < self.examples and "speech_content" in targets and wav.is_file():
                 self.items.append({"record_index": i, "wav": wav, "uid": rec["response_utt_id"],
-                                   "content": np.asarray(targets["speech_content"])})
+                                   "content": np.asarray(targets["speech_content"]),
+                                   "reply": str(rec["response"])})
         if self.examples and not self.items:
             raise SpeechEvalUnavailable(f"no {split} record of {shards_dir} has gold speech in "
                                         f"{self.gold_dir}")
         self.gold = [self._read(it["wav"]) for it in self.items]
+        self.transcripts: dict[str, list[Any]] = {}  # column -> [asr.Transcript], items order
 
         # The probe and the reference voices, from the train split's gold style targets.
         train = ip.ShardReader.for_split(shards_dir, train_split)
@@ -132,6 +142,29 @@ class SpeechEval:
         bar = tqdm(pairs, desc=f"speech: {name}", unit="utt", disable=not self.progress, leave=False)
         return [speaker.speak(c, s, len(c)) for c, s in bar]
 
+    def _heard_rows(self, name: str, wavs: list[np.ndarray]) -> dict[str, float]:
+        """speech_wer / speech_cer of `wavs` (one per item) against the items' reply texts; the transcripts go
+        to `self.transcripts[name]` ("gold" for the gold speech, heard once per instance). A reply without a
+        word (punctuation only) has no WER and is left out of both rates."""
+        from tqdm import tqdm
+
+        from empatheia_jax.data import asr
+        from empatheia_jax.eval.metrics.speech import intelligibility_rows
+        from empatheia_jax.generators.kokoro import SAMPLE_RATE
+
+        key = "gold" if wavs is self.gold else name
+        if not (key == "gold" and key in self.transcripts):
+            recognizer = asr.shared(self.threads)
+            bar = tqdm(wavs, desc=f"speech: {name} heard by {asr.MODEL_NAME}", unit="utt",
+                       disable=not self.progress, leave=False)
+            self.transcripts[key] = [recognizer.transcribe(w, SAMPLE_RATE) for w in bar]
+        pairs = [(it["reply"], t.text) for it, t in zip(self.items, self.transcripts[key], strict=True)
+                 if asr.normalize(it["reply"])]
+        if not pairs:
+            return {}
+        rows = intelligibility_rows([r for r, _ in pairs], [h for _, h in pairs])
+        return {_ROW_NAMES[k]: v for k, v in rows.items()}
+
     def _rows(self, name: str, wavs: list[np.ndarray], styles: Mapping[int, np.ndarray]) -> dict[str, float]:
         from empatheia_jax.eval.metrics.speech import speech_rows
         from empatheia_jax.generators.kokoro import SAMPLE_RATE
@@ -140,6 +173,7 @@ class SpeechEval:
         if wavs:
             rows = speech_rows({name: wavs}, self.gold, SAMPLE_RATE, progress=self.progress)[name]
             out = {_ROW_NAMES[k]: v for k, v in rows.items() if k in _ROW_NAMES}
+            out.update(self._heard_rows(name, wavs))
         idx = [i for i in sorted(self.labels) if i in styles]
         if idx:
             acc = self.probe.accuracy(np.stack([styles[i] for i in idx]),
@@ -159,16 +193,20 @@ class SpeechEval:
         return self._rows(name, self._speak(name, pairs), styles)
 
     def reference_columns(self) -> dict[str, dict[str, float]]:
-        """mean_style and pipeline_tts (see the module docstring): gold content, a fixed voice each."""
+        """mean_style and pipeline_tts (see the module docstring): gold content, a fixed voice each; and
+        `gold`: the recogniser on the gold speech (speech_wer/speech_cer only: the gold speech's MCD and
+        similarity against itself are 0 and 1 by construction, `gold_rows`)."""
         out = {}
         for name, style in (("mean_style", self.mean_style), ("pipeline_tts", self.pipeline_style)):
             wavs = self._speak(name, [(it["content"], style) for it in self.items])
             out[name] = self._rows(name, wavs, {i: style for i in self.labels})
+        out["gold"] = self._heard_rows("gold", self.gold)
         return out
 
     def gold_rows(self) -> dict[str, float]:
-        """The gold speech against itself: MCD 0, similarity 1 (the rows measure what they say)."""
-        return self._rows("gold", list(self.gold), {})
+        """The gold speech against itself: MCD 0, similarity 1 (the rows measure what they say), and the
+        recogniser's WER/CER on it, the floor of every system's."""
+        return self._rows("gold", self.gold, {})
 
 
 def describe_targets(manifest: Mapping[str, Any]) -> str:

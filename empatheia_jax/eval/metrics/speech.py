@@ -13,6 +13,10 @@ Why these metrics (each one blind to something the others see):
   style map says (female above male, emotions shifting pitch); reported in semitones so that a shift means
   the same for a child and a man.
 - **Duration ratio**: speaking rate, which the style also drives (Kokoro's prosody predictor reads S^s).
+- **WER / CER** (`intelligibility_rows`): does the speech carry the words? Whisper tiny.en
+  (`empatheia_jax.data.asr`, a recogniser independent of Kokoro and of us) transcribes each wav; corpus-level
+  word and character error rates against the reply text, after `asr.normalize`. Blind to voice and prosody,
+  it sees what MCD cannot: speech with the right spectral envelope that says nothing.
 
 Why a nearest-class-centroid probe (`StyleClassifier`) for "does the voice carry the right gender / age /
 timbre / emotion": it has no hyperparameters and no training randomness, fits a handful of examples per
@@ -384,3 +388,14 @@ def speech_rows(systems: Mapping[str, Sequence[np.ndarray]], gold: Sequence[np.n
             "unusable": float(unusable),
         }
     return rows
+
+
+def intelligibility_rows(replies: Sequence[str], transcripts: Sequence[str]) -> dict[str, float]:
+    """`wer` and `cer`: corpus-level error rates of what the recogniser heard against the reply texts (pair i
+    = reply i and the transcript of its wav; `asr.word_error_rate` / `asr.char_error_rate`, lower is better).
+    Every reply counts, including speech too short for MCD (`unusable` in `speech_rows`): a reply that cannot
+    be heard loses all its words."""
+    from empatheia_jax.data import asr
+
+    return {"wer": asr.word_error_rate(replies, transcripts),
+            "cer": asr.char_error_rate(replies, transcripts)}
