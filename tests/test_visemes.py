@@ -1,0 +1,104 @@
+"""The mouth track of a text-only reply (empatheia_jax/generators/visemes.py): Kokoro's phonemes on the time
+axis of Kokoro's own durations, sampled per 25-fps video frame, with no waveform decoded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from empatheia_jax.generators import face_render, kokoro, kokoro_voices, visemes
+
+SENTENCE = "Mama bought a big apple pie."
+LISTENER = {"age": "young", "gender": "female", "timbre": "mid"}
+# every symbol English espeak wrote for 3,000 utterances of the shipped ED csv (data/ed/)
+ESPEAK_EN = set(" ˈɪtːndasɹləiʊmæʌˌɛkwzð.hfobupevɔɑɐjŋɡɚʃ,ɜɾᵻθ?ʒ!\"ʔ:)(;")
+
+
+@pytest.fixture(scope="module")
+def spoken():
+    """(phonemes, frames per row, synthesized audio) of SENTENCE in the listener's empathetic voice."""
+    engine = kokoro.shared()
+    voice = kokoro_voices.voice(LISTENER, "empathetic")
+    phonemes = kokoro.phonemize(SENTENCE)
+    content = engine.content_features(phonemes)
+    frames = kokoro.frames_of(engine.durations(content, voice.style, voice.speed))
+    return phonemes, frames, engine.synthesize(content, voice.style, voice.speed)
+
+
+def _rows(phonemes: str) -> list[str]:
+    table = kokoro.vocab()
+    return ["<pad>", *(c for c in phonemes if c in table), "<pad>"]
+
+
+def _frame_at(frames: np.ndarray, rows: slice) -> int:
+    """The 25-fps video frame holding the centre of the rows `rows` on the audio's time axis."""
+    ends = np.cumsum(frames) * kokoro.FRAME_SAMPLES
+    start = ends[rows.start] - frames[rows.start] * kokoro.FRAME_SAMPLES
+    return int((start + ends[rows.stop - 1]) / 2 * 25 // kokoro.SAMPLE_RATE)
+
+
+def test_track_opens_on_vowels_and_closes_on_bilabials(spoken):
+    phonemes, frames, _ = spoken
+    track = visemes.mouth_track(phonemes, frames)
+    rows = _rows(phonemes)
+    assert phonemes == "mˈɑːmɐ bˈɔːt ɐ bˈɪɡ ˈæpəl pˈaɪ." and len(rows) == len(frames) == 33
+    assert track.dtype == np.float32 and track.min() >= 0.0 and track.max() <= 1.0
+    # every p, b, m shuts the mouth at its centre (m m b b p p)
+    bilabials = [i for i, c in enumerate(rows) if c in "pbm"]
+    assert len(bilabials) == 6
+    for i in bilabials:
+        assert track[_frame_at(frames, slice(i, i + 1))] <= 0.15, (i, rows[i])
+    # the open vowels of "mama" (ˈɑː) and "apple" (ˈæ) open it: their centre frame, and every frame whose
+    # window lies inside them
+    for vowel in ("ˈɑː", "ˈæ"):
+        start = phonemes.index(vowel) + 1  # + 1: the leading pad row
+        span = slice(start, start + len(vowel))
+        assert track[_frame_at(frames, span)] > 0.6, vowel
+        ends = np.cumsum(frames) * kokoro.FRAME_SAMPLES
+        t0, t1 = ends[span.start - 1], ends[span.stop - 1]
+        inside = [k for k in range(len(track)) if t0 <= k * 960 and (k + 1) * 960 <= t1]
+        assert inside and min(track[inside]) > 0.6, vowel
+    # silence before the first word and after the full stop rests
+    assert track[0] == 0.0 and track[-1] == 0.0
+
+
+def test_frame_count_is_the_synthesized_audio_at_25_fps(spoken):
+    phonemes, frames, audio = spoken
+    assert len(audio) == frames.sum() * kokoro.FRAME_SAMPLES  # the durations time the very audio
+    n = -(-len(audio) * 25 // kokoro.SAMPLE_RATE)
+    assert len(visemes.mouth_track(phonemes, frames)) == n == face_render.frame_count(len(audio), 24000)
+
+
+def test_frame_sampling_by_hand():
+    """Rows pad ɑ p ɑ pad held 1, 2, 1, 2, 1 frames of 600 samples: row edges at 0, 600, 1800, 2400, 3600,
+    4200 samples; video frames every 960 samples, ceil(4200 / 960) = 5 of them, the last 360 long."""
+    frames = np.array([1, 2, 1, 2, 1])
+    # frame 0: pad 600 + ɑ 360; 1: ɑ 840 + p 120 (0.125 < 0.3: a mean); 2: p 480 (0.5: shut);
+    # 3: ɑ 720 + pad 240; 4: pad 360 of 360
+    raw = [360 / 960, 840 / 960, 0.0, 720 / 960, 0.0]
+    np.testing.assert_allclose(visemes.mouth_track("ɑpɑ", frames, coarticulation=0.0), raw, atol=1e-6)
+    c = 0.2  # each open frame: 0.6 x itself + 0.2 x each neighbour (edges repeat); the shut frame stays 0
+    smooth = [0.6 * raw[0] + c * (raw[0] + raw[1]), 0.6 * raw[1] + c * (raw[0] + raw[2]), 0.0,
+              0.6 * raw[3] + c * (raw[2] + raw[4]), 0.6 * raw[4] + c * (raw[3] + raw[4])]
+    np.testing.assert_allclose(visemes.mouth_track("ɑpɑ", frames, coarticulation=c), smooth, atol=1e-6)
+    # the same rows at 50 fps: 480-sample frames; p covers 120 of frame 3 (a mean) and all of frame 4
+    np.testing.assert_allclose(visemes.mouth_track("ɑpɑ", frames, fps=50, coarticulation=0.0),
+                               [0, 0.75, 1, 0.75, 0, 1, 1, 0.5, 0], atol=1e-6)
+    with pytest.raises(ValueError, match="content rows"):
+        visemes.mouth_track("ɑpɑ", frames[:4])
+    with pytest.raises(ValueError, match="frames_of"):
+        visemes.mouth_track("ɑpɑ", frames + 0.5)
+
+
+def test_rows_without_articulation_take_their_neighbours():
+    openings, closed = visemes.row_openings("mˈɑː ə. b")
+    # pad, m, ˈ (next: ɑ), ɑ, ː (previous: ɑ), space (mean of ɑ and ə), ə, full stop (rest), space (mean
+    # of rest and b), b, pad
+    np.testing.assert_allclose(openings, [0, 0, 1, 1, 1, 0.75, 0.5, 0, 0, 0, 0])
+    assert closed.tolist() == [False, True, False, False, False, False, False, False, False, True, False]
+    decided = set(visemes.OPENINGS) | visemes.NEXT | visemes.PREVIOUS | visemes.BETWEEN | visemes.PAUSES
+    assert ESPEAK_EN.issubset(decided) and ESPEAK_EN.issubset(kokoro.vocab())
+    assert set(kokoro.vocab()) - decided == {"S", "T"}
+    assert all(visemes.OPENINGS[c] == 0.0 for c in "pbm")
+    assert min(visemes.OPENINGS[c] for c in "aɑɒæʌ") >= 0.9 > max(visemes.OPENINGS[c] for c in "eɛəoɔ")
+    assert max(visemes.OPENINGS[c] for c in "iuɪʊ") < min(visemes.OPENINGS[c] for c in "eɛəoɔ")
