@@ -1,6 +1,7 @@
 """Video targets for the embedded default: the controls the procedural face generator draws each video from.
 
     python -m converters.face_targets --raw RAW --out TARGETS [--splits a,b] [--workers 2] [--quiet]
+        [--mouth speech|phonemes] [--responses-only]
 
 The sample's talking faces come from `empatheia_jax/generators/face_render.py`, a procedural stand-in for
 DreamTalk with a
@@ -15,6 +16,12 @@ The controls are computed the way data/make_sample.py renders each utterance: th
 envelope of the utterance's own wav (RAW/media/{uid}.wav), the avatar is the speaker's or listener's profile,
 the expression the dialogue's emotion class for the speaker and the calm "empathetic" style for the
 listener. A user with DreamTalk exports DreamTalk's features instead (converters/dreamtalk_targets.py).
+
+`--mouth phonemes` needs no media: the mouth track comes from the utterance's phonemes laid out with
+Kokoro's predicted durations in the voice it is spoken with (`generators.visemes`), the same timeline
+Kokoro's synthesis of it has. That gives text corpora (imported EmpatheticDialogues, whose replies have
+no video) video_content targets; with `--responses-only` only the turns' responses are exported, which is
+all a record reads.
 """
 
 from __future__ import annotations
@@ -25,12 +32,18 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 SOURCE = "face_render"
 KINDS = ("video_content", "video_style")
+MOUTHS = ("speech", "phonemes")
+MOUTH_METHOD = {
+    "speech": "mouth opening = the RMS envelope of the utterance's wav (speech_synth.speech_envelope)",
+    "phonemes": ("mouth opening = generators.visemes.mouth_track of the utterance's Kokoro phonemes, laid "
+                 "out with Kokoro's predicted durations in kokoro_voices.voice(profile, style); no media"),
+}
 METHOD = {
     "video_content": ("empatheia_jax/generators/face_render.py control space, "
                       "one row per 25-fps frame: dim 0 mouth opening "
@@ -41,15 +54,23 @@ METHOD = {
 }
 
 
-def face_jobs(raw: str | Path, splits: list[str] | None = None,
-              dialogues: Iterable[Any] | None = None) -> list[tuple[str, str, dict, str]]:
-    """(uid, wav path, profile, style) of every distinct utterance, as data/make_sample.py renders it: the
-    utterances the speech exporter lists (`styletts2_targets.speech_jobs`) and the style they are drawn in."""
+class FaceJob(NamedTuple):
+    uid: str
+    wav: str
+    text: str
+    profile: dict[str, Any]
+    style: str  # the expression (and voice) the utterance is drawn in
+
+
+def face_jobs(raw: str | Path, splits: list[str] | None = None, dialogues: Iterable[Any] | None = None,
+              responses_only: bool = False) -> list[FaceJob]:
+    """Every distinct utterance as data/make_sample.py renders it: the utterances the speech exporter lists
+    (`styletts2_targets.speech_jobs`) and the style they are drawn in."""
     from converters.styletts2_targets import speech_jobs
     from empatheia_jax.generators.kokoro_voices import utterance_style
 
-    return [(j.uid, j.wav, j.profile, utterance_style(j.role, j.emotion))
-            for j in speech_jobs(raw, splits, dialogues)]
+    return [FaceJob(j.uid, j.wav, j.text, j.profile, utterance_style(j.role, j.emotion))
+            for j in speech_jobs(raw, splits, dialogues, responses_only)]
 
 
 def utterance_controls(wav: str | Path, profile: dict, style: str) -> tuple[np.ndarray, np.ndarray]:
@@ -63,42 +84,67 @@ def utterance_controls(wav: str | Path, profile: dict, style: str) -> tuple[np.n
     return face_controls(speech_envelope(x, sr), profile, style)
 
 
-def _one(job: tuple[str, str, dict, str]) -> tuple[str, tuple[np.ndarray, np.ndarray] | None, str | None]:
-    uid, wav, profile, style = job
+def text_controls(text: str, profile: dict, style: str) -> tuple[np.ndarray, np.ndarray]:
+    """(video_content, video_style) of one utterance without its media: the mouth follows its phonemes on
+    the timeline Kokoro speaks them with in the utterance's voice (`generators.visemes`)."""
+    from empatheia_jax.generators import kokoro, kokoro_voices, visemes
+    from empatheia_jax.generators.face_render import face_controls
+
+    engine = kokoro.shared(1)
+    phonemes = kokoro.phonemize(text)
+    voice = kokoro_voices.voice(profile, style)
+    frames = kokoro.frames_of(engine.durations(engine.content_features(phonemes), voice.style, voice.speed))
+    return face_controls(visemes.mouth_track(phonemes, frames), profile, style, smooth=False)
+
+
+def _one(job: tuple[FaceJob, str]) -> tuple[str, tuple[np.ndarray, np.ndarray] | None, str | None]:
+    (uid, wav, text, profile, style), mouth = job
     try:
+        if mouth == "phonemes":
+            return uid, text_controls(text, profile, style), None
         return uid, utterance_controls(wav, profile, style), None
     except Exception as e:  # noqa: BLE001 - collected and reported with the utterance id
-        return uid, None, f"{uid}: {e}"
+        return uid, None, f"{uid}: {type(e).__name__}: {e}"
 
 
 def export_face_targets(raw: str | Path, out: str | Path, *, splits: list[str] | None = None,
                         dialogues: Iterable[Any] | None = None, workers: int = 1, shard_size: int = 512,
-                        progress: bool = True) -> dict[str, int]:
+                        progress: bool = True, mouth: str = "speech", responses_only: bool = False
+                        ) -> dict[str, int]:
     """Write video_content / video_style (source "face_render") for every utterance of RAW; counts per kind.
 
-    Every utterance must have its wav; failures are collected and raised together, nothing committed then.
+    mouth "speech": every utterance must have its wav; "phonemes": no media is read (`text_controls`).
+    Failures are collected and raised together, nothing committed then.
     """
     from tqdm import tqdm
 
     from empatheia_jax.data.targets import TargetWriter
 
-    jobs = face_jobs(raw, splits, dialogues)
-    missing = [j[1] for j in jobs if not Path(j[1]).is_file()]
+    if mouth not in MOUTHS:
+        raise ValueError(f"--mouth {mouth!r}: expected one of {', '.join(MOUTHS)}")
+    jobs = face_jobs(raw, splits, dialogues, responses_only)
+    missing = [j.wav for j in jobs if not Path(j.wav).is_file()] if mouth == "speech" else []
     if missing:
-        raise FileNotFoundError(f"{len(missing)} utterance wav(s) missing, e.g. {missing[:3]}")
+        raise FileNotFoundError(f"{len(missing)} utterance wav(s) missing, e.g. {missing[:3]} "
+                                "(--mouth phonemes needs no media)")
+    if mouth == "phonemes":
+        from empatheia_jax.generators import kokoro
+
+        kokoro.cut_model("durations")  # built once here, not raced by the workers
     errors: list[str] = []
     with contextlib.ExitStack() as stack:
-        meta = {"raw": str(Path(raw).resolve())}
+        meta = {"raw": str(Path(raw).resolve()), "mouth": MOUTH_METHOD[mouth]}
         writers = {k: stack.enter_context(TargetWriter(out, k, SOURCE, None, shard_size,
                                                        {**meta, "method": METHOD[k]}))
                    for k in KINDS}
+        tasks = [(j, mouth) for j in jobs]
         if workers > 1:
             import multiprocessing as mp
 
             pool = stack.enter_context(mp.get_context("spawn").Pool(workers))
-            results = pool.imap(_one, jobs, chunksize=16)
+            results = pool.imap(_one, tasks, chunksize=16)
         else:
-            results = map(_one, jobs)
+            results = map(_one, tasks)
         for uid, controls, err in tqdm(results, total=len(jobs), desc="video targets (face_render)",
                                        disable=not progress):
             if err:
@@ -120,12 +166,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--shard-size", type=int, default=512)
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--mouth", default="speech", choices=MOUTHS,
+                    help="speech: the wav's envelope (default); phonemes: Kokoro's timeline, no media")
+    ap.add_argument("--responses-only", action="store_true",
+                    help="only the turns' responses (what records read)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     try:
         splits = args.splits.split(",") if args.splits else None
         counts = export_face_targets(args.raw, args.out, splits=splits, workers=args.workers,
-                                     shard_size=args.shard_size, progress=not args.quiet)
+                                     shard_size=args.shard_size, progress=not args.quiet, mouth=args.mouth,
+                                     responses_only=args.responses_only)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -122,8 +122,14 @@ def speech_jobs(
     raw: str | os.PathLike,
     splits: list[str] | None = None,
     dialogues: Iterable[Any] | None = None,
+    responses_only: bool = False,
 ) -> list[SpeechJob]:
-    """One job per distinct utterance (histories and responses) of `dialogues`, else of RAW's splits."""
+    """One job per distinct utterance (histories and responses) of `dialogues`, else of RAW's splits.
+
+    `responses_only` keeps the turns' responses: a record's targets are its response's
+    (data.prepare joins them by response id), so a text corpus such as imported EmpatheticDialogues
+    needs no more, and half the work is saved.
+    """
     from empatheia_jax.data import schema
 
     dialogues = raw_dialogues(raw, splits, dialogues)
@@ -132,8 +138,10 @@ def speech_jobs(
     jobs, seen = [], set()
     for d in dialogues:
         emotion = emap.class_name(d.turns[0].chain_of_empathy.speaker_emotion) if d.turns else None
+        keep = ({schema.response_utterance_id(d, j) for j in range(len(d.turns))} if responses_only
+                else None)
         for uid, role, text in schema.dialogue_utterances(d):
-            if uid not in seen:
+            if uid not in seen and (keep is None or uid in keep):
                 seen.add(uid)
                 jobs.append(SpeechJob(uid, role, text, d.profile_of(role).to_json(), emotion,
                                       str(media / f"{uid}.wav")))
@@ -557,10 +565,13 @@ def export_speech_targets(
     progress: bool = True,
     device: str | None = None,
     styletts2_parts: Any = None,
+    responses_only: bool = False,
 ) -> dict[str, int]:
     """Write speech_content and speech_style for every distinct utterance of RAW into `out`.
 
     `dialogues` (schema.Dialogue objects) replaces reading RAW's split files; media still come from RAW.
+    `responses_only`: only the turns' responses (`speech_jobs`); kokoro reads no media, so a text corpus
+    without any (imported ED) gets its reply targets.
     kokoro: `workers` > 1 runs a spawn pool, one single-threaded Kokoro per process. styletts2: the model
     runs in this process (on `device`, default cuda when there is one), `workers` threads read audio and
     phonemize ahead of it; `styletts2_parts` (a `StyleTTS2Parts`-like object) replaces loading `repo`/`ckpt`.
@@ -580,7 +591,7 @@ def export_speech_targets(
             raise UsageError("--backend styletts2 needs --repo CHECKOUT (a clone of yl4579/StyleTTS2)")
         if not ckpt:
             raise UsageError("--backend styletts2 needs --ckpt FILE (a StyleTTS2 checkpoint)")
-    jobs = speech_jobs(raw, splits, dialogues)
+    jobs = speech_jobs(raw, splits, dialogues, responses_only)
     if not jobs:
         raise UsageError(f"{raw}: no utterances to export")
     if backend == "styletts2":
@@ -632,6 +643,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--shard-size", type=int, default=512)
     ap.add_argument("--quiet", action="store_true", help="no progress output")
+    ap.add_argument("--responses-only", action="store_true",
+                    help="only the turns' responses (what records read); kokoro needs no media then")
     args = ap.parse_args(argv)
     from empatheia_jax.data.schema import SchemaError
     from empatheia_jax.generators.kokoro import KokoroAssetError
@@ -642,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
             args.raw, args.out, backend=args.backend,
             splits=[s for s in args.splits.split(",") if s] if args.splits else None,
             repo=args.repo, ckpt=args.ckpt, config=args.config, device=args.device, workers=args.workers,
-            shard_size=args.shard_size, progress=not args.quiet,
+            shard_size=args.shard_size, progress=not args.quiet, responses_only=args.responses_only,
         )
     except (UsageError, KokoroAssetError) as e:
         print(f"error: {e}", file=sys.stderr)

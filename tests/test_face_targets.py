@@ -89,3 +89,37 @@ def test_missing_wav_is_named_and_nothing_written(sample, tmp_path, capsys):
     assert face_targets.main(["--raw", str(broken), "--out", str(tmp_path / "t2"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and victim.name in err[0]
+
+
+def test_phoneme_mouth_targets_need_no_media_and_follow_kokoro_speech(sample, tmp_path):
+    """`--mouth phonemes --responses-only` on a folder without media (a text corpus such as imported ED):
+    one target per turn response; each mouth track lasts exactly as long as Kokoro speaks the reply in the
+    listener's voice, and moves with that speech (lip sync against its envelope, the eval's measure)."""
+    from empatheia_jax.data.schema import response_utterance_id
+    from empatheia_jax.eval.metrics.video import lip_sync
+    from empatheia_jax.generators import kokoro_voices
+    from empatheia_jax.generators.speech_synth import speech_envelope
+
+    raw, _ = sample
+    text_only = tmp_path / "raw"
+    text_only.mkdir()
+    for f in raw.glob("*.json"):
+        shutil.copy(f, text_only / f.name)
+    counts = face_targets.export_face_targets(text_only, tmp_path / "t", splits=["test"], progress=False,
+                                              mouth="phonemes", responses_only=True)
+    dialogues = load_dialogues(text_only / "test.json")
+    responses = {response_utterance_id(d, j): (d, t) for d in dialogues for j, t in enumerate(d.turns)}
+    reader = TargetReader(tmp_path / "t")
+    assert counts == {"video_content": len(responses), "video_style": len(responses)}
+    assert sorted(reader.keys("video_content")) == sorted(responses)
+    assert "phonemes" in reader.meta["video_content"]["mouth"]
+    syncs = []
+    for uid, (d, turn) in list(responses.items())[:3]:
+        content = reader.get("video_content", uid)
+        audio, _ = kokoro_voices.gold_speech(turn.response, d.profile_of("listener").to_json(), "empathetic")
+        assert len(content) == -(-len(audio) * 25 // 24000), uid
+        syncs.append(lip_sync(content[:, face_render.CONTENT_MOUTH], speech_envelope(audio, 24000)))
+        assert face_render.decode_style(reader.get("video_style", uid))["emotion"] == "empathetic"
+    assert min(syncs) > 0.5, syncs
+    with pytest.raises(ValueError, match="--mouth"):
+        face_targets.export_face_targets(text_only, tmp_path / "t3", mouth="lips", progress=False)

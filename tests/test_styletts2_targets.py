@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from converters import styletts2_targets as st
-from empatheia_jax.data.schema import EmotionMap, dialogue_utterances, load_dialogues
+from empatheia_jax.data.schema import EmotionMap, dialogue_utterances, load_dialogues, response_utterance_id
 from empatheia_jax.data.targets import TargetReader
 from empatheia_jax.generators import kokoro, kokoro_voices
 
@@ -153,6 +153,14 @@ def test_kokoro_splits_and_dialogues_select_utterances(raw, tmp_path):
     one = load_dialogues(raw / "train.json")
     counts = st.export_speech_targets(raw, tmp_path / "b", dialogues=one, progress=False)
     assert counts == {"speech_content": 4, "speech_style": 4}
+    # only the turns' responses, read from the text alone: no media folder at all
+    text_only = tmp_path / "text_only"
+    text_only.mkdir()
+    (text_only / "train.json").write_text((raw / "train.json").read_text())
+    responses = sorted({response_utterance_id(d, j) for d in one for j in range(len(d.turns))})
+    counts = st.export_speech_targets(text_only, tmp_path / "c", progress=False, responses_only=True)
+    assert counts == {"speech_content": len(responses), "speech_style": len(responses)} and responses
+    assert sorted(TargetReader(tmp_path / "c").keys("speech_content")) == responses
 
 
 def test_utterance_errors_are_collected_and_nothing_is_written(raw, tmp_path):
