@@ -49,6 +49,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             "vae_dropout": 0.0,
             "vae_logvar_init": -4.0,
             "fuse_dim": 256,
+            # content-unit alignment of the CS's speech rows: the unit table size (Kokoro: 178 phoneme
+            # token ids), 0 = the paper's position-only queries (docs/design.md "Aligned Content
+            # Synchronizer")
+            "cs_units": 0,
             # positions per chunk of the token loss's logits (0: all at once): memory for one more
             # output projection a step (models/llama.py `token_nll`, docs/benchmarks.md "chunked")
             "ce_chunk": 0,

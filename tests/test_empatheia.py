@@ -384,6 +384,27 @@ def test_run_vaes_batches_equal_blocks_like_separate_calls():
             np.testing.assert_allclose(getattr(t, name), getattr(a, name), rtol=1e-5, atol=1e-5)
 
 
+def test_unit_aligned_cs_reads_speech_units_and_aligns_only_the_speech_block():
+    """cs_units aligns the CS's speech rows to the batch's speech_units: the units change C^s and
+    leave C^v alone (what a row learns from its unit: tests/test_vae.py); a batch without them is refused,
+    and the config says so in both directions."""
+    cfg = EmpatheiaConfig(llm=LLM, **TINY, cs_units=7)
+    assert cfg.cs_speech.num_units == 7 and cfg.cs_video.num_units == 0
+    assert EmpatheiaConfig.from_dict(cfg.to_dict()) == cfg
+    model = build(cfg=cfg)
+    batch = make_batch()
+    units = np.zeros((B, cfg.max_speech_len), np.int32)
+    a = forward(model, {**batch, "speech_units": units}, heads={"cs"})
+    units[:, 2] = 5
+    b = forward(model, {**batch, "speech_units": units}, heads={"cs"})
+    assert np.abs(np.asarray(a["speech_content"]) - np.asarray(b["speech_content"])).max() > 0.1
+    np.testing.assert_array_equal(a["video_content"], b["video_content"])
+    with pytest.raises(ValueError, match="needs speech_units"):
+        forward(model, batch, heads={"cs"})
+    with pytest.raises(ValueError, match="cs_speech.num_units=0 but cs_units=7"):
+        EmpatheiaConfig(llm=LLM, **{**TINY, "cs_units": 7}, cs_speech=CFG.cs_speech)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Losses
 # ----------------------------------------------------------------------------------------------------------

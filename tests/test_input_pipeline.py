@@ -261,6 +261,31 @@ def test_stage3_and_ablation_targets(tok):
     assert tok.decode(prompt["input_ids"]).endswith(CHAT_SUFFIX) and prompt["loss_mask"].sum() == 0
 
 
+def _word_units(text):
+    """A stand-in unit function with a known answer: pads around one id per word (len % 50 + 1)."""
+    return np.array([0, *(len(w) % 50 + 1 for w in text.split()), 0], np.int32)
+
+
+def test_speech_units_follow_the_reply_and_are_checked_against_its_target(tok):
+    """A unit-aligned CS's batch: `speech_units` of the reply, padded to max_speech_len, row i the unit of
+    target row i; a reply whose units do not match its content rows is named, never silently misaligned."""
+    rec = make_record(0)
+    units = _word_units(rec["response"])
+    rec["targets"]["speech_content"] = np.ones((len(units), 1024), np.float32)
+    cfg = ip.PipelineConfig(speech_units=_word_units, max_speech_len=12)
+    ex = ip.build_example(rec, "ccl", tok, cfg)
+    np.testing.assert_array_equal(ex["speech_units"], units[:12])
+    b = ip.collate([ex, ex], cfg, 3, audio_dim=D_A, video_dim=D_V, pad_id=0)
+    assert b["speech_units"].shape == (3, 12) and b["speech_units"].dtype == np.int32
+    np.testing.assert_array_equal(b["speech_units"][1], units[:12])
+    assert not b["speech_units"][2].any()  # a filler row
+    assert "speech_units" not in ip.collate([ip.build_example(rec, "ccl", tok)], ip.PipelineConfig(), 1,
+                                            audio_dim=D_A, video_dim=D_V, pad_id=0)
+    rec["targets"]["speech_content"] = np.ones((len(units) + 1, 1024), np.float32)
+    with pytest.raises(ValueError, match=f"{len(units)} content units but its speech_content target"):
+        ip.build_example(rec, "ccl", tok, cfg)
+
+
 def test_k_vectors_per_placeholder(tok):
     ex = ip.build_example(make_record(2, k=2), "overall", tok)
     text = tok.decode(ex["input_ids"])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from empatheia_jax.generators import kokoro, kokoro_voices
+from empatheia_jax.generators.kokoro_speech import KokoroSpeech
 
 SENTENCE = "I am so sorry to hear that. How are you holding up?"
 YOUNG_F = {"age": "young", "gender": "female", "timbre": "mid"}
@@ -70,6 +71,11 @@ def test_phonemes_and_content_layout(engine, phonemes):
     assert content.dtype == np.float32 and np.isfinite(content).all()
     # t_en and d_en are different tensors: the halves must not be copies of each other
     assert not np.allclose(content[:, :512], content[:, 512:])
+    # the units a unit-aligned CS reads: one per content row, the ids the encoder was fed, inside the table
+    units = KokoroSpeech.content_units("Mama bought a big apple pie.")
+    assert len(units) == KokoroSpeech.content_rows("Mama bought a big apple pie.")
+    assert units[0] == units[-1] == 0 and units[1:-1].min() > 0
+    assert KokoroSpeech.num_units == max(kokoro.vocab().values()) + 1
 
 
 @pytest.mark.parametrize("speed", [1.0, 1.2])
@@ -91,12 +97,19 @@ def test_durations_from_outside_set_the_length(engine, phonemes):
     style = kokoro_voices.voice(MIDDLE_M, "neutral").style
     t = content.shape[0]
     short = engine.synthesize(content, style, durations=np.full(t, 3.0))
-    long = engine.synthesize(content, style, durations=np.full(t, 6.0))
-    assert short.size == 3 * t * 600 and long.size == 6 * t * 600  # 600 samples (25 ms) per frame
+    assert short.size == 3 * t * 600 == 3 * t * kokoro.FRAME_SAMPLES  # 600 samples (25 ms) per frame
+    # the graph rounds half to even, then spends at least one frame a row (kokoro.frames_of)
+    odd = np.resize(np.float32([0.2, 2.5, 3.5, 2.49, 6.0]), t)
+    np.testing.assert_array_equal(kokoro.frames_of(odd[:5]), [1, 2, 4, 2, 6])
+    assert engine.synthesize(content, style, durations=odd).size == kokoro.frames_of(odd).sum() * 600
     with pytest.raises(ValueError, match="durations have"):
         engine.synthesize(content, style, durations=np.ones(t - 1))
-    # the cap on the mean predicted duration: no effect above it, a bound on the length below it
+    # the predictor's own durations, so rounded, are the length of the audio it speaks
     full = engine.synthesize(content, style)
+    predicted = engine.durations(content, style)
+    assert predicted.shape == (t,) and predicted.dtype == np.float32
+    assert full.size == kokoro.frames_of(predicted).sum() * 600
+    # the cap on the mean predicted duration: no effect above it, a bound on the length below it
     np.testing.assert_array_equal(engine.synthesize(content, style, max_mean_frames=12.0), full)
     capped = engine.synthesize(content, style, max_mean_frames=1.5)
     assert capped.size <= 1.5 * t * 600 + t * 300 < full.size  # rounding adds at most half a frame a row

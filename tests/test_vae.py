@@ -366,3 +366,46 @@ def test_learns_a_synthetic_row_mapping(model):
         params, opt_state = update(grads, opt_state, params)
     after = rec_loss(nnx.merge(graphdef, params))
     assert after <= 0.5 * before and after <= 0.5 * constant, (before, constant, after)
+
+
+def test_unit_aligned_rows_learn_what_their_unit_says():
+    """A unit-aligned block (num_units > 0) is told per example which unit each output row stands for, as
+    the aligned Content Synchronizer is told each row's phoneme. Targets here are a fixed table of the
+    row's unit (random per example and row) and h carries nothing about them: the aligned block learns the
+    table far below the best constant, and a call without units is refused, not silently unaligned."""
+    n_units = 11
+    cfg = CFG.replace(num_units=n_units)
+    aligned = _build(cfg)
+    rng = np.random.default_rng(3)
+    h, mask = _inputs(seed=4)
+    units = rng.integers(0, n_units, size=(B, cfg.num_queries)).astype(np.int32)
+    table = rng.normal(size=(n_units, cfg.d_out)).astype(np.float32)
+    target = table[units]
+    constant = float(np.mean(np.sum((target - target.mean((0, 1))) ** 2, -1)))
+    hj, mj, uj, tj = (jnp.asarray(a) for a in (h, mask, units, target))
+
+    def loss(params, graphdef, key):
+        out = nnx.merge(graphdef, params)(hj, mj, sample=True, rng=key, units=uj)
+        return jnp.mean(jnp.sum((out.out - tj) ** 2, -1)) + KL_W * jnp.mean(kl_divergence(out.mu, out.logvar))
+
+    graphdef, params = nnx.split(aligned)
+    opt = optax.adam(3e-3)
+    opt_state = opt.init(params)
+
+    @jax.jit
+    def step(params, opt_state, key):
+        grads = jax.grad(loss)(params, graphdef, key)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    for i in range(150):
+        params, opt_state = step(params, opt_state, jax.random.fold_in(jax.random.key(1), i))
+    out = jax.jit(lambda p: nnx.merge(graphdef, p)(hj, mj, sample=False, units=uj).out)(params)
+    after = float(jnp.mean(jnp.sum((out - tj) ** 2, -1)))
+    assert after <= 0.1 * constant, (constant, after)
+    with pytest.raises(ValueError, match="aligns its 5 rows to content units"):
+        aligned(hj, mj, sample=False)
+    with pytest.raises(ValueError, match="without unit alignment"):
+        _build(CFG)(hj, mj, sample=False, units=uj)
+    with pytest.raises(ValueError, match="num_units=-1"):
+        CFG.replace(num_units=-1)

@@ -28,7 +28,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import grain
@@ -82,6 +82,9 @@ class PipelineConfig:
     buckets: sequence lengths a batch is padded to (default: 128, 256, 512, ... below max_len, and
     max_len). window_batches: batches per length-sorting window (1 keeps record order inside a batch).
     include_target: False builds prompts only (generation); loss masks are then all zero.
+    speech_units: the speech generator's content units of a reply text, one id per content row
+    (`generators.registry.content_units_fn`), for a unit-aligned Content Synchronizer: examples then carry
+    `speech_units` [max_speech_len]. A function, not a name, because the generators sit above this layer.
     """
 
     stage: str = "overall"
@@ -101,6 +104,7 @@ class PipelineConfig:
     buckets: tuple[int, ...] | None = None
     window_batches: int = 8
     include_target: bool = True
+    speech_units: Callable[[str], np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         self.template_spec()  # validates stage and flags
@@ -404,6 +408,8 @@ class ExampleBuilder:
         target_ids[:-1] = ids[1:]
         aud_rows, vid_rows = self._feature_rows(ids, aud, vid, fit.start)
         generator_targets = self._generator_targets(rec.get("targets") or {}, counters)
+        if self.cfg.speech_units is not None:
+            generator_targets["speech_units"] = self._speech_units(rec, where)
         dropped, text_cut = fit.start, fit.text_cut
         counters["examples"] += 1
         counters["dropped_utterances"] += dropped
@@ -575,6 +581,16 @@ class ExampleBuilder:
             "style_mask": style_mask,
         }
 
+    def _speech_units(self, rec: Mapping[str, Any], where: str) -> np.ndarray:
+        """The reply's content-unit ids, checked row for row against its speech_content target: a count that
+        differs (another phonemizer version than the targets were exported with) would misalign every row."""
+        units = np.asarray(self.cfg.speech_units(str(rec.get("response") or "")), np.int32).reshape(-1)
+        rows = (rec.get("targets") or {}).get("speech_content")
+        if rows is not None and len(units) != len(rows):
+            raise ValueError(f"{where}: the reply has {len(units)} content units but its speech_content "
+                             f"target {len(rows)} rows (phonemized differently from the exported targets?)")
+        return units[: self.cfg.max_speech_len]
+
     @staticmethod
     def _content(
         targets: Mapping[str, Any], key: str, max_rows: int, dim: int, counters: PipelineCounters
@@ -659,6 +675,8 @@ def batch_spec(
         **{k: ((B,), i32) for k in LABEL_KEYS},
         "record_index": ((B,), i32),
     }
+    if cfg.speech_units is not None:
+        spec["speech_units"] = ((B, cfg.max_speech_len), i32)
     return spec
 
 
@@ -702,6 +720,8 @@ def collate(
             if t:
                 out[feat][b, :t] = e[feat]
                 out[f"{feat}_mask"][b, :t] = 1
+        if "speech_units" in out:
+            out["speech_units"][b, : len(e["speech_units"])] = e["speech_units"]
         out["speech_style"][b] = e["speech_style"]
         out["video_style"][b] = e["video_style"]
         out["style_mask"][b] = e["style_mask"]
@@ -1056,7 +1076,7 @@ def make_dataset(
     fingerprint = {
         "split": split,
         "num_records": len(reader),
-        "config": json.dumps(dataclasses.asdict(cfg), sort_keys=True),
+        "config": json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=_qualified_name),
         "batch_size": batch_size,
         "seed": seed,
         "shuffle": shuffle,
@@ -1080,6 +1100,13 @@ def make_dataset(
         read_threads=read_threads,
         fingerprint=fingerprint,
     )
+
+
+def _qualified_name(fn: Any) -> str:
+    """A function in a pipeline fingerprint (`speech_units`) by its importable name: same in every process."""
+    if not callable(fn):
+        raise TypeError(f"cannot fingerprint {type(fn).__name__} {fn!r}")
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def _this_process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
@@ -1151,14 +1178,18 @@ _MODEL_FIELDS = ("n_signal", "max_speech_len", "max_video_len", "speech_content_
 
 
 def pipeline_config_fields(
-    cfg: Any, stage: Any, overrides: Mapping[str, Any] | None = None
+    cfg: Any, stage: Any, overrides: Mapping[str, Any] | None = None,
+    speech_units: Callable[[str], np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """`PipelineConfig` fields (without stage/max_len) that agree with the model; `overrides` may set the
-    others (max_aud, max_vid, buckets, chat_format) but not contradict the model.
+    others (max_aud, max_vid, buckets, chat_format) but not contradict the model. `speech_units`: the
+    speech generator's unit function for a unit-aligned CS (`generators.registry.units_for`).
 
     `cfg` is an `EmpatheiaConfig` and `stage` a `stages.Stage`, typed Any: the data layer sits below both."""
     fields = {k: v for k, v in stage.pipeline_fields().items() if k != "stage"}
     fields.update({k: getattr(cfg, k) for k in _MODEL_FIELDS})
+    if speech_units is not None:
+        fields["speech_units"] = speech_units
     for k, v in (overrides or {}).items():
         if k in ("stage", "max_len", "include_target", "window_batches"):
             raise ValueError(f"pipeline_overrides may not set {k!r} (evaluate sets it)")

@@ -45,6 +45,7 @@ from empatheia_jax.eval import video as video_eval
 from empatheia_jax.eval.metrics.names import ACC_NAME, LABELS
 from empatheia_jax.eval.metrics.text import Means, accuracy, feature_distances, text_metrics
 from empatheia_jax.eval.report import metric_order, write_predictions
+from empatheia_jax.generators import registry
 from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
 from empatheia_jax.serve.forward import KEEP, cached_jit, embed_prompts
 from empatheia_jax.serve.generation import eos_token_ids, generate_tokens, left_pad, score_continuations
@@ -146,7 +147,9 @@ def teacher_forced_metrics(
     manifest = check_split(shards_dir, split)
     stage = eval_stage(cfg, template)
     _check_model_and_data(model, tokenizer, manifest, shards_dir, split, stage)
-    fields = pipeline_config_fields(cfg, stage, pipeline_overrides)
+    kinds = (manifest.get("targets") or {}).get("kinds") or {}
+    units = registry.units_for(cfg.cs_units, (kinds.get("speech_content") or {}).get("source"))
+    fields = pipeline_config_fields(cfg, stage, pipeline_overrides, speech_units=units)
     # the model's feature dims: equal to the shards' under a media template (checked), and the shapes its
     # program takes when the template reads no feature (text-only shards have dims 0)
     pipe = ip.make_dataset(shards_dir, split, stage.template_stage, tokenizer, batch_size=batch_size,

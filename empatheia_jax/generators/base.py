@@ -33,6 +33,27 @@ class Generator(ABC):
         """Rows of content this generator reads for a reply `text` (T_ph), or None if it cannot count them."""
         return None
 
+    num_units: ClassVar[int] = 0
+    """Size of the unit vocabulary of `content_units` (0: the generator has no content units)."""
+
+    @classmethod
+    def content_units(cls, text: str) -> np.ndarray | None:
+        """One unit id per content row of a reply `text` (Kokoro: its phoneme tokens with the two pads), what
+        a unit-aligned Content Synchronizer is told each row stands for; None if the generator has none."""
+        return None
+
+    @classmethod
+    def avatar_style(cls, profile: dict[str, str], style: str) -> tuple[np.ndarray, float]:
+        """(style vector, speaking rate) of the avatar `profile` ({age, gender, timbre}) in `style` (an
+        emotion of `speech_synth.STYLES`): what `chat --listener` pins in place of the predicted S^m.
+
+        Only a generator whose style targets are CHOSEN from labels has such a map (Kokoro's voice map, the
+        face generator's one-hots); one whose style is measured from media (StyleTTS2's style encoder,
+        DreamTalk's) has no vector for a profile it never heard, so it refuses.
+        """
+        raise GeneratorError(f"{cls.description} has no avatar map (its style targets are measured from "
+                             "media, not chosen from the profile), so it cannot pin a --listener avatar")
+
 
 class SpeechGenerator(Generator):
     modality = "speech"

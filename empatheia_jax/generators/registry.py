@@ -7,12 +7,15 @@ module). Synthesis (`serve.avatar`), speech evaluation and chat look generators 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from empatheia_jax.data.targets import STAND_IN, standin_units
 from empatheia_jax.generators.base import Generator, GeneratorError
 from empatheia_jax.generators.face_render import FaceRenderer
-from empatheia_jax.generators.kokoro import KokoroSpeech
+from empatheia_jax.generators.kokoro_speech import KokoroSpeech
 
 _GENERATORS: dict[str, type[Generator]] = {}
 
@@ -67,3 +70,20 @@ def content_rows(text: str, source: str) -> int | None:
     if source in _GENERATORS:
         return _GENERATORS[source].content_rows(text)
     return None
+
+
+def units_for(cs_units: int, source: str | None) -> Callable[[str], np.ndarray] | None:
+    """The unit function (`Generator.content_units`) a unit-aligned CS with a `cs_units`-sized table reads
+    for speech targets of `source`; None when the CS is not unit-aligned or the data has no speech targets
+    of a generator with units (a text-only stage runs no CS). A table smaller than the generator's unit
+    vocabulary is refused: its ids would clip onto each other."""
+    if not cs_units or source not in _GENERATORS:
+        return None
+    cls = _GENERATORS[source]
+    if not cls.num_units:
+        raise GeneratorError(f"the Content Synchronizer is unit-aligned (cs_units={cs_units}) but "
+                             f"{cls.description} ({source} targets) has no content units")
+    if cs_units < cls.num_units:
+        raise GeneratorError(f"cs_units={cs_units} is smaller than {cls.description}'s {cls.num_units} "
+                             "content units; set model.empatheia.cs_units >= it")
+    return cls.content_units

@@ -114,6 +114,9 @@ class EmpatheiaConfig:
     vae_dropout: float = 0.0
     vae_logvar_init: float | None = -4.0  # initial logvar of every VAE block (None: the block's own init)
     fuse_dim: int = 256
+    # Unit alignment of the CS's speech rows: the size of the speech generator's unit vocabulary (Kokoro:
+    # its phoneme token ids), 0 = the paper's position-only queries. The batch then carries speech_units.
+    cs_units: int = 0
     cs_speech: VAEConfig | None = None
     cs_video: VAEConfig | None = None
     sd_speech_emotion: VAEConfig | None = None
@@ -172,26 +175,29 @@ class EmpatheiaConfig:
         d = self.llm.hidden_size
         dtypes = {"dtype": self.llm.dtype, "param_dtype": self.llm.param_dtype}
 
-        def vae(q: int, latent: int, out: int) -> VAEConfig:
+        def vae(q: int, latent: int, out: int, units: int = 0) -> VAEConfig:
             return VAEConfig(d_in=d, d_model=self.vae_d_model, num_queries=q, d_latent=latent, d_out=out,
                              num_heads=self.vae_heads, enc_layers=self.vae_layers, dec_layers=self.vae_layers,
-                             dropout=self.vae_dropout, **dtypes)
+                             dropout=self.vae_dropout, num_units=units, **dtypes)
 
         wanted = {
-            "cs_speech": (self.max_speech_len, self.cs_latent, self.speech_content_dim),
-            "cs_video": (self.max_video_len, self.cs_latent, self.video_content_dim),
-            **{name: (self.sd_queries, self.sd_latent, self.sd_code_dim) for name in SD_VAES},
+            "cs_speech": (self.max_speech_len, self.cs_latent, self.speech_content_dim, self.cs_units),
+            "cs_video": (self.max_video_len, self.cs_latent, self.video_content_dim, 0),
+            **{name: (self.sd_queries, self.sd_latent, self.sd_code_dim, 0) for name in SD_VAES},
         }
-        for name, (q, latent, out) in wanted.items():
+        for name, (q, latent, out, units) in wanted.items():
             c = getattr(self, name)
             if c is None:
-                set_(self, name, vae(q, latent, out))
+                set_(self, name, vae(q, latent, out, units))
                 continue
             if isinstance(c, Mapping):
                 c = VAEConfig(**c)
                 set_(self, name, c)
             if c.d_in != d:
                 problems.append(f"{name}.d_in={c.d_in} != llm.hidden_size={d}")
+            if c.num_units != units:
+                problems.append(f"{name}.num_units={c.num_units} but cs_units={self.cs_units} (the block "
+                                f"should have {units})")
             if name.startswith("cs_") and (c.num_queries, c.d_out) != (q, out):
                 problems.append(
                     f"{name} has {c.num_queries} queries x {c.d_out}; the targets are {q} x {out}"
@@ -307,6 +313,7 @@ def run_vaes(
     *,
     sample: bool,
     rng: jax.Array | None,
+    units: Sequence[jax.Array | None] | None = None,
 ) -> list[VAEOutput]:
     """Runs each block on its (h, h_mask); blocks with equal configs and input shapes run as ONE program.
 
@@ -317,14 +324,18 @@ def run_vaes(
     per-example keys [B] block i gets `split(rng[b], len(blocks))[i]` for example b (`vae.split_keys`).
     """
     keys = None if rng is None else split_keys(rng, len(blocks))
+    units = [None] * len(blocks) if units is None else list(units)
     groups: dict[Any, list[int]] = {}
     for i, (block, (h, m)) in enumerate(zip(blocks, inputs, strict=True)):
-        groups.setdefault((block.config, h.shape, h.dtype, m.shape), []).append(i)
+        # unit-aligned blocks run alone (the CS's speech block is the only one)
+        key = i if units[i] is not None else (block.config, h.shape, h.dtype, m.shape)
+        groups.setdefault(key, []).append(i)
     out: list[Any] = [None] * len(blocks)
     for idx in groups.values():
         if len(idx) == 1:
             i = idx[0]
-            out[i] = blocks[i](*inputs[i], sample=sample, rng=None if keys is None else keys[i])
+            out[i] = blocks[i](*inputs[i], sample=sample, rng=None if keys is None else keys[i],
+                               units=units[i])
             continue
         graphdef = nnx.graphdef(blocks[idx[0]])
         states = [nnx.state(blocks[i]) for i in idx]
@@ -343,16 +354,23 @@ def run_vaes(
 
 
 class ContentSynchronizer(nnx.Module):
-    """CS (eqs 1-2): one transformer VAE per modality over r^t; row i of C^m predicts target row i."""
+    """CS (eqs 1-2): one transformer VAE per modality over r^t; row i of C^m predicts target row i.
+
+    With `cs_units` the speech block's rows are aligned to the reply's content units (`speech_units`
+    [B, max_speech_len]: the speech generator's ids of the units its content rows stand for, Kokoro's
+    phoneme tokens with the two pads), so row i is told which phoneme it renders instead of having to find
+    it in r^t by position (docs/design.md "Aligned Content Synchronizer")."""
 
     def __init__(self, cfg: EmpatheiaConfig, *, rngs: nnx.Rngs):
         self.speech = TransformerVAE(cfg.cs_speech, rngs=rngs)
         self.video = TransformerVAE(cfg.cs_video, rngs=rngs)
 
     def __call__(
-        self, r_t: jax.Array, r_t_mask: jax.Array, *, sample: bool, rng: jax.Array | None
+        self, r_t: jax.Array, r_t_mask: jax.Array, *, sample: bool, rng: jax.Array | None,
+        speech_units: jax.Array | None = None,
     ) -> dict[str, VAEOutput]:
-        speech, video = run_vaes([self.speech, self.video], [(r_t, r_t_mask)] * 2, sample=sample, rng=rng)
+        speech, video = run_vaes([self.speech, self.video], [(r_t, r_t_mask)] * 2, sample=sample, rng=rng,
+                                 units=[speech_units, None])
         return {"cs_speech": speech, "cs_video": video}
 
 
@@ -594,7 +612,12 @@ class Empatheia(nnx.Module):
         keys = (None, None) if rng is None else tuple(split_keys(rng))
         sample = bool(train)
         if "cs" in heads:
-            cs = self.content_sync(out["r_t"], out["r_t_mask"], sample=sample, rng=keys[0])
+            units = batch.get("speech_units") if cfg.cs_units else None
+            if cfg.cs_units and units is None:
+                raise ValueError("this model's Content Synchronizer is unit-aligned (cs_units="
+                                 f"{cfg.cs_units}): the batch needs speech_units [B, {cfg.max_speech_len}]")
+            cs = self.content_sync(out["r_t"], out["r_t_mask"], sample=sample, rng=keys[0],
+                                   speech_units=units)
             vae.update(cs)
             out["speech_content"] = cs["cs_speech"].out
             out["video_content"] = cs["cs_video"].out

@@ -7,6 +7,10 @@ One output row per query: row i of `out` predicts target row i (CS: phoneme / vi
 emotion or profile code). The CS instantiates it once per modality over r^t, the SD twice per modality
 (emotion, profile) over r^s / r^v; `empatheia_jax.models.empatheia` assembles them.
 
+A block with `num_units` > 0 aligns its rows to content units: query i is q_i + U[unit_i] for the unit
+(e.g. the phoneme) that target row i stands for, given per example, so row i knows WHAT it renders and
+cross-attention to h supplies HOW (docs/design.md "Aligned Content Synchronizer").
+
 Attention is Flax's own `nnx.MultiHeadAttention`: its `kernel_init` / `out_kernel_init` / `bias_init` /
 `out_bias_init` take `nnx.with_partitioning` initializers, so every projection carries logical axis names
 and nothing had to be rewritten. Parameters are created inside `nnx.use_eager_sharding(False)`, as in the
@@ -37,6 +41,8 @@ class VAEConfig:
     to output row i; the positions count valid rows only, so left or right padding gives the same result.
     logvar_limit: logvar is soft-clamped to (-limit, limit) with limit*tanh(x/limit), so exp(logvar) can
     neither overflow nor underflow early in training while keeping a gradient everywhere.
+    num_units: size of the unit vocabulary the queries are aligned to (0 = position-only queries, the
+    paper's block); the block then needs `units` [B, Q] ids in [0, num_units) on every call.
     dtype: compute dtype (bf16 on accelerators); param_dtype: parameter dtype (fp32 master weights).
     The mu/logvar heads always compute in float32 and every output is float32.
     """
@@ -53,6 +59,7 @@ class VAEConfig:
     dropout: float = 0.0
     positions: bool = True
     logvar_limit: float = 10.0
+    num_units: int = 0
     dtype: str = "float32"
     param_dtype: str = "float32"
 
@@ -69,6 +76,8 @@ class VAEConfig:
             problems.append(f"mlp_ratio={self.mlp_ratio} must be positive")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
+        if self.num_units < 0:
+            problems.append(f"num_units={self.num_units} must be >= 0 (0 = no unit alignment)")
         if self.logvar_limit <= 0:
             problems.append(f"logvar_limit={self.logvar_limit} must be positive")
         for name in ("dtype", "param_dtype"):
@@ -310,8 +319,9 @@ class QueryStack(nnx.Module):
     def __call__(
         self, queries: jax.Array, memory: jax.Array, mask: jax.Array, key: jax.Array | None
     ) -> jax.Array:
-        b, q = memory.shape[0], queries.shape[0]
-        x = jnp.broadcast_to(queries.astype(memory.dtype), (b, q, queries.shape[1]))
+        """queries [Q, d] (shared) or [B, Q, d] (per example, unit-aligned); memory [B, L, d]."""
+        b, q = memory.shape[0], queries.shape[-2]
+        x = jnp.broadcast_to(queries.astype(memory.dtype), (b, q, queries.shape[-1]))
         memory = self.memory_norm(memory)
         has_memory = jnp.any(mask, axis=-1)  # [B]
         # A row with no valid memory attends uniformly (finite) and its cross-attention output is zeroed,
@@ -343,6 +353,11 @@ class TransformerVAE(nnx.Module):
             nnx.initializers.normal(0.02)(rngs.params(), (cfg.num_queries, cfg.d_model), pdt),
             out_sharding=("queries", "embed"),
         )
+        if cfg.num_units:
+            self.unit_embed = nnx.Param(
+                nnx.initializers.normal(0.02)(rngs.params(), (cfg.num_units, cfg.d_model), pdt),
+                out_sharding=("queries", "embed"),
+            )
         self.in_ffn = FFN(cfg, cfg.d_in, cfg.d_model, "embed", rngs=rngs)
         self.encoder = QueryStack(cfg, cfg.enc_layers, rngs=rngs)
         # float32 heads: mu/logvar feed exp() and the KL, where bf16 rounding would show.
@@ -363,28 +378,45 @@ class TransformerVAE(nnx.Module):
             mem = mem + sinusoidal_positions(pos, cfg.d_model).astype(mem.dtype)
         return jnp.where(mask[..., None], mem, jnp.zeros((), mem.dtype))
 
+    def _queries(self, units: jax.Array | None) -> jax.Array:
+        """q [Q, d], or q + U[units] [B, Q, d] for a unit-aligned block (ids outside the table clip)."""
+        if not self.config.num_units:
+            if units is not None:
+                raise ValueError("units given to a block without unit alignment (num_units=0)")
+            return self.queries[...]
+        if units is None or units.ndim != 2 or units.shape[1] != self.config.num_queries:
+            got = None if units is None else list(units.shape)
+            raise ValueError(f"this block aligns its {self.config.num_queries} rows to content units: pass "
+                             f"units [B, {self.config.num_queries}] (got {got})")
+        rows = jnp.take(self.unit_embed[...], units.astype(jnp.int32), axis=0, mode="clip")
+        return self.queries[...][None] + rows
+
     def encode(
-        self, h: jax.Array, h_mask: jax.Array, *, dropout_key: jax.Array | None = None
+        self, h: jax.Array, h_mask: jax.Array, *, units: jax.Array | None = None,
+        dropout_key: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array]:
         """Eq 1: (mu, logvar), each float32 [B, Q, d_latent]."""
         cfg = self.config
         mask = h_mask.astype(bool)
-        x = self.encoder(self.queries[...], self._memory(self.in_ffn, h, mask), mask, dropout_key)
+        x = self.encoder(self._queries(units), self._memory(self.in_ffn, h, mask), mask, dropout_key)
         x = x.astype(jnp.float32)
         mu = self.mu_head(x)
         logvar = cfg.logvar_limit * jnp.tanh(self.logvar_head(x) / cfg.logvar_limit)
         return mu, logvar
 
-    def decode(self, z: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+    def decode(self, z: jax.Array, *, units: jax.Array | None = None,
+               dropout_key: jax.Array | None = None) -> jax.Array:
         """Eq 2: output rows, float32 [B, Q, d_out], from z [B, Q, d_latent]."""
         mask = jnp.ones(z.shape[:2], bool)
-        x = self.decoder(self.queries[...], self._memory(self.z_ffn, z, mask), mask, dropout_key)
+        x = self.decoder(self._queries(units), self._memory(self.z_ffn, z, mask), mask, dropout_key)
         return self.out_proj(x).astype(jnp.float32)
 
     def __call__(
-        self, h: jax.Array, h_mask: jax.Array, *, sample: bool, rng: jax.Array | None = None
+        self, h: jax.Array, h_mask: jax.Array, *, sample: bool, rng: jax.Array | None = None,
+        units: jax.Array | None = None,
     ) -> VAEOutput:
-        """Runs the block on h [B, L, d_in] with h_mask [B, L] (True = valid row).
+        """Runs the block on h [B, L, d_in] with h_mask [B, L] (True = valid row); `units` [B, Q] are the
+        content-unit ids of the output rows, needed iff the block is unit-aligned (`num_units`).
 
         `sample` is a Python bool (static under jit). sample=True is training: z = mu + exp(0.5*logvar)*eps
         and dropout (if configured), which needs `rng`; it is split once,
@@ -408,11 +440,11 @@ class TransformerVAE(nnx.Module):
         enc_key = dec_key = None
         if drop_key is not None:
             enc_key, dec_key = split_keys(drop_key)
-        mu, logvar = self.encode(h, h_mask, dropout_key=enc_key)
+        mu, logvar = self.encode(h, h_mask, units=units, dropout_key=enc_key)
         if sample:
             eps = normal_draw(eps_key, mu.shape, jnp.float32)
             z = mu + jnp.exp(0.5 * logvar) * eps
         else:
             z = mu
-        out = self.decode(z, dropout_key=dec_key)
+        out = self.decode(z, units=units, dropout_key=dec_key)
         return VAEOutput(out=out, mu=mu, logvar=logvar, z=z)

@@ -235,6 +235,10 @@ def _validate_model(config: ml_collections.ConfigDict, bad: _Bad) -> None:
         bad("model.lora.rank", config.model.lora.rank, "must be >= 1")
     if config.model.empatheia.n_signal < 1:
         bad("model.empatheia.n_signal", config.model.empatheia.n_signal, "must be >= 1")
+    cs_units = config.model.empatheia.get("cs_units", 0)
+    if not isinstance(cs_units, int) or isinstance(cs_units, bool) or cs_units < 0:
+        bad("model.empatheia.cs_units", cs_units,
+            "must be an int >= 0 (the CS's unit table; 0 = no alignment)")
     ce_chunk = config.model.empatheia.get("ce_chunk", 0)
     if not isinstance(ce_chunk, int) or ce_chunk < 0:
         bad("model.empatheia.ce_chunk", ce_chunk, "must be an int >= 0 (positions a chunk; 0 = all at once)")

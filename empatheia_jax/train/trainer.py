@@ -49,6 +49,7 @@ from empatheia_jax.data.input_pipeline import (
     pipeline_config_fields,
 )
 from empatheia_jax.data.shard_format import load_manifest
+from empatheia_jax.generators import registry
 from empatheia_jax.models.empatheia import (
     Empatheia,
     EmpatheiaConfig,
@@ -288,9 +289,13 @@ def make_tx(
 def pipeline_fields(
     config: ml_collections.ConfigDict, stage: stages.Stage, model: Empatheia
 ) -> dict[str, Any]:
-    """`make_dataset` keywords shared by the train and eval pipelines (shapes agree with the model)."""
+    """`make_dataset` keywords shared by the train and eval pipelines (shapes agree with the model); a
+    unit-aligned CS gets the content units of the shards' speech generator."""
+    kinds = (load_manifest(config.data.shards).get("targets") or {}).get("kinds") or {}
+    units = registry.units_for(model.config.cs_units, (kinds.get("speech_content") or {}).get("source"))
     fields = pipeline_config_fields(
-        model.config, stage, {"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)}
+        model.config, stage, {"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)},
+        speech_units=units,
     )
     fields.update(
         # the model's dims: the shards' (checked), or its own on text-only shards under a text template
