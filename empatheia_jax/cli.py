@@ -103,6 +103,9 @@ flags.DEFINE_bool("speak", False, "chat: also speak the reply with Kokoro-82M fr
                   "(OUT.wav; the checkpoint must be trained on Kokoro speech targets)")
 flags.DEFINE_bool("avatar", False, "chat: also render the talking avatar from the predicted C^v/S^v with the "
                   "spoken reply (OUT.mp4; implies --speak; needs face_render video targets)")
+flags.DEFINE_string("listener", None, "chat: pin the listener avatar, age,gender,timbre (e.g. "
+                    "young,female,mid): the voice and face are that avatar's, the predicted emotion sets "
+                    "expression and prosody (default: the SD's predicted style); with --speak / --avatar")
 flags.DEFINE_string("out", None, "chat: output path stem (default: ./chat_reply); export: the folder")
 flags.DEFINE_bool("merged", False, "export: LoRA merged into a full HF checkpoint (default: a PEFT adapter)")
 flags.DEFINE_bool("peft", False, "export: a PEFT adapter on the converted backbone (the default)")
@@ -393,6 +396,16 @@ def _chat() -> int:
         if path and not Path(path).is_file():
             raise FileNotFoundError(f"--{flag} {path}: no such file")
     history = chat.load_history(FLAGS.history) if FLAGS.history else None
+    listener = None
+    if FLAGS.listener is not None:
+        from empatheia_jax.serve.avatar import parse_listener
+
+        if not (FLAGS.speak or FLAGS.avatar):
+            raise app.UsageError("--listener sets the voice and the face: add --speak or --avatar")
+        try:
+            listener = parse_listener(FLAGS.listener)
+        except ValueError as e:
+            raise chat.ChatInputError(str(e)) from e
     model, tokenizer, config, meta = _load_trained()
     # Features must come from the encoder that made the training shards; guessing one would give features
     # the model never saw, silently.
@@ -440,12 +453,17 @@ def _chat() -> int:
     print(f"features -> {npz}\ntext -> {js}")
     if speak:
 
-        wav, seconds, notes = avatar.synthesize_reply(npz, npz.with_suffix(".wav"))
+        if listener is not None:
+            chat.update_outputs(js, {"listener": listener})
+        wav, seconds, notes = avatar.synthesize_reply(npz, npz.with_suffix(".wav"), listener=listener)
         for n in notes:
             print(f"note: {n}")
         print(f"speech ({seconds:.2f} s, Kokoro-82M, {result.speech_content_units} phoneme rows) -> {wav}")
+        heard = chat.hear_reply(js, wav)
+        wer = "no word to score" if heard["speech_wer"] is None else f"WER {heard['speech_wer']:.2f}"
+        print(f"heard by Whisper tiny.en: {heard['speech_transcript']!r} ({wer}) -> {js}")
         if FLAGS.avatar:
-            mp4, frames, notes = avatar.render_avatar(npz, wav, npz.with_suffix(".mp4"))
+            mp4, frames, notes = avatar.render_avatar(npz, wav, npz.with_suffix(".mp4"), listener=listener)
             for n in notes:
                 print(f"note: {n}")
             print(f"avatar ({frames} frames at 25 fps with the speech, procedural face generator) -> {mp4}")
@@ -473,6 +491,7 @@ COMMANDS: dict[str, Callable[[], int]] = {"train": _train, "eval": _eval, "chat"
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input, not a bug: one `error:` line and exit 2. Imported only when an
     exception is being matched (the modules import jax)."""
+    from empatheia_jax.data.asr import AsrAssetError
     from empatheia_jax.data.shard_format import ShardRecordError
     from empatheia_jax.data.splits import ShardsError
     from empatheia_jax.eval.speech import SpeechEvalUnavailable
@@ -487,7 +506,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (
         ConfigError, CheckpointError, ShardsError, ShardRecordError, ChatInputError,
         EncoderManifestError, ExportError, GeneratorError, KokoroAssetError, SpeechEvalUnavailable,
-        DataError, TemplateError,
+        DataError, TemplateError, AsrAssetError,
         FileNotFoundError, NotADirectoryError, IsADirectoryError,
         PermissionError,
     )

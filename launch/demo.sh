@@ -177,3 +177,11 @@ REF=$("$PY" -m empatheia_jax.reference)
     --text "${TURN[0]}" --audio "${TURN[1]}" --video "${TURN[2]}" --out "$RUN/chat_reference" \
     --no_repeat_ngram_size "${CHAT_NO_REPEAT_NGRAM:-4}" --avatar ${V[@]+"${V[@]}"}
 check_reply "$RUN/chat_reference"
+# chat wrote what an independent recogniser hears in the spoken reply (data/asr.py) into its JSON.
+"$PY" - "$RUN/chat_reference.json" <<'EOF_HEARD'
+import json, sys
+js = json.load(open(sys.argv[1]))
+wer = "no word to score" if js["speech_wer"] is None else f"WER {js['speech_wer']:.2f}"
+print(f"[demo] reference reply heard by Whisper tiny.en as: {js['speech_transcript']!r} ({wer}; "
+      f"reply: {js['reply']!r})")
+EOF_HEARD

@@ -74,11 +74,11 @@ def test_refusals_name_the_reason(tmp_path, gold, capsys):
 
 
 def test_avatar_is_the_predicted_controls_drawn_with_the_speech(tmp_path, gold):
-    """render_avatar: as many 25-fps frames as the speech lasts, drawn from C^v/S^v (rows past the
-    prediction hold still with the mouth closed, with a note), the speech muxed in as AAC."""
+    """render_avatar: as many 25-fps frames as the speech lasts, drawn from C^v/S^v at AVATAR_SIZE with idle
+    life (rows past the prediction keep the mouth closed, with a note), the speech muxed in as AAC."""
     import av
 
-    from empatheia_jax.generators.face_render import encode_mp4, face_controls, render_controls
+    from empatheia_jax.generators.face_render import AVATAR_SIZE, encode_mp4, face_controls, render_controls
 
     content, style = gold
     env = np.abs(np.sin(np.linspace(0, 20, 60)))
@@ -98,8 +98,8 @@ def test_avatar_is_the_predicted_controls_drawn_with_the_speech(tmp_path, gold):
         assert c.streams.video[0].average_rate == 25 and c.streams.audio[0].rate == kokoro.SAMPLE_RATE
         frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])])
     padded = np.concatenate([v_content, np.zeros((n_frames - 60, v_content.shape[1]), np.float32)])
-    want = render_controls(padded, v_style)
-    assert frames.shape == want.shape
+    want = render_controls(padded, v_style, size=AVATAR_SIZE, idle=True)
+    assert frames.shape == want.shape == (n_frames, 256, 256, 3)
     # h264 at crf 20: the decoded frames are the drawn ones up to compression noise, and the same encode
     # without audio decodes to the very same pixels
     assert np.abs(frames.astype(int) - want.astype(int)).mean() < 3.0
@@ -110,3 +110,56 @@ def test_avatar_is_the_predicted_controls_drawn_with_the_speech(tmp_path, gold):
     standin = write_outputs(ChatResult(**{**result.__dict__, "video_targets": "stand-in"}), tmp_path / "s")[0]
     with pytest.raises(GeneratorError, match="stand-in video targets"):
         render_avatar(standin, wav_path, tmp_path / "s.mp4")
+
+
+def test_listener_pins_the_voice_and_the_face_and_the_emotion_sets_the_style(tmp_path, gold):
+    """`--listener`: the avatar's voice map and face replace the predicted S^s/S^v (whatever they were), in
+    the style the reply's emotion calls for (CoE step 2 "lonely" -> sad: slower, lower, a sad face);
+    a child's voice is measurably higher than an elderly man's; bad values name the flag."""
+    from empatheia_jax.eval.metrics.speech import f0_stats
+    from empatheia_jax.generators.face_render import (
+        AVATAR_SIZE,
+        decode_style,
+        face_controls,
+        render_controls,
+    )
+    from empatheia_jax.serve.avatar import parse_listener
+
+    content, style = gold
+    v_content, v_style = face_controls(np.abs(np.sin(np.linspace(0, 20, 90))),
+                                       {"age": "young", "gender": "male", "timbre": "mid"}, "happy")
+    result = ChatResult(text=REPLY, coe={}, reply=REPLY, emotion="", emotion_probs=np.zeros(0, np.float32),
+                        profile={}, features={"speech_content": content, "speech_style": style,
+                                              "video_content": v_content, "video_style": v_style},
+                        signal_tokens_forced=False, speech_targets="kokoro", video_targets="face_render",
+                        emotion_text="lonely")
+    npz, _ = write_outputs(result, tmp_path / "reply")
+    child = parse_listener("child, female, HIGH")
+    assert child == {"age": "child", "gender": "female", "timbre": "high"}
+    elder = parse_listener("elderly,male,low")
+    heard = {}
+    for name, listener in (("child", child), ("elder", elder)):
+        path, _, notes = synthesize_reply(npz, tmp_path / f"{name}.wav", listener=listener)
+        assert any("pinned, in the sad style" in n for n in notes), notes
+        sr, wav = read_wav(path)
+        pinned = voice(listener, "sad")
+        np.testing.assert_array_equal(wav, to_pcm16(kokoro.shared(1).synthesize(content, pinned.style,
+                                                                                 pinned.speed)))
+        heard[name] = f0_stats(wav / 32768.0, sr)["f0_median_hz"]
+    assert heard["child"] > 1.8 * heard["elder"], heard
+    mp4, n_frames, notes = render_avatar(npz, tmp_path / "elder.wav", tmp_path / "elder.mp4", listener=elder)
+    assert any("elderly/male/low pinned" in n for n in notes), notes
+    drawn = face_controls(np.zeros(1), elder, "sad")[1]
+    assert {k: decode_style(drawn)[k] for k in ("age", "gender", "timbre", "emotion")} == {
+        "age": "elderly", "gender": "male", "timbre": "low", "emotion": "sad"}
+    import av
+
+    with av.open(str(mp4)) as c:
+        first = next(iter(c.decode(c.streams.video[0]))).to_ndarray(format="rgb24")
+    want = render_controls(v_content[:1], drawn, size=AVATAR_SIZE, idle=True)[0]
+    other = render_controls(v_content[:1], v_style, size=AVATAR_SIZE, idle=True)[0]
+    err = np.abs(first.astype(int) - want.astype(int)).mean()
+    assert err < 3.0 < np.abs(first.astype(int) - other.astype(int)).mean(), err
+    for bad, why in (("old,male,mid", "age 'old'"), ("young,female", "age,gender,timbre")):
+        with pytest.raises(ValueError, match=why):
+            parse_listener(bad)

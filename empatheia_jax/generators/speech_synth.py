@@ -39,6 +39,16 @@ LISTENER_STYLE = "empathetic"
 STYLES = (*EMOTIONS_7, "neutral", LISTENER_STYLE)
 """Every emotion/style the synthesizers accept: the 7 classes, neutral, and the listener's style."""
 
+LISTENER_MIRRORS = frozenset({"happy", "surprised", "sad"})
+"""Emotions the listener avatar shows back (shared joy, surprise, sadness: emotional mirroring); to anger,
+fear, disgust and contempt it answers with its calm empathetic style, never the user's hostility or fear."""
+
+
+def listener_style(emotion: str | None) -> str:
+    """The style the listener avatar answers `emotion` (a class of EMOTIONS_7) with: voice and face."""
+    return emotion if emotion in LISTENER_MIRRORS else LISTENER_STYLE
+
+
 VOICE_VERSION = "1"  # bump when the voice files below change: the data folder is keyed on it
 
 

@@ -5,6 +5,11 @@ this module names none. The Content Synchronizer predicts a fixed number of rows
 (config.data.max_speech_len); a speech generator reads the first T of them, T = the reply's content rows
 (`registry.content_rows`, e.g. Kokoro's phoneme count plus two pads), which chat records as
 `speech_content_units`. A video generator draws as many 25-fps frames as the speech lasts.
+
+The listener avatar can be pinned (`chat --listener age,gender,timbre`), as E3RG's identity memory keeps
+one avatar for a conversation: the predicted style vectors S^s/S^v are then replaced by the avatar map of
+each generator (`Generator.avatar_style`) for that profile, in the style the predicted emotion calls for
+(`speech_synth.listener_style`), so who speaks is the user's choice and how they feel stays the model's.
 """
 
 from __future__ import annotations
@@ -14,10 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from empatheia_jax.data import schema
 from empatheia_jax.generators import registry
 from empatheia_jax.generators.base import GeneratorError
 from empatheia_jax.generators.kokoro_voices import to_pcm16
-from empatheia_jax.generators.speech_synth import write_wav
+from empatheia_jax.generators.speech_synth import listener_style, write_wav
 from empatheia_jax.serve.chat import read_outputs
 
 SPEECH_GENERATOR = "kokoro"
@@ -30,6 +36,38 @@ def check_can_speak(speech_targets: str | None, video_targets: str | None = None
     registry.check_trained_on(speech, speech_targets, where)
     if video is not None:
         registry.check_trained_on(video, video_targets, where)
+
+
+def parse_listener(value: str, flag: str = "--listener") -> dict[str, str]:
+    """`age,gender,timbre` (e.g. `young,female,mid`) -> the listener profile; ValueError naming `flag`."""
+    parts = [p.strip().lower() for p in str(value).split(",")]
+    vocabs = (("age", schema.AGES), ("gender", schema.GENDERS), ("timbre", schema.TIMBRES))
+    if len(parts) != len(vocabs):
+        raise ValueError(f"{flag} {value!r}: expected age,gender,timbre (e.g. young,female,mid)")
+    for part, (name, vocab) in zip(parts, vocabs, strict=True):
+        if part not in vocab:
+            raise ValueError(f"{flag} {value!r}: {name} {part!r} is not one of {', '.join(vocab)}")
+    return dict(zip((name for name, _ in vocabs), parts, strict=True))
+
+
+def reply_emotion(meta: dict[str, Any]) -> str | None:
+    """The emotion the reply answers, as a class of EMOTIONS_7: CoE step 2 when it names one (the reasoning
+    the reply was written from), else the SD classifier's; None when neither resolves."""
+    emap = schema.EmotionMap.load("avamerg7")
+    for word in (meta.get("emotion_text"), meta.get("emotion")):
+        if word and emap.class_name(word):
+            return emap.class_name(word)
+    return None
+
+
+def pinned_style(generator: str, listener: dict[str, str], meta: dict[str, Any]
+                 ) -> tuple[np.ndarray, float, str]:
+    """(style vector, speaking rate, note) of the pinned listener avatar for generator `generator`."""
+    emotion = reply_emotion(meta)
+    style = listener_style(emotion)
+    vector, rate = registry.generator_class(generator).avatar_style(listener, style)
+    who = "/".join(listener[k] for k in ("age", "gender", "timbre"))
+    return vector, rate, f"listener avatar {who} pinned, in the {style} style (reply emotion: {emotion})"
 
 
 def reply_rows(meta: dict[str, Any], available: int, where: str = "features",
@@ -60,14 +98,21 @@ def _features(features: str | Path, modality: str) -> tuple[np.ndarray, np.ndarr
 
 
 def synthesize_reply(features: str | Path, out: str | Path, *, rows: int | None = None, speed: float = 1.0,
-                     generator: str = SPEECH_GENERATOR, **options: Any) -> tuple[Path, float, list[str]]:
-    """Speaks chat's output `features` (OUT.npz or its stem) into the wav `out`; (path, seconds, notes)."""
+                     generator: str = SPEECH_GENERATOR, listener: dict[str, str] | None = None,
+                     **options: Any) -> tuple[Path, float, list[str]]:
+    """Speaks chat's output `features` (OUT.npz or its stem) into the wav `out`; (path, seconds, notes).
+
+    `listener` (a profile, `parse_listener`) pins the voice: its style vector and speaking rate (times
+    `speed`) replace the predicted S^s."""
     content, style, meta = _features(features, "speech")
     notes: list[str] = []
     if rows is None:
         rows, notes = reply_rows(meta, content.shape[0], str(features), generator)
     elif not 3 <= rows <= content.shape[0]:
         raise GeneratorError(f"--rows {rows}: must be in [3, {content.shape[0]}]")
+    if listener is not None:
+        style, rate, note = pinned_style(generator, listener, meta)
+        speed, notes = speed * rate, [*notes, note]
     speaker = registry.get(generator, **options)
     audio = speaker.speak(content, style, rows, speed)
     out = Path(out)
@@ -77,13 +122,18 @@ def synthesize_reply(features: str | Path, out: str | Path, *, rows: int | None 
 
 
 def render_avatar(features: str | Path, wav: str | Path, out: str | Path, *, generator: str = VIDEO_GENERATOR,
-                  **options: Any) -> tuple[Path, int, list[str]]:
+                  listener: dict[str, str] | None = None, **options: Any) -> tuple[Path, int, list[str]]:
     """The talking face: predicted C^v/S^v drawn by the video generator `generator` (built with `options`)
-    for the speech in `wav`, that speech muxed in; (path, frames, notes)."""
+    for the speech in `wav`, that speech muxed in; (path, frames, notes). `listener` pins the face as in
+    `synthesize_reply`."""
     content, style, meta = _features(features, "video")
     registry.check_trained_on(generator, meta.get("video_targets"), str(features))
+    pinned: list[str] = []
+    if listener is not None:
+        style, _, note = pinned_style(generator, listener, meta)
+        pinned.append(note)
     drawer = registry.get(generator, **options)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     frames, notes = drawer.render(content, style, wav, out)
-    return out, frames, notes
+    return out, frames, [*pinned, *notes]

@@ -40,6 +40,7 @@ from empatheia_jax.data import input_pipeline as ip
 from empatheia_jax.data import parse, schema, shard_format
 from empatheia_jax.data import templates as tpl
 from empatheia_jax.data.targets import STAND_IN
+from empatheia_jax.generators import registry
 from empatheia_jax.generators.registry import content_rows
 from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
 from empatheia_jax.serve import forward
@@ -443,7 +444,8 @@ def respond(
     parsed = parse.parse_generation(raw, schema.EmotionMap.load(emotion_map_name(cfg)),
                                     pipeline_baseline=cfg.pipeline_baseline)
     response = _reply_mask(cfg, tokenizer, final, parsed["reply"], notes)
-    out = _run_heads(model, ids, mask, final, response, feats, pad, compiler_options)
+    units = _speech_units(cfg, parsed["reply"], speech_targets)
+    out = _run_heads(model, ids, mask, final, response, feats, pad, compiler_options, units)
     keep = mask[0].astype(bool)
     return _assemble_result(
         cfg, out, parsed, raw=raw, forced=forced, notes=notes, prompt_length=len(prompt.ids),
@@ -533,9 +535,24 @@ def _reply_mask(cfg: EmpatheiaConfig, tokenizer: Any, final: list[int], reply: s
     return response
 
 
+def _speech_units(cfg: EmpatheiaConfig, reply: str, speech_targets: str) -> np.ndarray | None:
+    """[1, max_speech_len] content units of the reply for a unit-aligned CS (what its rows render), None
+    for the paper's CS; a reply without units (empty) gives pads only."""
+    fn = registry.units_for(cfg.cs_units, speech_targets) if cfg.has_cs else None
+    if cfg.has_cs and cfg.cs_units and fn is None:
+        raise ChatInputError(f"the model's Content Synchronizer is unit-aligned but its speech targets "
+                             f"({speech_targets}) come from no generator with content units")
+    if fn is None:
+        return None
+    units = np.zeros((1, cfg.max_speech_len), np.int32)
+    row = np.asarray(fn(reply), np.int32)[: cfg.max_speech_len] if reply.strip() else np.zeros(0, np.int32)
+    units[0, : len(row)] = row
+    return units
+
+
 def _run_heads(model: Empatheia, ids: np.ndarray, mask: np.ndarray, final: list[int], response: np.ndarray,
-               feats: tuple[np.ndarray, ...], pad: int, compiler_options: Mapping[str, Any] | None
-               ) -> dict[str, Any]:
+               feats: tuple[np.ndarray, ...], pad: int, compiler_options: Mapping[str, Any] | None,
+               speech_units: np.ndarray | None = None) -> dict[str, Any]:
     """The heads' outputs from ONE deterministic forward over [left padding | prompt | generated (+ forced)]
     with the decode's own attention mask and positions, right-padded to a bucket (few compiled shapes);
     {} for a model without heads."""
@@ -552,6 +569,8 @@ def _run_heads(model: Empatheia, ids: np.ndarray, mask: np.ndarray, final: list[
     resp[0, n_prompt : n_prompt + len(final)] = response
     positions = np.maximum(np.cumsum(attn, axis=1) - 1, 0).astype(np.int32)
     batch = {"input_ids": seq, "attention_mask": attn, "positions": positions, "response_mask": resp}
+    if speech_units is not None:
+        batch["speech_units"] = speech_units
     if cfg.has_media:
         batch.update(zip(("aud_feats", "aud_mask", "vid_feats", "vid_mask"), feats, strict=True))
     return forward.model_outputs(model, batch, compiler_options=compiler_options) if cfg.heads else {}
@@ -702,6 +721,34 @@ def read_outputs(out: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[st
     with np.load(stem.with_name(js["npz"])) as z:
         arrays = {k: z[k] for k in z.files}
     return arrays, js
+
+
+def hear_reply(out: str | os.PathLike, wav: str | os.PathLike, *, threads: int = 2) -> dict[str, Any]:
+    """What an independent listener (Whisper tiny.en, `data.asr`) hears in the spoken reply `wav`, recorded in
+    OUT.json and returned: `speech_transcript`, `speech_transcript_confidence` and `speech_wer` against the
+    reply text (None when the reply has no word to score). The check that the predicted speech features
+    still say the reply, not only sound like a voice."""
+    from empatheia_jax.data import asr
+    from empatheia_jax.generators.speech_synth import read_wav
+
+    _, meta = read_outputs(out)
+    sr, audio = read_wav(wav)
+    heard = asr.shared(threads).transcribe(audio, sr)
+    reply = meta.get("reply") or ""
+    wer = asr.word_error_rate([reply], [heard.text]) if asr.normalize(reply) else None
+    fields = {"speech_transcript": heard.text, "speech_transcript_confidence": heard.confidence,
+              "speech_wer": wer}
+    update_outputs(out, fields)
+    return fields
+
+
+def update_outputs(out: str | os.PathLike, fields: Mapping[str, Any]) -> None:
+    """Adds `fields` to OUT.json (what was done with the reply after `write_outputs`: heard, pinned)."""
+    stem = _stem(out)
+    js_path = stem.with_name(stem.name + ".json")
+    meta = json.loads(js_path.read_text())
+    meta.update(fields)
+    js_path.write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
 
 
 def format_result(result: ChatResult) -> str:
