@@ -1,28 +1,31 @@
 #!/usr/bin/env bash
-# The reference model: stage coe on EmpatheticDialogues, then the heads' stages ccl, sac on the sample.
+# The reference model: stage coe on EmpatheticDialogues, stage ccl (the avatar's voice and face) on every ED
+# reply's content targets, then the SD's stage sac on the sample.
 #
 #   bash launch/ed_reference.sh RUNDIR [--config.FIELD=VALUE ...]
 #
 #   RUNDIR   the run folder, best outside the work tree (e.g. ~/runs/ed_reference): RUNDIR/ed holds the
-#            imported csv (train + a conversation-level dev hold-out) and its text-only shards, RUNDIR/coe
-#            the ED stage, RUNDIR/{ccl,sac} the sample stages, RUNDIR/report the dev evaluation
-#            of the coe stage, RUNDIR/report_final that of the final model, RUNDIR/export the final model
-#            (PEFT adapter + heads) with its model card (README.md, card.json)
+#            imported csv (train + a conversation-level dev hold-out), its reply targets (Kokoro speech
+#            features, the face generator's mouth on Kokoro's timeline: no media needed) and its text-only
+#            shards, RUNDIR/coe the ED stage, RUNDIR/ccl the CS on ED, RUNDIR/{sac,...} the sample stages,
+#            RUNDIR/report the dev evaluation of the coe stage, RUNDIR/report_final that of the final
+#            model, RUNDIR/export the final model (PEFT adapter + heads) with its model card
 #   extra    --config.* overrides for the coe stage (e.g. --config.schedule.coe.steps=1000)
 #
 # Needs `make demo`'s converted backbone and sample shards (WORK=work by default: work/smollm2,
 # work/shards). Every step skips what is done and the training resumes from its last checkpoint, so
 # re-running the command continues an interrupted run (a run longer than a session, on CPU). Environment:
 # ED_CSV (default data/ed/empathetic_dialogues_validation.csv), HOLDOUT (dev:0.15), WORK (work), PY,
-# SAMPLE_STAGES (default "ccl sac": the stages on the sample, in order; 0 = none: stop after coe; "ccl sac
-# overall" adds the joint stage, whose LoRA steps at the demo's lr 1e-3 on 64 sample dialogues undo the ED
-# training: 41 % of dev replies repeat a 4-gram, docs/benchmarks.md), COE_EVAL=0 to skip the coe stage's
-# dev evaluation (a diagnostic: the card reports the final model's), EVAL_FLAGS (extra `empatheia eval`
-# flags), DEVICE (the card's device line).
+# ED_STAGES (default "ccl": the avatar stages on ED after coe; 0 = none), SAMPLE_STAGES (default "sac": the
+# stages on the sample, in order; 0 = none; "sac overall" adds the joint stage, whose LoRA steps at the
+# demo's lr 1e-3 on 64 sample dialogues undo the ED training: 41 % of dev replies repeat a 4-gram,
+# docs/benchmarks.md), COE_EVAL=0 to skip the coe stage's dev evaluation (a diagnostic: the card reports
+# the final model's), EVAL_FLAGS (extra `empatheia eval` flags), SPEECH_EXAMPLES (dev replies spoken and
+# heard by Whisper in the final evaluation, default 32), DEVICE (the card's device line).
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-    sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 RUN=$1
@@ -49,9 +52,17 @@ if [[ ! -f "$RUN/ed/raw/dev.json" ]]; then
     echo "[ed_reference] importing $ED_CSV (train + $HOLDOUT, whole conversations)"
     "$PY" -m data.import_ed --csv "$ED_CSV" --out "$RUN/ed/raw" --split train --holdout "$HOLDOUT"
 fi
+if [[ ! -f "$RUN/ed/targets/meta.json" ]] || ! grep -q video_content "$RUN/ed/targets/meta.json"; then
+    echo "[ed_reference] reply targets: Kokoro speech features, the face generator's mouth on Kokoro's timeline"
+    "$PY" -m converters.styletts2_targets --raw "$RUN/ed/raw" --out "$RUN/ed/targets" --responses-only \
+        --workers 2 --quiet
+    "$PY" -m converters.face_targets --raw "$RUN/ed/raw" --out "$RUN/ed/targets" --mouth phonemes \
+        --responses-only --workers 2 --quiet
+fi
 if [[ ! -f "$RUN/ed/shards/manifest.json" ]]; then
-    echo "[ed_reference] preparing text-only shards"
-    "$PY" -m data.prepare --raw "$RUN/ed/raw" --out "$RUN/ed/shards" --text-only --overwrite
+    echo "[ed_reference] preparing text-only shards with the reply targets"
+    "$PY" -m data.prepare --raw "$RUN/ed/raw" --out "$RUN/ed/shards" --text-only --targets "$RUN/ed/targets" \
+        --overwrite
 fi
 
 echo "[ed_reference] stage coe on EmpatheticDialogues -> $RUN/coe"
@@ -64,20 +75,29 @@ if [[ ${COE_EVAL:-1} != 0 ]]; then
         --report "$RUN/report" --no_repeat_ngram_size 4 --score_emotions ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
 fi
 
-STAGES=${SAMPLE_STAGES:-ccl sac}
-if [[ $STAGES == 0 ]]; then
-    exit 0
-fi
 prev=$RUN/coe
 WORKDIRS=(--workdir "$RUN/coe")
-for stage in $STAGES; do
+ED_STAGES=${ED_STAGES:-ccl}
+for stage in ${ED_STAGES/#0/}; do
+    echo "[ed_reference] stage $stage on the ED replies' targets -> $RUN/ed_$stage"
+    "$PY" -m empatheia_jax.cli train --config configs/smollm2_ed_avatar.py --config.stage="$stage" \
+        --config.init_from="$prev" --workdir "$RUN/ed_$stage" "${COMMON[@]}" --config.data.shards="$RUN/ed/shards"
+    prev=$RUN/ed_$stage
+    WORKDIRS+=(--workdir "$RUN/ed_$stage")
+done
+STAGES=${SAMPLE_STAGES:-sac}
+for stage in ${STAGES/#0/}; do
     echo "[ed_reference] stage $stage on the sample -> $RUN/$stage"
+    # the model of the ED stages: the CS's speech rows aligned to Kokoro's phonemes (configs/smollm2_ed.py)
     "$PY" -m empatheia_jax.cli train --config configs/smollm2_demo.py --config.stage="$stage" \
         --config.init_from="$prev" --workdir "$RUN/$stage" --config.model.backbone="$WORK/smollm2" \
-        --config.data.shards="$WORK/shards"
+        --config.data.shards="$WORK/shards" --config.model.empatheia.cs_units=178
     prev=$RUN/$stage
     WORKDIRS+=(--workdir "$RUN/$stage")
 done
+if [[ $prev == "$RUN/coe" ]]; then
+    exit 0
+fi
 # The export is what gets evaluated, so the card's figures are those of the weights it ships: EXPORT_DTYPE
 # (default bfloat16, half the files of float32) is the stored dtype of the adapter and heads.
 echo "[ed_reference] export of $prev (${EXPORT_DTYPE:-bfloat16}) -> $RUN/export"
@@ -86,6 +106,9 @@ echo "[ed_reference] export of $prev (${EXPORT_DTYPE:-bfloat16}) -> $RUN/export"
 echo "[ed_reference] dev evaluation of the export (CoE prompt) -> $RUN/report_final"
 "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template coe \
     --report "$RUN/report_final" --no_repeat_ngram_size 4 --score_emotions ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
+echo "[ed_reference] the avatar on dev replies: the CS's content spoken and heard (ccl template) -> $RUN/report_avatar"
+"$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template ccl \
+    --nogenerate --speech_examples "${SPEECH_EXAMPLES:-32}" --json "$RUN/report_avatar.json"
 # the figure the project's test re-measures in CI time: the first 64 dev records
 "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template coe \
     --max_examples 64 --json "$RUN/report_final/subset64.json" --no_repeat_ngram_size 4 --score_emotions \

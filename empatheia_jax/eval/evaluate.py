@@ -549,8 +549,11 @@ def evaluate(
     common = dict(batch_size=batch_size, max_len=max_len, pipeline_overrides=pipeline_overrides,
                   max_examples=max_examples, progress=progress, compiler_options=compiler_options,
                   template=template)
-    if not {"cs", "sd"} <= eval_stage(model.config, template).heads:
-        speech = video = None  # rendered from C and S, which this stage's forward does not compute
+    heads = eval_stage(model.config, template).heads
+    if "cs" not in heads:
+        speech = None  # rendered from C^s (in the predicted or the gold voice), which this stage lacks
+    if not {"cs", "sd"} <= heads:
+        video = None  # rendered from C^v and S^v
     collected: dict[int, dict[str, Any]] | None = {} if speech or video or details is not None else None
     result = teacher_forced_metrics(model, tokenizer, shards_dir, split, weights=weights, collect=collected,
                                     collect_features=bool(speech or video), **common)
@@ -584,12 +587,13 @@ def media_evals(
     gold_speech: str | os.PathLike | None = None,
 ) -> tuple[speech_eval.SpeechEval | None, video_eval.VideoEval | None]:
     """The speech and video evaluations `evaluate` renders rows with, or None each. They are rendered from C
-    and S, so only a stage that runs both heads has them; data without what they need (gold speech, faces)
-    is a note on stderr and no rows, except gold speech asked for explicitly (`gold_speech`): that is a
-    user error and raises."""
+    and S: video needs a stage that runs both heads, speech the CS at least (without the SD the gold voice
+    speaks the predicted content, `SpeechEval.model_rows`); data without what they need (gold speech,
+    faces) is a note on stderr and no rows, except gold speech asked for explicitly (`gold_speech`): that is
+    a user error and raises."""
     heads = {"cs", "sd"} <= stage.heads
     speech = None
-    if speech_examples and heads:
+    if speech_examples and "cs" in stage.heads:
         try:
             speech = speech_eval.SpeechEval(shards_dir, split, train_split=train_split, gold_dir=gold_speech,
                                             examples=speech_examples)

@@ -23,8 +23,10 @@ What is compared (docs/design.md "Speech out"):
   `SpeechEval.transcripts` ({column: [Transcript]}, in `items` order).
 
 Gold speech: `RAW/gold_speech/{response_utt_id}.wav` (24 kHz, data/make_sample.py), RAW from the shards'
-manifest unless given. Only shards whose speech targets are Kokoro features can be spoken;
-`SpeechEvalUnavailable` says why not otherwise, and eval prints it as a note.
+manifest unless given; shards of a text corpus (no such folder, e.g. imported ED with its reply targets) are
+spoken from their gold targets by Kokoro, which is how the sample's gold speech was made. Only shards whose
+speech targets are Kokoro features can be spoken; `SpeechEvalUnavailable` says why not otherwise, and eval
+prints it as a note.
 """
 
 from __future__ import annotations
@@ -71,12 +73,14 @@ class SpeechEval:
             raise SpeechEvalUnavailable(
                 f"{shards_dir}: speech targets are {source or 'absent'}/{style_source or 'absent'} "
                 "(content/style), not Kokoro features, so there is no generator to speak them with")
-        if gold_dir is None:
+        default = gold_dir is None
+        if default:
             gold_dir = Path(manifest.get("raw", "")) / "gold_speech"
-        self.gold_dir = Path(gold_dir)
+        self.gold_dir: Path | None = Path(gold_dir)
         if not self.gold_dir.is_dir():
-            raise SpeechEvalUnavailable(f"no gold speech folder {self.gold_dir} (data.make_sample "
-                                        "--gold-speech writes it; or pass --gold_speech DIR)")
+            if not default:
+                raise SpeechEvalUnavailable(f"no gold speech folder {self.gold_dir} (--gold_speech)")
+            self.gold_dir = None  # spoken from the gold targets (a text corpus: no recorded speech)
         self.examples, self.threads, self.progress = int(examples), int(threads), progress
         check_split(shards_dir, train_split)
 
@@ -89,15 +93,18 @@ class SpeechEval:
             targets = rec.get("targets") or {}
             if "speech_style" in targets:
                 self.labels[i] = {k: str(rec["listener_profile"][k]) for k in PROFILE}
-            wav = self.gold_dir / f"{rec['response_utt_id']}.wav"
-            if len(self.items) < self.examples and "speech_content" in targets and wav.is_file():
+            wav = None if self.gold_dir is None else self.gold_dir / f"{rec['response_utt_id']}.wav"
+            spoken = wav.is_file() if wav is not None else "speech_style" in targets
+            if len(self.items) < self.examples and "speech_content" in targets and spoken:
                 self.items.append({"record_index": i, "wav": wav, "uid": rec["response_utt_id"],
                                    "content": np.asarray(targets["speech_content"]),
+                                   "style": np.asarray(targets.get("speech_style", ()), np.float32),
                                    "reply": str(rec["response"])})
         if self.examples and not self.items:
             raise SpeechEvalUnavailable(f"no {split} record of {shards_dir} has gold speech in "
-                                        f"{self.gold_dir}")
-        self.gold = [self._read(it["wav"]) for it in self.items]
+                                        f"{self.gold_dir or 'its speech targets'}")
+        self.gold = [self._read(it["wav"]) if it["wav"] is not None else self._gold_from_targets(it)
+                     for it in self.items]
         self.transcripts: dict[str, list[Any]] = {}  # column -> [asr.Transcript], items order
 
         # The probe and the reference voices, from the train split's gold style targets.
@@ -121,6 +128,14 @@ class SpeechEval:
 
         self.majority_profile = majority
         self.pipeline_style = voice(majority, "empathetic").style
+
+    def _gold_from_targets(self, item: Mapping[str, Any]) -> np.ndarray:
+        """The gold speech of a record without a recording (a text corpus with Kokoro targets): Kokoro
+        speaking its gold content in its gold style at speed 1, what `kokoro_voices.gold_speech` made the
+        sample's listener replies with, sample for sample."""
+        from empatheia_jax.generators import kokoro
+
+        return kokoro.shared(self.threads).synthesize(item["content"], item["style"], 1.0)
 
     @staticmethod
     def _read(path: Path) -> np.ndarray:
@@ -182,13 +197,20 @@ class SpeechEval:
         return out
 
     def model_rows(self, name: str, collected: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
-        """The speech rows of a model from `evaluate.teacher_forced_metrics(collect=...)`'s outputs."""
+        """The speech rows of a model from `evaluate.teacher_forced_metrics(collect=...)`'s outputs.
+
+        A model evaluated without its SD (a ccl checkpoint: the CS alone, on a text corpus without the media
+        the signal tokens read) speaks its predicted C^s in each record's gold voice: the rows then measure
+        the content alone (speech_wer: are the words there), and the style rows are absent."""
         missing = [it["record_index"] for it in self.items
                    if "speech_content" not in collected.get(it["record_index"], {})]
         if missing:
             raise ValueError(f"no predicted speech features for test records {missing[:5]}")
         picked = [collected[it["record_index"]] for it in self.items]
-        pairs = [(c["speech_content"], c["speech_style"]) for c in picked]
+        pairs = [(c["speech_content"], c["speech_style"] if "speech_style" in c else it["style"])
+                 for c, it in zip(picked, self.items, strict=True)]
+        if any(len(style) == 0 for _, style in pairs):
+            raise ValueError("no predicted speech style and no gold speech_style target to speak with")
         styles = {i: np.asarray(c["speech_style"]) for i, c in collected.items() if "speech_style" in c}
         return self._rows(name, self._speak(name, pairs), styles)
 
