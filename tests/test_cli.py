@@ -145,6 +145,10 @@ model, tokenizer, config, meta = load_trained(workdir)
 speech = speech_eval.SpeechEval(shards, "test", train_split=config.data.train_split, examples=16,
                                 progress=False)
 video = video_eval.VideoEval(shards, "test", train_split=config.data.train_split, examples=6, progress=False)
+# a text corpus has no recordings: its gold speech is spoken from the gold targets, as make_sample made it
+from empatheia_jax.generators.kokoro_voices import to_pcm16
+spoken = [to_pcm16(speech._gold_from_targets(it)) / 32768.0 for it in speech.items]
+gold_gap = max(float(np.abs(a - b).max()) for a, b in zip(spoken, speech.gold, strict=True))
 columns = {"trained": evaluate.evaluate(
     model, tokenizer, shards, "test", batch_size=4, max_len=int(config.data.max_len), generate_text=False,
     pipeline_overrides={"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)},
@@ -173,7 +177,7 @@ plain = chat.respond(model, tokenizer, text=inputs["text"], encoder=encoder, max
                      max_len=int(config.data.max_len) + 12 + 2 * model.config.n_signal + 2)
 json.dump({"eval": columns, "table": report.format_table(columns), "ed": ed, "text": r.text,
            "reply": r.reply, "emotion": r.emotion, "features": sorted(r.features), "controls_text": c.text,
-           "plain_text": plain.text},
+           "plain_text": plain.text, "gold_gap": gold_gap, "gold_items": len(speech.items)},
           open(out + ".json", "w"))
 """
 
@@ -214,6 +218,8 @@ def test_eval_prints_the_table_and_its_json_equals_the_library(trained, shards, 
                "--json", out, "--template", "overall"))
     assert_quiet(p.stderr)
     assert "template: overall (--template)" in p.stderr
+    # shards without recordings speak their gold targets: the very speech make_sample wrote (int16 rounding)
+    assert reference[0]["gold_items"] > 0 and reference[0]["gold_gap"] <= 1 / 32768, reference[0]["gold_gap"]
     got, want = json.loads(out.read_text()), reference[0]["eval"]
     assert list(got) == ["trained", "baseline", "mean_style", "pipeline_tts", "gold", "chance", "targets",
                          "template", "shards", "split"]
