@@ -210,9 +210,10 @@ def _collect_batch(collect: dict[int, dict[str, Any]], batch: Mapping[str, np.nd
             if f"{name}_logits" in out:
                 got[f"{name}_cls"] = int(np.argmax(out[f"{name}_logits"][b]))
         for kind in ("speech", "video") if collect_features else ():
-            if f"{kind}_content" in out and f"{kind}_style" in out:
+            if f"{kind}_content" in out:  # a stage without the SD has content only (SpeechEval.model_rows)
                 rows = int(batch[f"{kind}_content_mask"][b].sum())
                 got[f"{kind}_content"] = np.asarray(out[f"{kind}_content"][b, :rows], np.float32)
+            if f"{kind}_style" in out:
                 got[f"{kind}_style"] = np.asarray(out[f"{kind}_style"][b], np.float32)
 
 
