@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _replies(raw: Path, split: str) -> list[tuple[str, str]]:
-    from empatheia_jax.data.schema import load_dialogues, response_utterance_id
+    """(utterance id, text) of the split's turn responses: the utterances the targets were exported for."""
+    from converters.styletts2_targets import speech_jobs
 
-    return [(response_utterance_id(d, j), t.response) for d in load_dialogues(raw / f"{split}.json")
-            for j, t in enumerate(d.turns)]
+    return [(job.uid, job.text) for job in speech_jobs(raw, [split], responses_only=True)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -396,16 +396,7 @@ def _chat() -> int:
         if path and not Path(path).is_file():
             raise FileNotFoundError(f"--{flag} {path}: no such file")
     history = chat.load_history(FLAGS.history) if FLAGS.history else None
-    listener = None
-    if FLAGS.listener is not None:
-        from empatheia_jax.serve.avatar import parse_listener
-
-        if not (FLAGS.speak or FLAGS.avatar):
-            raise app.UsageError("--listener sets the voice and the face: add --speak or --avatar")
-        try:
-            listener = parse_listener(FLAGS.listener)
-        except ValueError as e:
-            raise chat.ChatInputError(str(e)) from e
+    listener = _listener_flag()
     model, tokenizer, config, meta = _load_trained()
     # Features must come from the encoder that made the training shards; guessing one would give features
     # the model never saw, silently.
@@ -468,6 +459,21 @@ def _chat() -> int:
                 print(f"note: {n}")
             print(f"avatar ({frames} frames at 25 fps with the speech, procedural face generator) -> {mp4}")
     return 0
+
+
+def _listener_flag() -> dict[str, str] | None:
+    """The --listener profile, checked before the model loads (a user error in a second, not a minute)."""
+    if FLAGS.listener is None:
+        return None
+    from empatheia_jax.serve.avatar import parse_listener
+    from empatheia_jax.serve.chat import ChatInputError
+
+    if not (FLAGS.speak or FLAGS.avatar):
+        raise app.UsageError("--listener sets the voice and the face: add --speak or --avatar")
+    try:
+        return parse_listener(FLAGS.listener)
+    except ValueError as e:
+        raise ChatInputError(str(e)) from e
 
 
 def _export() -> int:

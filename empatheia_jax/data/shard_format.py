@@ -231,6 +231,13 @@ def load_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     return m
 
 
+def target_source(manifest: Mapping[str, Any], kind: str) -> str | None:
+    """Who made the shards' `kind` targets (meta.json's "source": "kokoro", "face_render", "stand-in", ...),
+    None when the shards carry none: what decides which generator can read them."""
+    kinds = (manifest.get("targets") or {}).get("kinds") or {}
+    return (kinds.get(kind) or {}).get("source")
+
+
 def text_only_records(manifest: Mapping[str, Any], split: str) -> int:
     """How many records of `split` were prepared without media features (0 for folders written before
     text-only preparation existed, whose every record has its features)."""

@@ -147,8 +147,7 @@ def teacher_forced_metrics(
     manifest = check_split(shards_dir, split)
     stage = eval_stage(cfg, template)
     _check_model_and_data(model, tokenizer, manifest, shards_dir, split, stage)
-    kinds = (manifest.get("targets") or {}).get("kinds") or {}
-    units = registry.units_for(cfg.cs_units, (kinds.get("speech_content") or {}).get("source"))
+    units = registry.units_for(cfg.cs_units, shard_format.target_source(manifest, "speech_content"))
     fields = pipeline_config_fields(cfg, stage, pipeline_overrides, speech_units=units)
     # the model's feature dims: equal to the shards' under a media template (checked), and the shapes its
     # program takes when the template reads no feature (text-only shards have dims 0)
@@ -550,11 +549,8 @@ def evaluate(
     common = dict(batch_size=batch_size, max_len=max_len, pipeline_overrides=pipeline_overrides,
                   max_examples=max_examples, progress=progress, compiler_options=compiler_options,
                   template=template)
-    heads = eval_stage(model.config, template).heads
-    if "cs" not in heads:
-        speech = None  # rendered from C^s (in the predicted or the gold voice), which this stage lacks
-    if not {"cs", "sd"} <= heads:
-        video = None  # rendered from C^v and S^v
+    can_speak, can_draw = media_rows_of(eval_stage(model.config, template))
+    speech, video = (speech if can_speak else None), (video if can_draw else None)
     collected: dict[int, dict[str, Any]] | None = {} if speech or video or details is not None else None
     result = teacher_forced_metrics(model, tokenizer, shards_dir, split, weights=weights, collect=collected,
                                     collect_features=bool(speech or video), **common)
@@ -577,6 +573,12 @@ def evaluate(
     return {k: result[k] for k in sorted(result, key=metric_order)}
 
 
+def media_rows_of(stage: stages.Stage) -> tuple[bool, bool]:
+    """(speech rows, video rows) a stage's forward can feed: speech needs C^s (without the SD, the gold voice
+    speaks it: `SpeechEval.model_rows`), video both C^v and S^v."""
+    return "cs" in stage.heads, {"cs", "sd"} <= stage.heads
+
+
 def media_evals(
     shards_dir: str | os.PathLike,
     split: str,
@@ -592,9 +594,9 @@ def media_evals(
     speaks the predicted content, `SpeechEval.model_rows`); data without what they need (gold speech,
     faces) is a note on stderr and no rows, except gold speech asked for explicitly (`gold_speech`): that is
     a user error and raises."""
-    heads = {"cs", "sd"} <= stage.heads
+    can_speak, can_draw = media_rows_of(stage)
     speech = None
-    if speech_examples and "cs" in stage.heads:
+    if speech_examples and can_speak:
         try:
             speech = speech_eval.SpeechEval(shards_dir, split, train_split=train_split, gold_dir=gold_speech,
                                             examples=speech_examples)
@@ -603,7 +605,7 @@ def media_evals(
                 raise
             print(f"note: no speech rows: {e}", file=sys.stderr)
     video = None
-    if video_examples and heads:
+    if video_examples and can_draw:
         try:
             video = video_eval.VideoEval(shards_dir, split, train_split=train_split, examples=video_examples)
         except video_eval.VideoEvalUnavailable as e:

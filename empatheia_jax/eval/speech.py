@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from empatheia_jax.data import input_pipeline as ip
+from empatheia_jax.data.shard_format import target_source
 
 SPEECH_METRICS = ("speech_mcd", "speech_spk_sim", "speech_f0_diff_st", "speech_dur_ratio", "speech_wer",
                   "speech_cer", "speech_age_acc", "speech_gender_acc", "speech_timbre_acc", "speech_examples",
@@ -66,9 +67,8 @@ class SpeechEval:
         from empatheia_jax.data.splits import check_split
 
         manifest = check_split(shards_dir, split)
-        kinds = (manifest.get("targets") or {}).get("kinds") or {}
-        source = (kinds.get("speech_content") or {}).get("source")
-        style_source = (kinds.get("speech_style") or {}).get("source")
+        source = target_source(manifest, "speech_content")
+        style_source = target_source(manifest, "speech_style")
         if source != "kokoro" or style_source != "kokoro":
             raise SpeechEvalUnavailable(
                 f"{shards_dir}: speech targets are {source or 'absent'}/{style_source or 'absent'} "

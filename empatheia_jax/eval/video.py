@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from empatheia_jax.data import input_pipeline as ip
+from empatheia_jax.data.shard_format import target_source
 
 VIDEO_METRICS = ("video_ssim", "video_psnr", "video_cpbd", "video_f_lmd", "video_m_lmd", "video_lip_sync",
                  "video_age_acc", "video_gender_acc", "video_timbre_acc", "video_emotion_acc",
@@ -66,8 +67,7 @@ class VideoEval:
         from empatheia_jax.generators.speech_synth import read_wav, speech_envelope
 
         manifest = check_split(shards_dir, split)
-        kinds = (manifest.get("targets") or {}).get("kinds") or {}
-        sources = {k: (kinds.get(k) or {}).get("source") for k in ("video_content", "video_style")}
+        sources = {k: target_source(manifest, k) for k in ("video_content", "video_style")}
         if set(sources.values()) != {"face_render"}:
             raise VideoEvalUnavailable(f"{shards_dir}: video targets are {sources}, not the face generator's "
                                        "controls, so there is no generator here to draw them with")

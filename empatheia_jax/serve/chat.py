@@ -712,13 +712,20 @@ def write_outputs(result: ChatResult, out: str | os.PathLike) -> tuple[Path, Pat
     return npz, js
 
 
+def _read_meta(out: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
+    """(path of OUT.json, its contents), refused unless `write_outputs` wrote it."""
+    stem = _stem(out)
+    js_path = stem.with_name(stem.name + ".json")
+    js = json.loads(js_path.read_text())
+    if js.get("format") != OUTPUT_FORMAT:
+        raise ValueError(f"{js_path}: not a {OUTPUT_FORMAT} file (format={js.get('format')!r})")
+    return js_path, js
+
+
 def read_outputs(out: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """(arrays of OUT.npz, contents of OUT.json) as `write_outputs` wrote them."""
-    stem = _stem(out)
-    js = json.loads(stem.with_name(stem.name + ".json").read_text())
-    if js.get("format") != OUTPUT_FORMAT:
-        raise ValueError(f"{stem}.json: not a {OUTPUT_FORMAT} file (format={js.get('format')!r})")
-    with np.load(stem.with_name(js["npz"])) as z:
+    js_path, js = _read_meta(out)
+    with np.load(js_path.with_name(js["npz"])) as z:
         arrays = {k: z[k] for k in z.files}
     return arrays, js
 
@@ -731,7 +738,7 @@ def hear_reply(out: str | os.PathLike, wav: str | os.PathLike, *, threads: int =
     from empatheia_jax.data import asr
     from empatheia_jax.generators.speech_synth import read_wav
 
-    _, meta = read_outputs(out)
+    _, meta = _read_meta(out)  # the reply text only: the features are not needed
     sr, audio = read_wav(wav)
     heard = asr.shared(threads).transcribe(audio, sr)
     reply = meta.get("reply") or ""
@@ -744,9 +751,7 @@ def hear_reply(out: str | os.PathLike, wav: str | os.PathLike, *, threads: int =
 
 def update_outputs(out: str | os.PathLike, fields: Mapping[str, Any]) -> None:
     """Adds `fields` to OUT.json (what was done with the reply after `write_outputs`: heard, pinned)."""
-    stem = _stem(out)
-    js_path = stem.with_name(stem.name + ".json")
-    meta = json.loads(js_path.read_text())
+    js_path, meta = _read_meta(out)
     meta.update(fields)
     js_path.write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
 

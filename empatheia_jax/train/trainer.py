@@ -48,7 +48,7 @@ from empatheia_jax.data.input_pipeline import (
     make_global_batch,
     pipeline_config_fields,
 )
-from empatheia_jax.data.shard_format import load_manifest
+from empatheia_jax.data.shard_format import load_manifest, target_source
 from empatheia_jax.generators import registry
 from empatheia_jax.models.empatheia import (
     Empatheia,
@@ -291,8 +291,8 @@ def pipeline_fields(
 ) -> dict[str, Any]:
     """`make_dataset` keywords shared by the train and eval pipelines (shapes agree with the model); a
     unit-aligned CS gets the content units of the shards' speech generator."""
-    kinds = (load_manifest(config.data.shards).get("targets") or {}).get("kinds") or {}
-    units = registry.units_for(model.config.cs_units, (kinds.get("speech_content") or {}).get("source"))
+    source = target_source(load_manifest(config.data.shards), "speech_content")
+    units = registry.units_for(model.config.cs_units, source)
     fields = pipeline_config_fields(
         model.config, stage, {"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)},
         speech_units=units,
