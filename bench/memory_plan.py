@@ -540,10 +540,10 @@ def compile_step(config: Any, run: AbstractRun, stage: Any, mesh: Any, micro: in
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from empatheia_jax.train import losses, trainer
+    from empatheia_jax.train import trainer
 
     t0 = time.perf_counter()
-    step = trainer.jit_step(stage, losses.LossWeights(**dict(config.loss)), run.params, run.opt_state,
+    step = trainer.jit_step(stage, trainer.loss_weights(config), run.params, run.opt_state,
                             compiler_options=options)
     batch = abstract_batch(config, stage, run.model.config, micro, seq, accum,
                            NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"))))
@@ -577,9 +577,9 @@ def residual_bytes(config: Any, run: AbstractRun, stage: Any, micro: int, seq: i
     import jax
     from jax._src.ad_checkpoint import saved_residuals  # public jax only prints them
 
-    from empatheia_jax.train import losses, objective
+    from empatheia_jax.train import objective, trainer
 
-    loss_fn = objective.make_loss_fn(stage, losses.LossWeights(**dict(config.loss)))
+    loss_fn = objective.make_loss_fn(stage, trainer.loss_weights(config))
     graphdef = run.graphs.model
 
     def _no_gradient(tree):

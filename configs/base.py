@@ -53,6 +53,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             # token ids), 0 = the paper's position-only queries (docs/design.md "Aligned Content
             # Synchronizer")
             "cs_units": 0,
+            # width of a depthwise row convolution in every CS layer, 0 = none (the paper's block)
+            "cs_conv": 0,
             # positions per chunk of the token loss's logits (0: all at once): memory for one more
             # output projection a step (models/llama.py `token_nll`, docs/benchmarks.md "chunked")
             "ce_chunk": 0,
@@ -105,7 +107,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.optim.b2 = 0.999
     c.optim.eps = 1e-8
 
-    c.loss = ml_collections.ConfigDict({"alpha": 0.2, "beta": 0.3, "kl": 1e-3})
+    # ccl_scale: "none" = eq 9 (every content dimension weighs 1), "balanced" = each dimension an equal share
+    # of the mean predictor's loss, from the train targets' spread (losses.balanced_dim_weights)
+    c.loss = ml_collections.ConfigDict({"alpha": 0.2, "beta": 0.3, "kl": 1e-3, "ccl_scale": "none"})
 
     # Per-stage schedule, picked by `stage`: steps and (optionally) lr / warmup; lr 0 / warmup -1 =
     # optim.lr / optim.warmup_steps. sd_warmup_steps: SD-only steps on the cached signal states of the

@@ -30,6 +30,7 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("norm", None),
     ("lora_rank", None),
     ("queries", None),
+    ("conv", None),
     ("features", None),
     ("classes", None),
 )

@@ -22,7 +22,7 @@ from empatheia_jax import sharding
 from empatheia_jax.data.templates import added_tokens, extend_tokenizer
 from empatheia_jax.models import empatheia as emp_mod
 from empatheia_jax.models import trainable
-from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig, run_vaes
+from empatheia_jax.models.empatheia import SD_VAES, Empatheia, EmpatheiaConfig, run_vaes
 from empatheia_jax.models.llama import Llama, LlamaConfig
 from empatheia_jax.models.lora import LoraConfig, apply_lora, set_lora_b
 from empatheia_jax.models.vae import TransformerVAE
@@ -405,6 +405,20 @@ def test_unit_aligned_cs_reads_speech_units_and_aligns_only_the_speech_block():
         EmpatheiaConfig(llm=LLM, **{**TINY, "cs_units": 7}, cs_speech=CFG.cs_speech)
 
 
+def test_cs_conv_gives_both_content_blocks_a_row_convolution_and_no_style_block():
+    """cs_conv is the row convolution's width in both CS blocks (content rows are sequences); the SD's few
+    code queries have none. A stored config round-trips, and a wrong width names the field."""
+    cfg = EmpatheiaConfig(llm=LLM, **TINY, cs_conv=5)
+    assert cfg.cs_speech.conv_kernel == 5 and cfg.cs_video.conv_kernel == 5
+    assert all(getattr(cfg, name).conv_kernel == 0 for name in SD_VAES)
+    assert EmpatheiaConfig.from_dict(cfg.to_dict()) == cfg
+    assert EmpatheiaConfig(llm=LLM, **TINY).cs_speech.conv_kernel == 0
+    with pytest.raises(ValueError, match="cs_conv=4 must be 0"):
+        EmpatheiaConfig(llm=LLM, **TINY, cs_conv=4)
+    with pytest.raises(ValueError, match="cs_speech.conv_kernel=0 but cs_conv=5"):
+        EmpatheiaConfig(llm=LLM, **TINY, cs_conv=5, cs_speech=CFG.cs_speech)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Losses
 # ----------------------------------------------------------------------------------------------------------
@@ -456,6 +470,14 @@ def test_loss_terms_and_stage_totals_are_wired_as_the_paper_says():
     assert float(t_sac) == pytest.approx(sal + cls + m["signal_ce"] + 1e-3 * m["kl_sd"], rel=1e-6)
     t_coe, _ = objective.stage_loss(model, jb, out, stages.STAGES["coe"], w)
     assert float(t_coe) == pytest.approx(m["emp"], rel=1e-6)
+    # per-dimension content weights (loss.ccl_scale): the speech rows weighed, the video rows as eq 9
+    dim_w = np.linspace(0.5, 3.0, CFG.speech_content_dim)
+    weighed = losses.LossWeights(kl=1e-3, ccl_dims=(("speech_content", tuple(dim_w.tolist())),))
+    _, m_w = objective.stage_loss(model, jb, out, stages.STAGES["ccl"], weighed)
+    cm = batch["speech_content_mask"].astype(bool)
+    ref = (((np.asarray(out["speech_content"]) - batch["speech_content"]) ** 2) * dim_w).sum(-1)[cm].mean()
+    assert float(m_w["ccl_speech"]) == pytest.approx(ref, rel=1e-5)
+    assert float(m_w["ccl_video"]) == pytest.approx(m["ccl_video"], rel=1e-6)
     ablated = stages.apply_ablations(stages.STAGES["overall"], no_cs=True)
     t_abl, m_abl = objective.stage_loss(model, jb, out, ablated, w)
     assert float(m_abl["ccl"]) == 0.0

@@ -70,6 +70,42 @@ def test_masked_squared_l2_is_a_mean_over_valid_rows():
     assert float(none) == 0.0
 
 
+def test_dim_weights_weigh_each_dimension_and_balanced_weights_share_the_mean_loss_equally():
+    """masked_squared_l2's dim_weight against numpy; balanced_dim_weights keeps the mean predictor's loss at
+    eq 9's (the summed variance), gives every dimension the same share of it, caps a quiet dimension at
+    1/BALANCE_FLOOR, and refuses what is not a variance."""
+    rng = np.random.default_rng(7)
+    pred = rng.normal(size=(2, 4, 3)).astype(np.float32)
+    target = rng.normal(size=(2, 4, 3)).astype(np.float32)
+    mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0]], bool)
+    w = np.array([0.5, 2.0, 10.0], np.float32)
+    got = float(losses.masked_squared_l2(jnp.asarray(pred), jnp.asarray(target), jnp.asarray(mask),
+                                         dim_weight=tuple(float(x) for x in w)))
+    want = np.sum(((pred - target) ** 2 * w)[mask]) / mask.sum()
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+    rows = rng.normal(size=(5000, 4)) * np.array([0.3, 1.0, 3.0, 0.5]) + 2.0  # spreads as t_en vs d_en
+    var = rows.var(0)
+    bw = losses.balanced_dim_weights(var)
+    shares = bw * var
+    np.testing.assert_allclose(shares, var.sum() / 4, rtol=1e-6)  # equal shares ...
+    np.testing.assert_allclose(shares.sum(), var.sum(), rtol=1e-6)  # ... of eq 9's mean-predictor loss
+    mean_pred = np.broadcast_to(rows.mean(0), rows.shape)
+    balanced = float(losses.masked_squared_l2(jnp.asarray(mean_pred[None], jnp.float32),
+                                              jnp.asarray(rows[None], jnp.float32), jnp.ones((1, 5000), bool),
+                                              dim_weight=tuple(bw.tolist())))
+    np.testing.assert_allclose(balanced, var.sum(), rtol=1e-4)
+    capped = losses.balanced_dim_weights(np.array([0.0, 1.0, 1.0, 2.0]))  # a constant dimension
+    assert capped[0] == pytest.approx(1.0 / losses.BALANCE_FLOOR) and capped[1] == pytest.approx(1.0)
+    assert np.all(losses.balanced_dim_weights(np.zeros(3)) == 1.0)
+    for bad in (np.array([1.0, -1.0]), np.array([np.nan, 1.0]), np.zeros((2, 2))):
+        with pytest.raises(ValueError, match="variance must be"):
+            losses.balanced_dim_weights(bad)
+    weights = LossWeights(ccl_dims=(("speech_content", (1.0, 2.0)),))
+    assert weights.dim_weight("speech_content") == (1.0, 2.0) and weights.dim_weight("video_content") is None
+    assert hash(weights) == hash(LossWeights(ccl_dims=(("speech_content", (1.0, 2.0)),)))
+
+
 def test_squared_l2_per_example():
     rng = np.random.default_rng(2)
     pred = rng.normal(size=(3, 5)).astype(np.float32)

@@ -28,10 +28,11 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from helpers import FAST, make_tiny_shards, saved_smollm2_tokenizer, smollm2_checkpoint
+from helpers import FAST, make_tiny_shards, read_shard_split, saved_smollm2_tokenizer, smollm2_checkpoint
 
 from configs import tiny
 from empatheia_jax import sharding
+from empatheia_jax.data import target_stats
 from empatheia_jax.models.vae import split_keys
 from empatheia_jax.serve import load as serve_load
 from empatheia_jax.train import config as config_lib
@@ -85,6 +86,8 @@ def tiny_config(tok, shards, **overrides):
         ({"data.eval_split": "dev"}, "data.eval_split='dev': no such split"),
         ({"model.matmul_precision": "tf32"}, "config.model.matmul_precision='tf32': must be one of"),
         ({"model.empatheia.ce_chunk": -64}, "config.model.empatheia.ce_chunk=-64: must be an int >= 0"),
+        ({"loss.ccl_scale": "std"}, "config.loss.ccl_scale='std': must be one of"),
+        ({"model.empatheia.cs_conv": 4}, "config.model.empatheia.cs_conv=4: must be 0"),
         ({"checkpoint.keep_best": True, "checkpoint.best_metric": "eval/loss"},
          "config.checkpoint.best_metric='eval/loss': the stage's evaluation reports no such metric"),
     ],
@@ -94,6 +97,24 @@ def test_bad_config_fails_before_anything_is_built(tok, shards, tmp_path, overri
     with pytest.raises(config_lib.ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         trainer.train(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()  # nothing written, nothing compiled
+
+
+def test_balanced_ccl_scale_weighs_content_dims_by_the_train_targets_spread(tok, shards):
+    """loss.ccl_scale="balanced": each content kind's weights are balanced_dim_weights of its train rows'
+    variance (every row of the split here; evenly spaced records when it has more than max_records), and
+    "none" leaves eq 9 as it is."""
+    weights = trainer.loss_weights(tiny_config(tok, shards, **{"loss.ccl_scale": "balanced"}))
+    recs = read_shard_split(shards, "train")
+    for kind in ("speech_content", "video_content"):
+        rows = np.concatenate([r["targets"][kind] for r in recs])
+        want = losses.balanced_dim_weights(rows.astype(np.float64).var(0))
+        np.testing.assert_allclose(weights.dim_weight(kind), want, rtol=1e-5)
+    assert trainer.loss_weights(tiny_config(tok, shards)).ccl_dims == ()
+    picks = np.unique(np.linspace(0, len(recs) - 1, 3).round().astype(int))
+    rows = np.concatenate([recs[i]["targets"]["speech_content"] for i in picks]).astype(np.float64)
+    np.testing.assert_allclose(target_stats.row_variance(shards, "train", "speech_content", max_records=3),
+                               rows.var(0), rtol=1e-6, atol=1e-12)
+    assert target_stats.row_variance(shards, "train", "no_such_kind") is None
 
 
 def test_config_errors_list_every_problem(tok, shards):

@@ -409,3 +409,29 @@ def test_unit_aligned_rows_learn_what_their_unit_says():
         _build(CFG)(hj, mj, sample=False, units=uj)
     with pytest.raises(ValueError, match="num_units=-1"):
         CFG.replace(num_units=-1)
+
+
+def test_row_convolution_is_a_zero_padded_depthwise_convolution():
+    """conv_kernel=k adds, in every layer, a depthwise convolution over the query rows ('same' length, zero
+    padding at both ends), checked against a numpy sum of shifted rows; its axes are in the rules table and
+    a block without it has none."""
+    cfg = CFG.replace(conv_kernel=3)
+    block = _build(cfg)
+    conv = block.encoder.layers[0].conv
+    rng = np.random.default_rng(5)
+    kernel = rng.normal(size=conv.kernel.shape).astype(np.float32)
+    bias = rng.normal(size=conv.bias.shape).astype(np.float32)
+    conv.kernel[...] = jnp.asarray(kernel)
+    conv.bias[...] = jnp.asarray(bias)
+    x = rng.normal(size=(2, 6, cfg.d_model)).astype(np.float32)
+    padded = np.pad(x, ((0, 0), (1, 1), (0, 0)))
+    want = sum(padded[:, j:j + 6] * kernel[j] for j in range(3)) + bias
+    np.testing.assert_allclose(np.asarray(conv(jnp.asarray(x))), want, rtol=1e-5, atol=1e-5)
+    abstract = nnx.eval_shape(lambda: _build(cfg))
+    assert all(hasattr(layer, "conv") for layer in [*abstract.encoder.layers, *abstract.decoder.layers])
+    assert not hasattr(nnx.eval_shape(lambda: _build(CFG)).encoder.layers[0], "conv")
+    rules = dict(sharding.LOGICAL_RULES)
+    assert all(n in rules for n in conv.kernel.get_metadata()["out_sharding"])
+    for bad in (-1, 2):
+        with pytest.raises(ValueError, match=f"conv_kernel={bad} must be 0"):
+            CFG.replace(conv_kernel=bad)

@@ -117,6 +117,10 @@ class EmpatheiaConfig:
     # Unit alignment of the CS's speech rows: the size of the speech generator's unit vocabulary (Kokoro:
     # its phoneme token ids), 0 = the paper's position-only queries. The batch then carries speech_units.
     cs_units: int = 0
+    # Width of the depthwise row convolution in every layer of both CS blocks (0 = none, the paper's block):
+    # a content row depends on its neighbours (`VAEConfig.conv_kernel`, docs/design.md "Aligned Content
+    # Synchronizer").
+    cs_conv: int = 0
     cs_speech: VAEConfig | None = None
     cs_video: VAEConfig | None = None
     sd_speech_emotion: VAEConfig | None = None
@@ -141,6 +145,8 @@ class EmpatheiaConfig:
                      "sd_queries", "sd_code_dim", "sd_latent", "fuse_dim"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
+        if self.cs_conv < 0 or (self.cs_conv and self.cs_conv % 2 == 0):
+            problems.append(f"cs_conv={self.cs_conv} must be 0 (none) or a positive odd width")
         if self.ce_chunk < 0:
             problems.append(f"ce_chunk={self.ce_chunk} must be >= 0 (0: the whole logits at once)")
         if problems:
@@ -175,20 +181,21 @@ class EmpatheiaConfig:
         d = self.llm.hidden_size
         dtypes = {"dtype": self.llm.dtype, "param_dtype": self.llm.param_dtype}
 
-        def vae(q: int, latent: int, out: int, units: int = 0) -> VAEConfig:
+        def vae(q: int, latent: int, out: int, units: int, conv: int) -> VAEConfig:
             return VAEConfig(d_in=d, d_model=self.vae_d_model, num_queries=q, d_latent=latent, d_out=out,
                              num_heads=self.vae_heads, enc_layers=self.vae_layers, dec_layers=self.vae_layers,
-                             dropout=self.vae_dropout, num_units=units, **dtypes)
+                             dropout=self.vae_dropout, num_units=units, conv_kernel=conv, **dtypes)
 
+        conv = self.cs_conv
         wanted = {
-            "cs_speech": (self.max_speech_len, self.cs_latent, self.speech_content_dim, self.cs_units),
-            "cs_video": (self.max_video_len, self.cs_latent, self.video_content_dim, 0),
-            **{name: (self.sd_queries, self.sd_latent, self.sd_code_dim, 0) for name in SD_VAES},
+            "cs_speech": (self.max_speech_len, self.cs_latent, self.speech_content_dim, self.cs_units, conv),
+            "cs_video": (self.max_video_len, self.cs_latent, self.video_content_dim, 0, conv),
+            **{name: (self.sd_queries, self.sd_latent, self.sd_code_dim, 0, 0) for name in SD_VAES},
         }
-        for name, (q, latent, out, units) in wanted.items():
+        for name, (q, latent, out, units, conv) in wanted.items():
             c = getattr(self, name)
             if c is None:
-                set_(self, name, vae(q, latent, out, units))
+                set_(self, name, vae(q, latent, out, units, conv))
                 continue
             if isinstance(c, Mapping):
                 c = VAEConfig(**c)
@@ -198,6 +205,9 @@ class EmpatheiaConfig:
             if c.num_units != units:
                 problems.append(f"{name}.num_units={c.num_units} but cs_units={self.cs_units} (the block "
                                 f"should have {units})")
+            if c.conv_kernel != conv:
+                problems.append(f"{name}.conv_kernel={c.conv_kernel} but cs_conv={self.cs_conv} (the block "
+                                f"should have {conv})")
             if name.startswith("cs_") and (c.num_queries, c.d_out) != (q, out):
                 problems.append(
                     f"{name} has {c.num_queries} queries x {c.d_out}; the targets are {q} x {out}"

@@ -43,6 +43,10 @@ class VAEConfig:
     neither overflow nor underflow early in training while keeping a gradient everywhere.
     num_units: size of the unit vocabulary the queries are aligned to (0 = position-only queries, the
     paper's block); the block then needs `units` [B, Q] ids in [0, num_units) on every call.
+    conv_kernel: width of a depthwise convolution over the query rows in every layer (0 = none, the
+    paper's block). A unit-aligned row's content depends on its neighbours (Kokoro's text encoder is a CNN
+    + BiLSTM over the phonemes); learnable absolute queries reach a neighbour only through attention
+    patterns learnt separately at every index, a convolution reads it at any index with one kernel.
     dtype: compute dtype (bf16 on accelerators); param_dtype: parameter dtype (fp32 master weights).
     The mu/logvar heads always compute in float32 and every output is float32.
     """
@@ -60,6 +64,7 @@ class VAEConfig:
     positions: bool = True
     logvar_limit: float = 10.0
     num_units: int = 0
+    conv_kernel: int = 0
     dtype: str = "float32"
     param_dtype: str = "float32"
 
@@ -78,6 +83,8 @@ class VAEConfig:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
         if self.num_units < 0:
             problems.append(f"num_units={self.num_units} must be >= 0 (0 = no unit alignment)")
+        if self.conv_kernel < 0 or (self.conv_kernel and self.conv_kernel % 2 == 0):
+            problems.append(f"conv_kernel={self.conv_kernel} must be 0 (none) or a positive odd width")
         if self.logvar_limit <= 0:
             problems.append(f"logvar_limit={self.logvar_limit} must be positive")
         for name in ("dtype", "param_dtype"):
@@ -276,13 +283,36 @@ class FFN(nnx.Module):
         return self.fc2(jax.nn.gelu(self.fc1(x)))
 
 
+class RowConv(nnx.Module):
+    """Depthwise 1-D convolution over the query rows, zero-padded at both ends ('same' length)."""
+
+    def __init__(self, cfg: VAEConfig, *, rngs: nnx.Rngs):
+        pdt = _DTYPES[cfg.param_dtype]
+        self.dtype = cfg.compute_dtype
+        self.kernel = nnx.Param(nnx.initializers.normal(1.0 / math.sqrt(cfg.conv_kernel))(
+            rngs.params(), (cfg.conv_kernel, cfg.d_model), pdt), out_sharding=("conv", "embed"))
+        self.bias = nnx.Param(jnp.zeros((cfg.d_model,), pdt), out_sharding=("embed",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        k = self.kernel.shape[0]
+        kernel = self.kernel[...].astype(self.dtype)
+        padded = jnp.pad(x.astype(self.dtype), ((0, 0), (k // 2, k // 2), (0, 0)))
+        q = x.shape[1]
+        out = sum(padded[:, j:j + q] * kernel[j] for j in range(k))
+        return out + self.bias[...].astype(self.dtype)
+
+
 class QueryLayer(nnx.Module):
-    """Pre-norm transformer layer over the query stream: self-attention, cross-attention to a memory, MLP."""
+    """Pre-norm transformer layer over the query stream: self-attention, (a row convolution), cross-attention
+    to a memory, MLP."""
 
     def __init__(self, cfg: VAEConfig, *, rngs: nnx.Rngs):
         self.dropout = cfg.dropout
         self.self_norm = _layer_norm(cfg, cfg.d_model, rngs)
         self.self_attn = _attention(cfg, rngs)
+        if cfg.conv_kernel:
+            self.conv_norm = _layer_norm(cfg, cfg.d_model, rngs)
+            self.conv = RowConv(cfg, rngs=rngs)
         self.cross_norm = _layer_norm(cfg, cfg.d_model, rngs)
         self.cross_attn = _attention(cfg, rngs)
         self.mlp_norm = _layer_norm(cfg, cfg.d_model, rngs)
@@ -299,9 +329,12 @@ class QueryLayer(nnx.Module):
         """x [B,Q,d], memory [B,L,d], attn_mask [B,1,Q,L] (never all False), has_memory [B,1,1].
 
         key: dropout key, one or per example [B] (None: no dropout)."""
-        keys = (None,) * 3 if key is None else tuple(split_keys(key, 3))
+        conv = hasattr(self, "conv")
+        keys = (None,) * 4 if key is None else (*split_keys(key, 4 if conv else 3),)
         h = self.self_norm(x)
         x = x + _dropout(self.self_attn(h), self.dropout, keys[0])
+        if conv:
+            x = x + _dropout(self.conv(self.conv_norm(x)), self.dropout, keys[3])
         h = self.cross_attn(self.cross_norm(x), memory, mask=attn_mask)
         x = x + _dropout(h * has_memory.astype(h.dtype), self.dropout, keys[1])
         x = x + _dropout(self.mlp(self.mlp_norm(x)), self.dropout, keys[2])

@@ -23,6 +23,7 @@ NAN_POLICIES = ("skip", "stop")
 REMAT_POLICIES = ("none", "full", "dots")
 # model.matmul_precision: names jax_default_matmul_precision takes; "default" = the platform's fast default.
 MATMUL_PRECISIONS = ("float32", "tensorfloat32", "bfloat16", "default")
+CCL_SCALES = ("none", "balanced")  # loss.ccl_scale: eq 9, or each content dimension an equal share
 
 
 class ConfigError(ValueError):
@@ -143,6 +144,8 @@ def _validate_optim(config: ml_collections.ConfigDict, bad: _Bad) -> None:
     for name in ("alpha", "beta", "kl"):
         if config.loss[name] < 0:
             bad(f"loss.{name}", config.loss[name], "must be >= 0")
+    if config.loss.get("ccl_scale", "none") not in CCL_SCALES:
+        bad("loss.ccl_scale", config.loss.ccl_scale, f"must be one of {CCL_SCALES}")
 
 
 def _validate_train(config: ml_collections.ConfigDict, bad: _Bad) -> None:
@@ -239,6 +242,11 @@ def _validate_model(config: ml_collections.ConfigDict, bad: _Bad) -> None:
     if not isinstance(cs_units, int) or isinstance(cs_units, bool) or cs_units < 0:
         bad("model.empatheia.cs_units", cs_units,
             "must be an int >= 0 (the CS's unit table; 0 = no alignment)")
+    cs_conv = config.model.empatheia.get("cs_conv", 0)
+    odd_or_zero = isinstance(cs_conv, int) and cs_conv >= 0 and (cs_conv == 0 or cs_conv % 2 == 1)
+    if isinstance(cs_conv, bool) or not odd_or_zero:
+        bad("model.empatheia.cs_conv", cs_conv,
+            "must be 0 (none) or a positive odd int (the CS's row convolution width)")
     ce_chunk = config.model.empatheia.get("ce_chunk", 0)
     if not isinstance(ce_chunk, int) or ce_chunk < 0:
         bad("model.empatheia.ce_chunk", ce_chunk, "must be an int >= 0 (positions a chunk; 0 = all at once)")

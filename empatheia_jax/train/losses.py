@@ -25,10 +25,11 @@ without items still gives 0.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from empatheia_jax.models.vae import kl_divergence
@@ -128,20 +129,48 @@ def masked_token_mean(
 
 
 def masked_squared_l2(
-    pred: jax.Array, target: jax.Array, mask: jax.Array, *, count: jax.Array | int | None = None
+    pred: jax.Array, target: jax.Array, mask: jax.Array, *, count: jax.Array | int | None = None,
+    dim_weight: Sequence[float] | np.ndarray | None = None,
 ) -> jax.Array:
     """L_ccl for one modality (eq 9): ||pred_row - target_row||² summed over D, mean over valid rows.
 
     pred/target [B, L, D], mask [B, L]. The mean is over all valid rows of the batch (a long utterance
     weighs more than a short one, as every phoneme / frame counts once); 0 when no row is valid. Masked
     rows do not enter the value or the gradient, whatever they hold (inf/NaN padding included).
-    `count` replaces the denominator `masked_count(mask)` (gradient accumulation).
+    `count` replaces the denominator `masked_count(mask)` (gradient accumulation). `dim_weight` [D]
+    weighs each dimension's squared error (None: all 1, eq 9; `balanced_dim_weights`).
     """
     m = mask.astype(bool)
     diff = pred.astype(jnp.float32) - target.astype(jnp.float32)
     diff = jnp.where(m[..., None], diff, 0.0)
-    per_row = jnp.sum(jnp.square(diff), axis=-1)
+    sq = jnp.square(diff)
+    if dim_weight is not None:
+        sq = sq * jnp.asarray(dim_weight, jnp.float32)
+    per_row = jnp.sum(sq, axis=-1)
     return _mean(jnp.sum(per_row), masked_count(m), count)
+
+
+BALANCE_FLOOR = 1e-2
+
+
+def balanced_dim_weights(variance: np.ndarray) -> np.ndarray:
+    """Per-dimension weights [D] of a content kind's squared error that give every dimension the same share
+    of the mean predictor's loss, which stays what eq 9 gives it (sum of the variances).
+
+    Why: the rows a generator reads are not equally spread. Kokoro's rows are t_en (512, an LSTM's output
+    in [-1, 1], 6 % of the row variance) ++ d_en (512, PL-BERT's projection, 94 %), and what a listener
+    hears is in t_en (docs/benchmarks.md "The avatar's words"): eq 9 spends the CS on d_en. Weight
+    w_d = (V / D) / max(var_d, BALANCE_FLOOR * V / D), V = the summed variance: a dimension of average
+    spread weighs 1, a quieter one more (up to 1 / BALANCE_FLOOR, so a constant dimension, e.g. an unused
+    face control, cannot dominate), and sum_d w_d var_d = V while no dimension is floored.
+    """
+    var = np.asarray(variance, np.float64)
+    if var.ndim != 1 or not var.size or not np.all(np.isfinite(var)) or np.any(var < 0):
+        raise ValueError(f"variance must be a finite non-negative vector [D], got shape {var.shape}")
+    mean = var.sum() / var.size
+    if mean <= 0:
+        return np.ones(var.size, np.float32)
+    return (mean / np.maximum(var, BALANCE_FLOOR * mean)).astype(np.float32)
 
 
 def squared_l2(
@@ -201,11 +230,21 @@ def kl_term(
 
 @dataclasses.dataclass(frozen=True)
 class LossWeights:
-    """alpha, beta: eq 13's weights of L_ccl and L_sac (paper: 0.2, 0.3); kl: weight of the VAE KL."""
+    """alpha, beta: eq 13's weights of L_ccl and L_sac (paper: 0.2, 0.3); kl: weight of the VAE KL.
+
+    ccl_dims: per content kind (speech_content, video_content), the weight of each dimension's squared
+    error in L_ccl, as ((kind, (w_0, ..., w_D-1)), ...); a kind not listed weighs every dimension 1 (eq 9).
+    Tuples, so the weights stay hashable (a jit cache key).
+    """
 
     alpha: float = 0.2
     beta: float = 0.3
     kl: float = 1e-3
+    ccl_dims: tuple[tuple[str, tuple[float, ...]], ...] = ()
+
+    def dim_weight(self, kind: str) -> tuple[float, ...] | None:
+        """The per-dimension weights of `kind`'s rows, None = all 1."""
+        return dict(self.ccl_dims).get(kind)
 
 
 def combine(

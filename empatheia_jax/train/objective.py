@@ -38,11 +38,13 @@ def loss_terms(
     outputs: Mapping[str, Any],
     *,
     counts: Mapping[str, jax.Array] | None = None,
+    weights: losses.LossWeights | None = None,
 ) -> dict[str, jax.Array]:
     """Every loss term (names from `losses`) that the outputs allow, plus extra metrics under other keys.
 
     emp: CE on loss_mask; signal_ce: the same CE restricted to targets that are <AUDi>/<VIDi>;
-    ccl_*: masked row L2 against speech/video_content (+ *_mask); sal_*: L2 against speech/video_style,
+    ccl_*: masked row L2 against speech/video_content (+ *_mask), each dimension weighted by
+    `weights.dim_weight(kind)` (none given: eq 9's plain sum); sal_*: L2 against speech/video_style,
     for examples with that style target (style_mask) and the modality's signal tokens present;
     cls_*: CE with -1 ignored (also ignored where no signal token is present). `counts` (from
     `loss_counts`) replaces every denominator, see `stage_loss`.
@@ -66,8 +68,9 @@ def loss_terms(
                     f"{key}: the CS predicts {pred.shape} but the batch holds {target.shape}; "
                     "max_speech_len/max_video_len/content dims must match the pipeline"
                 )
+            dim_weight = weights.dim_weight(key) if weights is not None else None
             terms[term] = losses.masked_squared_l2(pred, target, batch[f"{key}_mask"],
-                                                   count=count(f"{key}_rows"))
+                                                   count=count(f"{key}_rows"), dim_weight=dim_weight)
     if "speech_style" in outputs:
         style, accuracy = style_terms(batch, outputs, count)
         terms.update(style)
@@ -124,7 +127,7 @@ def stage_loss(
     one call on the whole batch with counts=None, and so do the summed gradients. A missing count
     raises KeyError.
     """
-    all_terms = loss_terms(model, batch, outputs, counts=counts)
+    all_terms = loss_terms(model, batch, outputs, counts=counts, weights=weights)
     extra = {k[1:]: v for k, v in all_terms.items() if k.startswith("_")}
     terms = {k: v for k, v in all_terms.items() if not k.startswith("_")}
     kls = kl_terms(batch, outputs, counts=counts)

@@ -41,6 +41,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from empatheia_jax import sharding
+from empatheia_jax.data import target_stats
 from empatheia_jax.data.input_pipeline import (
     TOKEN_KEYS,
     InputPipeline,
@@ -362,6 +363,24 @@ def example_keys(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n)).reshape(shape)
 
 
+CONTENT_KINDS = ("speech_content", "video_content")
+
+
+def loss_weights(config: ml_collections.ConfigDict) -> losses.LossWeights:
+    """The run's `LossWeights`: config.loss's alpha, beta and kl, and with `loss.ccl_scale = "balanced"` the
+    content loss's per-dimension weights from the spread of the train split's targets
+    (`target_stats.row_variance`, `losses.balanced_dim_weights`); "none" is eq 9's plain sum."""
+    loss = dict(config.loss)
+    scale = loss.pop("ccl_scale", "none")
+    dims = []
+    if scale == "balanced":
+        for kind in CONTENT_KINDS:
+            var = target_stats.row_variance(config.data.shards, config.data.train_split, kind)
+            if var is not None:
+                dims.append((kind, tuple(float(w) for w in losses.balanced_dim_weights(var))))
+    return losses.LossWeights(**loss, ccl_dims=tuple(dims))
+
+
 def make_step(stage: stages.Stage, weights: losses.LossWeights) -> stages.TrainStep:
     """`step(graphs, params, frozen, opt_state, batch [A, m, ...], key) -> (params, opt_state, metrics)`.
 
@@ -579,7 +598,7 @@ def _sd_warmup_program(
     or gradient norm is not finite (and reports `nonfinite`), so one bad batch cannot wreck the warm-up.
     """
     steps = int(schedule.sd_warmup_steps)
-    weights = losses.LossWeights(**dict(config.loss))
+    weights = loss_weights(config)
     warm = config_lib.Schedule(steps=steps, lr=schedule.sd_warmup_lr,
                                warmup_steps=min(schedule.warmup_steps, steps))
     tx, lr_schedule = make_tx(config, warm)
@@ -623,7 +642,7 @@ def evaluate_loss(
     Two passes over the (small) split: the counts first, so every batch's sums share one denominator and
     the result is the split's exact mean, not a mean of batch means.
     """
-    weights = losses.LossWeights(**dict(config.loss))
+    weights = loss_weights(config)
     graphdef, params, frozen = nnx.split(model, trainable_filter(stage.trainable_groups), ...)
     counts_of, eval_step = make_eval_step(stage, weights)
 
@@ -928,7 +947,7 @@ def _prepare(run: _Run, resuming: bool, writer: MetricsWriter, watcher: Preempti
 def _start_steps(run: _Run, start: int, nonfinite_skipped: int) -> _Progress:
     """Splits the model into the arrays the jitted step takes, and builds that step (compiled at its first
     call). Only now: the restore and the SD preparation both change the model."""
-    weights = losses.LossWeights(**dict(run.config.loss))
+    weights = loss_weights(run.config)
     graphs, params, frozen, opt_state = stages.split_for_step(run.model, run.optimizer, run.stage)
     step_fn = jit_step(run.stage, weights, params, opt_state)
     n_trainable = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))

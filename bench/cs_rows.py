@@ -1,0 +1,173 @@
+"""What the Content Synchronizer's block can learn of Kokoro's content rows from the phoneme units alone.
+
+    python bench/cs_rows.py --raw RUN/ed/raw --targets RUN/ed/targets [--conv 0,5] [--steps 600] [--json OUT]
+
+Kokoro's content rows (t_en ++ d_en) are a deterministic function of the reply's phoneme tokens: a CNN +
+BiLSTM text encoder and PL-BERT over the whole sequence. A unit-aligned CS (`cs_units`) is told the tokens,
+so how well its block maps a token sequence to the rows bounds what it can say, whatever r^t adds. This
+trains the real block (`models.vae.TransformerVAE`, the CS's shape of `configs/base.py`) on the ED train
+replies with no memory (its cross-attention has nothing to read), once per `--conv` width (0 = the block as
+the paper has it, k = a depthwise row convolution of width k in every layer, `VAEConfig.conv_kernel`), with
+the ccl loss and schedule of `configs/smollm2_ed_avatar.py`, and reports per variant the dev row L2 (the ccl
+loss's measure; `bench/cs_oracles.py` gives the unit-mean oracle's) and the corpus WER / CER of `--replies`
+dev replies spoken from the predicted rows in their gold voice and heard by Whisper tiny.en (`data.asr`);
+with `--mix` also of the rows whose t_en half (or d_en half) is gold, to tell which half the errors heard
+are in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _load(raw: Path, targets: Path, split: str, q: int, limit: int | None = None):
+    """(texts, uids, units [N, q] int32, rows [N, q, 1024] float16, mask [N, q] bool) of a split's replies."""
+    from converters.styletts2_targets import speech_jobs
+    from empatheia_jax.data.targets import TargetReader
+    from empatheia_jax.generators import kokoro
+    from empatheia_jax.generators.kokoro_speech import KokoroSpeech
+
+    reader = TargetReader(targets)
+    jobs = speech_jobs(raw, [split], responses_only=True)[:limit]
+    units = np.zeros((len(jobs), q), np.int32)
+    rows = np.zeros((len(jobs), q, kokoro.CONTENT_DIM), np.float16)
+    mask = np.zeros((len(jobs), q), bool)
+    for i, job in enumerate(jobs):
+        r = reader.get("speech_content", job.uid)[:q]
+        u = KokoroSpeech.content_units(job.text)[:q]
+        units[i, : len(u)], rows[i, : len(r)], mask[i, : len(r)] = u, r, True
+    return [j.text for j in jobs], [j.uid for j in jobs], units, rows, mask
+
+
+def _train(conv: int, data, dev, steps: int, batch: int, seed: int, weight: np.ndarray):
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from tqdm import tqdm
+
+    from configs import base
+    from empatheia_jax.generators.kokoro_speech import KokoroSpeech
+    from empatheia_jax.models.vae import TransformerVAE, VAEConfig, kl_divergence
+
+    e = base.get_config().model.empatheia
+    _, _, units, rows, mask = data
+    q = units.shape[1]
+    cfg = VAEConfig(d_in=8, d_model=e.vae_d_model, num_queries=q, d_latent=e.cs_latent, d_out=rows.shape[-1],
+                    num_heads=e.vae_heads, enc_layers=e.vae_layers, dec_layers=e.vae_layers,
+                    num_units=KokoroSpeech.num_units, conv_kernel=conv)
+    model = TransformerVAE(cfg, rngs=nnx.Rngs(seed))
+    sched = optax.warmup_cosine_decay_schedule(0.0, 1e-3, min(50, steps // 2), steps)
+    opt = nnx.Optimizer(model, optax.adamw(sched, weight_decay=0.0), wrt=nnx.Param)
+    graph, state = nnx.split((model, opt))
+
+    def loss_fn(m, u, r, k, key):
+        h = jnp.zeros((u.shape[0], 1, 8))
+        o = m(h, jnp.zeros((u.shape[0], 1), bool), sample=True, rng=key, units=u)
+        per_row = jnp.sum(jnp.square(o.out - r) * weight, -1)
+        l2 = jnp.sum(jnp.where(k, per_row, 0.0)) / jnp.sum(k)
+        return l2 + 1e-3 * jnp.mean(kl_divergence(o.mu, o.logvar, k)), l2
+
+    @jax.jit
+    def step(state, u, r, k, key):
+        m, o = nnx.merge(graph, state)
+        (_, l2), grads = nnx.value_and_grad(loss_fn, has_aux=True)(m, u, r, k, key)
+        o.update(m, grads)
+        return nnx.state((m, o)), l2
+
+    @jax.jit
+    def predict(state, u):
+        m, _ = nnx.merge(graph, state)
+        return m(jnp.zeros((u.shape[0], 1, 8)), jnp.zeros((u.shape[0], 1), bool), sample=False, units=u).out
+
+    rng = np.random.default_rng(seed)
+    key = jax.random.key(seed)
+    for i in tqdm(range(steps), desc=f"conv {conv}", unit="step"):
+        idx = rng.choice(len(units), batch, replace=False)
+        batch_rows = rows[idx].astype(np.float32)
+        state, _ = step(state, units[idx], batch_rows, mask[idx], jax.random.fold_in(key, i))
+    _, _, du, dr, dm = dev
+    preds, errs = [], []
+    for s in range(0, len(du), 32):
+        p = np.asarray(predict(state, du[s:s + 32]))
+        preds.append(p)
+        errs.append(np.sum((p - dr[s:s + 32].astype(np.float32)) ** 2, -1)[dm[s:s + 32]])
+    return np.concatenate(preds), float(np.concatenate(errs).mean())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python bench/cs_rows.py", description=__doc__.split("\n")[0])
+    ap.add_argument("--raw", required=True, type=Path)
+    ap.add_argument("--targets", required=True, type=Path)
+    ap.add_argument("--conv", default="0,5", help="row-convolution widths to compare (0 = none)")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=256, help="rows the CS predicts (max_speech_len)")
+    ap.add_argument("--dev", type=int, default=256, help="dev replies whose row L2 is measured")
+    ap.add_argument("--replies", type=int, default=24, help="dev replies spoken and heard")
+    ap.add_argument("--scale", choices=("none", "std"), default="none",
+                    help="the loss's per-dimension weight: none (eq 9) or 1/variance of the train rows")
+    ap.add_argument("--mix", action="store_true",
+                    help="also speak each prediction's t_en with the gold d_en and the other way round")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    from tqdm import tqdm
+
+    from empatheia_jax.data import asr
+    from empatheia_jax.data.targets import TargetReader
+    from empatheia_jax.generators import kokoro
+    from empatheia_jax.generators.kokoro_speech import KokoroSpeech
+
+    t0 = time.perf_counter()
+    half = kokoro.CONTENT_DIM // 2
+    train = _load(args.raw, args.targets, "train", args.rows)
+    dev = _load(args.raw, args.targets, "dev", args.rows, args.dev)
+    weight = np.ones(kokoro.CONTENT_DIM, np.float32)
+    if args.scale == "std":  # the loss in units of each dimension's train standard deviation
+        rows, mask = train[3], train[4]
+        n = mask.sum()
+        mean = np.einsum("nqd,nq->d", rows, mask, dtype=np.float64) / n
+        sq = np.einsum("nqd,nq->d", rows.astype(np.float32) ** 2, mask, dtype=np.float64) / n
+        weight = (1.0 / np.maximum(sq - mean**2, 1e-6)).astype(np.float32)
+    reader, engine, ear = TargetReader(args.targets), kokoro.shared(1), asr.shared()
+    out = {}
+    for conv in (int(c) for c in args.conv.split(",")):
+        name = f"conv{conv}" + ("_std" if args.scale == "std" else "")
+        preds, row_l2 = _train(conv, train, dev, args.steps, args.batch, args.seed, weight)
+        # which half of a row the errors that are heard sit in: the predicted t_en with the gold d_en
+        # (which drives the durations and the prosody), and the other way round
+        mixes = {"": lambda p, g: p, "_gold_d_en": lambda p, g: np.concatenate([p[:, :half], g[:, half:]], 1),
+                 "_gold_t_en": lambda p, g: np.concatenate([g[:, :half], p[:, half:]], 1)}
+        refs, heard = [], {m: [] for m in (mixes if args.mix else [""])}
+        for i in tqdm(range(min(args.replies, len(preds))), desc=f"conv {conv}: speak, hear", unit="reply"):
+            n = int(dev[4][i].sum())
+            gold, style = dev[3][i, :n].astype(np.float32), reader.get("speech_style", dev[1][i])
+            refs.append(dev[0][i])
+            for m in heard:
+                audio = engine.synthesize(mixes[m](preds[i, :n], gold), style, 1.0,
+                                          max_mean_frames=KokoroSpeech.MAX_MEAN_FRAMES)
+                heard[m].append(ear.transcribe(audio, kokoro.SAMPLE_RATE).text)
+        out[name] = {"row_l2": row_l2}
+        for m, said in heard.items():
+            out[name].update({f"speech_wer{m}": asr.word_error_rate(refs, said),
+                                       f"speech_cer{m}": asr.char_error_rate(refs, said)})
+        print(f"{name}: {json.dumps(out[name])}", flush=True)
+    out["_meta"] = {"train_replies": len(train[0]), "dev_rows_of": len(dev[0]), "heard": args.replies,
+                    "steps": args.steps, "batch": args.batch, "seconds": round(time.perf_counter() - t0, 1)}
+    print(json.dumps(out["_meta"]))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
