@@ -8,11 +8,11 @@ so how well its block maps a token sequence to the rows bounds what it can say, 
 trains the real block (`models.vae.TransformerVAE`, the CS's shape of `configs/base.py`) on the ED train
 replies with no memory (its cross-attention has nothing to read), once per `--conv` width (0 = the block as
 the paper has it, k = a depthwise row convolution of width k in every layer, `VAEConfig.conv_kernel`), with
-the ccl loss and schedule of `configs/smollm2_ed_avatar.py`, and reports per variant the dev row L2 (the ccl
-loss's measure; `bench/cs_oracles.py` gives the unit-mean oracle's) and the corpus WER / CER of `--replies`
-dev replies spoken from the predicted rows in their gold voice and heard by Whisper tiny.en (`data.asr`);
-with `--mix` also of the rows whose t_en half (or d_en half) is gold, to tell which half the errors heard
-are in.
+the ccl loss (`--scale`: eq 9, or `loss.ccl_scale=balanced`) and schedule of `configs/smollm2_ed_avatar.py`,
+and reports per variant the dev row L2 (eq 9's measure; `bench/cs_oracles.py` gives the unit-mean oracle's)
+and the corpus WER / CER of `--replies` dev replies spoken from the predicted rows in their gold voice and
+heard by Whisper tiny.en (`data.asr`); with `--mix` also of the rows whose t_en half (or d_en half) is gold,
+to tell which half the errors heard are in.
 """
 
 from __future__ import annotations
@@ -95,12 +95,16 @@ def _train(conv: int, data, dev, steps: int, batch: int, seed: int, weight: np.n
         batch_rows = rows[idx].astype(np.float32)
         state, _ = step(state, units[idx], batch_rows, mask[idx], jax.random.fold_in(key, i))
     _, _, du, dr, dm = dev
-    preds, errs = [], []
-    for s in range(0, len(du), 32):
-        p = np.asarray(predict(state, du[s:s + 32]))
-        preds.append(p)
-        errs.append(np.sum((p - dr[s:s + 32].astype(np.float32)) ** 2, -1)[dm[s:s + 32]])
-    return np.concatenate(preds), float(np.concatenate(errs).mean())
+    preds = np.concatenate([np.asarray(predict(state, du[s:s + 32])) for s in range(0, len(du), 32)])
+    return preds, _half_l2(preds, dr, dm)
+
+
+def _half_l2(pred: np.ndarray, gold: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+    """Eq 9's row L2 over the valid rows, whole and per half (t_en, d_en)."""
+    sq = np.square(pred.astype(np.float32) - gold.astype(np.float32))[mask]
+    half = sq.shape[-1] // 2
+    return {"row_l2": float(sq.sum(-1).mean()), "row_l2_t_en": float(sq[:, :half].sum(-1).mean()),
+            "row_l2_d_en": float(sq[:, half:].sum(-1).mean())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,12 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=256, help="rows the CS predicts (max_speech_len)")
     ap.add_argument("--dev", type=int, default=256, help="dev replies whose row L2 is measured")
     ap.add_argument("--replies", type=int, default=24, help="dev replies spoken and heard")
-    ap.add_argument("--scale", choices=("none", "std"), default="none",
-                    help="the loss's per-dimension weight: none (eq 9) or 1/variance of the train rows")
+    ap.add_argument("--scale", choices=("none", "balanced"), default="none",
+                    help="the loss's per-dimension weights, as config loss.ccl_scale")
     ap.add_argument("--mix", action="store_true",
                     help="also speak each prediction's t_en with the gold d_en and the other way round")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--save", type=Path, default=None,
+                    help="a folder for each variant's dev predictions (npz); the heard replies are printed")
     args = ap.parse_args(argv)
     from tqdm import tqdm
 
@@ -126,23 +132,35 @@ def main(argv: list[str] | None = None) -> int:
     from empatheia_jax.data.targets import TargetReader
     from empatheia_jax.generators import kokoro
     from empatheia_jax.generators.kokoro_speech import KokoroSpeech
+    from empatheia_jax.train import losses
 
     t0 = time.perf_counter()
     half = kokoro.CONTENT_DIM // 2
     train = _load(args.raw, args.targets, "train", args.rows)
     dev = _load(args.raw, args.targets, "dev", args.rows, args.dev)
     weight = np.ones(kokoro.CONTENT_DIM, np.float32)
-    if args.scale == "std":  # the loss in units of each dimension's train standard deviation
+    if args.scale == "balanced":  # loss.ccl_scale=balanced: each dimension an equal share of the mean's loss
         rows, mask = train[3], train[4]
         n = mask.sum()
         mean = np.einsum("nqd,nq->d", rows, mask, dtype=np.float64) / n
         sq = np.einsum("nqd,nq->d", rows.astype(np.float32) ** 2, mask, dtype=np.float64) / n
-        weight = (1.0 / np.maximum(sq - mean**2, 1e-6)).astype(np.float32)
+        weight = losses.balanced_dim_weights(np.maximum(sq - mean**2, 0.0))
     reader, engine, ear = TargetReader(args.targets), kokoro.shared(1), asr.shared()
-    out = {}
+    # the per-unit mean of the train rows (bench/cs_oracles.py's unit_mean), its L2 on the same dev rows
+    units, rows, mask = train[2], train[3], train[4]
+    unit_sum = np.zeros((KokoroSpeech.num_units, rows.shape[-1]))
+    np.add.at(unit_sum, units[mask], rows[mask].astype(np.float64))
+    unit_n = np.bincount(units[mask], minlength=KokoroSpeech.num_units)[:, None]
+    unit_mean = (unit_sum / np.maximum(unit_n, 1)).astype(np.float32)
+    out = {"unit_mean": _half_l2(unit_mean[dev[2]], dev[3], dev[4])}
+    print(f"unit_mean: {json.dumps(out['unit_mean'])}", flush=True)
     for conv in (int(c) for c in args.conv.split(",")):
-        name = f"conv{conv}" + ("_std" if args.scale == "std" else "")
-        preds, row_l2 = _train(conv, train, dev, args.steps, args.batch, args.seed, weight)
+        name = f"conv{conv}" + ("_balanced" if args.scale == "balanced" else "")
+        preds, l2 = _train(conv, train, dev, args.steps, args.batch, args.seed, weight)
+        if args.save:
+            args.save.mkdir(parents=True, exist_ok=True)
+            np.savez(args.save / f"{name}.npz", pred=preds.astype(np.float16), uid=np.array(dev[1]),
+                     units=dev[2], mask=dev[4])
         # which half of a row the errors that are heard sit in: the predicted t_en with the gold d_en
         # (which drives the durations and the prosody), and the other way round
         mixes = {"": lambda p, g: p, "_gold_d_en": lambda p, g: np.concatenate([p[:, :half], g[:, half:]], 1),
@@ -156,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                 audio = engine.synthesize(mixes[m](preds[i, :n], gold), style, 1.0,
                                           max_mean_frames=KokoroSpeech.MAX_MEAN_FRAMES)
                 heard[m].append(ear.transcribe(audio, kokoro.SAMPLE_RATE).text)
-        out[name] = {"row_l2": row_l2}
+            if args.save:
+                print(f"  {dev[0][i]!r} -> {heard[''][-1]!r}", flush=True)
+        out[name] = dict(l2)
         for m, said in heard.items():
             out[name].update({f"speech_wer{m}": asr.word_error_rate(refs, said),
                                        f"speech_cer{m}": asr.char_error_rate(refs, said)})

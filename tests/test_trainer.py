@@ -577,6 +577,20 @@ def test_stages_chain_with_init_from(tok, shards, tmp_path, cli_env):
         np.testing.assert_array_equal(a[k], b[k], err_msg=str(k))
     assert any(np.abs(a[k]).max() > 0 for k in lora)  # ... and coe did train them
     assert any(not np.array_equal(a[k], b[k]) for k in cs)
+    # A CS of another design (a row convolution) may start from the coe run: the CS blocks start fresh,
+    # every other parameter is the source's; a stage that does not train the CS refuses the same source.
+    redesigned = tmp_path / "ccl_conv"
+    run_cli(cli_args(tok, shards, redesigned, "--config.stage=ccl", "--config.schedule.ccl.steps=2",
+                     "--config.model.empatheia.cs_conv=3", f"--config.init_from={coe}"), cli_env)
+    c = final_state(redesigned, 2)
+    sd = [k for k in a if k[0] == "params" and "style_dis" in k]
+    assert sd and any(k[0] == "params" and "conv" in k for k in c)
+    for k in lora + sd:
+        np.testing.assert_array_equal(a[k], c[k], err_msg=str(k))
+    p = subprocess.run(cli_args(tok, shards, tmp_path / "sac_conv", "--config.stage=sac",
+                                "--config.model.empatheia.cs_conv=3", f"--config.init_from={coe}"),
+                       env=cli_env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode != 0 and "differs in ['cs_conv', 'cs_speech', 'cs_video']" in p.stderr, p.stderr[-2000:]
 
 
 def test_coe_on_text_only_shards_builds_the_media_model_and_chains_into_ccl(tok, shards, tmp_path, cli_env):

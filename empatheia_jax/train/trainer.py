@@ -52,6 +52,7 @@ from empatheia_jax.data.input_pipeline import (
 from empatheia_jax.data.shard_format import load_manifest, target_source
 from empatheia_jax.generators import registry
 from empatheia_jax.models.empatheia import (
+    CS_VAES,
     Empatheia,
     EmpatheiaConfig,
 )
@@ -63,9 +64,11 @@ from empatheia_jax.train import config as config_lib
 from empatheia_jax.train import losses, objective, sd_warmup, stages
 from empatheia_jax.train.checkpoint import (
     CHECKPOINT_DIR,
+    CheckpointError,
     PreemptionWatcher,
     TrainCheckpointer,
     checkpoints_of,
+    read_meta,
     resolve_checkpoint,
 )
 from empatheia_jax.weights.checkpoint_io import load_checkpoint, load_tokenizer
@@ -912,14 +915,51 @@ def _restore(run: _Run) -> tuple[int, int, bool]:
         log.info("resuming from step %d (workdir %s)", start, workdir)
         return start, nonfinite_skipped, True
     if config.init_from:
-        src_dir, src_step = resolve_checkpoint(checkpoints_of(config.init_from))
-        with TrainCheckpointer(src_dir, create=False, async_save=False) as src:
-            restored = src.restore(src_step, params=saved_state(model, run.include_backbone))
-        _check_same("model", _function_of(restored.meta["model_config"]), _function_of(model.config),
-                    Path(config.init_from))
+        _init_from(run)
+    return 0, 0, False
+
+
+# The fields of the Content Synchronizer's design. A stage that trains the CS may start from a run whose CS
+# was built otherwise (e.g. the coe stage of a run before `cs_units`): the CS heads that differ start fresh.
+CS_DESIGN_FIELDS = frozenset({"cs_units", "cs_conv", *CS_VAES})
+
+
+def _init_from(run: _Run) -> None:
+    """Every saved parameter from `init_from`'s checkpoint, whose model must be the run's, except that a
+    stage training the CS ("cs" group) accepts a source differing only in `CS_DESIGN_FIELDS`: the CS blocks
+    whose config differs keep their fresh init (said in the log) and everything else is the source's.
+    That is exact for a source stage that never trained those blocks (coe), and a warm start otherwise."""
+    config, model = run.config, run.model
+    src_dir, src_step = resolve_checkpoint(checkpoints_of(config.init_from))
+    _, meta = read_meta(src_dir, src_step)
+    source, current = _function_of(meta["model_config"]), _function_of(model.config)
+    differ = {k for k in set(source) | set(current) if source.get(k) != current.get(k)}
+    if not differ or "cs" not in run.stage.trainable_groups or not differ <= CS_DESIGN_FIELDS:
+        _check_same("model", source, current, Path(config.init_from))
+    src_model = nnx.eval_shape(lambda: Empatheia(EmpatheiaConfig.from_dict(meta["model_config"]),
+                                                 rngs=nnx.Rngs(0)))
+    with TrainCheckpointer(src_dir, create=False, async_save=False) as src:
+        restored = src.restore(src_step, params=saved_state(src_model if differ else model,
+                                                            run.include_backbone))
+    if not differ:
         nnx.update(model, restored.params)
         log.info("initialised from %s step %d", src_dir, src_step)
-    return 0, 0, False
+        return
+    fresh = [name for name in CS_VAES if source[name] != current[name]]
+    prefixes = [("content_sync", name.removeprefix("cs_")) for name in fresh]
+    stored = {tuple(map(str, p)): v for p, v in nnx.to_flat_state(restored.params)}
+    kept = {}
+    for path, var in nnx.to_flat_state(saved_state(model, run.include_backbone)):
+        key = tuple(map(str, path))
+        if any(key[:2] == prefix for prefix in prefixes):
+            continue
+        if key not in stored or tuple(stored[key].shape) != tuple(var.shape):
+            raise CheckpointError(f"--init_from {src_dir}: parameter {'/'.join(key)} has no counterpart of "
+                                  f"shape {tuple(var.shape)} in the source")
+        kept[path] = jax.device_put(stored[key][...], var[...].sharding)  # onto the run's mesh
+    nnx.update(model, nnx.from_flat_state(kept))
+    log.info("initialised from %s step %d; the CS blocks %s start fresh (their design differs: %s)", src_dir,
+             src_step, ", ".join(fresh), ", ".join(sorted(differ)))
 
 
 def _prepare(run: _Run, resuming: bool, writer: MetricsWriter, watcher: PreemptionWatcher) -> bool:
