@@ -376,8 +376,6 @@ def test_unit_aligned_rows_learn_what_their_unit_says():
     n_units = 11
     cfg = CFG.replace(num_units=n_units)
     aligned = _build(cfg)
-    assert aligned.unit_out.shape == (n_units, cfg.d_out) and not np.asarray(aligned.unit_out[...]).any()
-    assert not hasattr(_build(CFG), "unit_out")
     rng = np.random.default_rng(3)
     h, mask = _inputs(seed=4)
     units = rng.integers(0, n_units, size=(B, cfg.num_queries)).astype(np.int32)
@@ -405,11 +403,7 @@ def test_unit_aligned_rows_learn_what_their_unit_says():
     out = jax.jit(lambda p: nnx.merge(graphdef, p)(hj, mj, sample=False, units=uj).out)(params)
     after = float(jnp.mean(jnp.sum((out - tj) ** 2, -1)))
     assert after <= 0.1 * constant, (constant, after)
-    # the unit's output row is added to row i: shifting unit 3's row shifts exactly the rows of unit 3
-    trained = nnx.merge(graphdef, params)
-    trained.unit_out[...] = trained.unit_out[...].at[3].add(1.0)
-    moved = np.asarray(trained(hj, mj, sample=False, units=uj).out) - np.asarray(out)
-    np.testing.assert_allclose(moved, np.broadcast_to((units == 3)[..., None], moved.shape), atol=1e-5)
+
     with pytest.raises(ValueError, match="aligns its 5 rows to content units"):
         aligned(hj, mj, sample=False)
     with pytest.raises(ValueError, match="without unit alignment"):

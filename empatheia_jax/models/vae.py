@@ -8,10 +8,8 @@ emotion or profile code). The CS instantiates it once per modality over r^t, the
 (emotion, profile) over r^s / r^v; `empatheia_jax.models.empatheia` assembles them.
 
 A block with `num_units` > 0 aligns its rows to content units: query i is q_i + U[unit_i] for the unit
-(e.g. the phoneme) that target row i stands for, given per example, and output row i adds the unit's own
-row O[unit_i] (zero at init), so row i knows WHAT it renders and starts from that unit's typical content,
-while the layers (self-attention, the row convolution) and cross-attention to h supply HOW: its context
-(docs/design.md "Aligned Content Synchronizer").
+(e.g. the phoneme) that target row i stands for, given per example, so row i knows WHAT it renders and
+cross-attention to h supplies HOW (docs/design.md "Aligned Content Synchronizer").
 
 Attention is Flax's own `nnx.MultiHeadAttention`: its `kernel_init` / `out_kernel_init` / `bias_init` /
 `out_bias_init` take `nnx.with_partitioning` initializers, so every projection carries logical axis names
@@ -393,11 +391,6 @@ class TransformerVAE(nnx.Module):
                 nnx.initializers.normal(0.02)(rngs.params(), (cfg.num_units, cfg.d_model), pdt),
                 out_sharding=("queries", "embed"),
             )
-            # each unit's own output row, added to what the decoder says (zero at init): a row starts from
-            # its unit's typical content, a table that learns at the rate of a lookup, and the layers learn
-            # what the context changes
-            self.unit_out = nnx.Param(jnp.zeros((cfg.num_units, cfg.d_out), pdt),
-                                      out_sharding=("queries", "features"))
         self.in_ffn = FFN(cfg, cfg.d_in, cfg.d_model, "embed", rngs=rngs)
         self.encoder = QueryStack(cfg, cfg.enc_layers, rngs=rngs)
         # float32 heads: mu/logvar feed exp() and the KL, where bf16 rounding would show.
@@ -449,11 +442,7 @@ class TransformerVAE(nnx.Module):
         """Eq 2: output rows, float32 [B, Q, d_out], from z [B, Q, d_latent]."""
         mask = jnp.ones(z.shape[:2], bool)
         x = self.decoder(self._queries(units), self._memory(self.z_ffn, z, mask), mask, dropout_key)
-        out = self.out_proj(x).astype(jnp.float32)
-        if self.config.num_units:
-            own = jnp.take(self.unit_out[...], units.astype(jnp.int32), axis=0, mode="clip")
-            out = out + own.astype(jnp.float32)
-        return out
+        return self.out_proj(x).astype(jnp.float32)
 
     def __call__(
         self, h: jax.Array, h_mask: jax.Array, *, sample: bool, rng: jax.Array | None = None,
