@@ -11,7 +11,9 @@ targets and predicts every row of a dev reply; Kokoro speaks the prediction in t
   (`cs_units`) and nothing else; the bar an aligned CS should pass with the context it reads from r^t;
 - `position_mean`: the mean train row at each row index: the best a position-only CS (the paper's learnable
   queries) can do without reading which phoneme comes where from r^t;
-- `mean`: one mean row everywhere (what a CS that learnt the mean says).
+- `mean`: one mean row everywhere (what a CS that learnt the mean says);
+- `unit_mean_t_en` / `unit_mean_d_en`: the table's t_en (d_en) half with the other half gold, and
+  `gold_shrunk_0.6`: gold rows pulled 40 % towards the mean row: where in a row intelligibility lives.
 Rows: corpus speech_wer / speech_cer over the dev replies, and the mean squared row L2 (the ccl loss's
 measure) over every dev row, so a trained CS's dev ccl_speech can be read against them.
 """
@@ -69,11 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     unit_mean = np.where(unit_n[:, None] > 0, unit_sum / np.maximum(unit_n, 1)[:, None], mean)
     position_mean = np.where(pos_n[:, None] > 0, pos_sum / np.maximum(pos_n, 1)[:, None], mean)
 
+    half = dim // 2
     oracles = {
         "gold": lambda rows, units: rows,
         "unit_mean": lambda rows, units: unit_mean[units],
         "position_mean": lambda rows, units: position_mean[: len(rows)],
         "mean": lambda rows, units: np.broadcast_to(mean, rows.shape),
+        # which half of a row is heard: one half the unit-mean table's, the other gold
+        "unit_mean_t_en": lambda rows, units: np.concatenate([unit_mean[units][:, :half], rows[:, half:]], 1),
+        "unit_mean_d_en": lambda rows, units: np.concatenate([rows[:, :half], unit_mean[units][:, half:]], 1),
+        # a regression's shrinkage towards the mean, on gold rows
+        "gold_shrunk_0.6": lambda rows, units: 0.6 * rows + 0.4 * mean,
     }
     dev = _replies(args.raw, "dev")
     l2 = {name: [] for name in oracles}
