@@ -277,7 +277,7 @@ def test_sd_warmup_trains_only_the_sd_on_its_stage_loss(tok, shards):
     batches = list(trainer.eval_batches(cfg, stage, model, tokenizer, mesh, split="train", max_batches=3))
     trainer.prepare_sd(cfg, stage, model, tokenizer, mesh, dataclasses.replace(schedule, sd_warmup_steps=0))
     inputs = collect_sd_inputs(model, batches)
-    weights = losses.LossWeights(**dict(cfg.loss))
+    weights = trainer.loss_weights(cfg)
 
     # The warm-up objective is the model's own SD terms: same examples, same latent noise.
     b = batches[0]
