@@ -934,17 +934,19 @@ def _init_from(run: _Run) -> None:
     _, meta = read_meta(src_dir, src_step)
     source, current = _function_of(meta["model_config"]), _function_of(model.config)
     differ = {k for k in set(source) | set(current) if source.get(k) != current.get(k)}
-    if not differ or "cs" not in run.stage.trainable_groups or not differ <= CS_DESIGN_FIELDS:
-        _check_same("model", source, current, Path(config.init_from))
-    src_model = nnx.eval_shape(lambda: Empatheia(EmpatheiaConfig.from_dict(meta["model_config"]),
-                                                 rngs=nnx.Rngs(0)))
-    with TrainCheckpointer(src_dir, create=False, async_save=False) as src:
-        restored = src.restore(src_step, params=saved_state(src_model if differ else model,
-                                                            run.include_backbone))
     if not differ:
+        with TrainCheckpointer(src_dir, create=False, async_save=False) as src:
+            restored = src.restore(src_step, params=saved_state(model, run.include_backbone))
         nnx.update(model, restored.params)
         log.info("initialised from %s step %d", src_dir, src_step)
         return
+    if "cs" not in run.stage.trainable_groups or not differ <= CS_DESIGN_FIELDS:
+        _check_same("model", source, current, Path(config.init_from))  # raises, naming the fields
+    # the source's own (abstract) model is the restore target: its CS blocks have other shapes
+    src_model = nnx.eval_shape(lambda: Empatheia(EmpatheiaConfig.from_dict(meta["model_config"]),
+                                                 rngs=nnx.Rngs(0)))
+    with TrainCheckpointer(src_dir, create=False, async_save=False) as src:
+        restored = src.restore(src_step, params=saved_state(src_model, run.include_backbone))
     fresh = [name for name in CS_VAES if source[name] != current[name]]
     prefixes = [("content_sync", name.removeprefix("cs_")) for name in fresh]
     stored = {tuple(map(str, p)): v for p, v in nnx.to_flat_state(restored.params)}
