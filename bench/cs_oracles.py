@@ -38,6 +38,23 @@ def _replies(raw: Path, split: str) -> list[tuple[str, str]]:
     return [(job.uid, job.text) for job in speech_jobs(raw, [split], responses_only=True)]
 
 
+def halves(t_en_from: np.ndarray, d_en_from: np.ndarray) -> np.ndarray:
+    """Rows [T, 1024] with the t_en half (512) of one and the d_en half of the other: where a row is heard."""
+    half = t_en_from.shape[-1] // 2
+    return np.concatenate([t_en_from[:, :half], d_en_from[:, half:]], -1)
+
+
+def hear(rows: np.ndarray, style: np.ndarray) -> str:
+    """What Whisper tiny.en hears of Kokoro speaking `rows` in `style`, as chat speaks a reply
+    (`KokoroSpeech.speak`: speed 1, durations capped)."""
+    from empatheia_jax.data import asr
+    from empatheia_jax.generators import kokoro
+    from empatheia_jax.generators.kokoro_speech import KokoroSpeech
+
+    audio = KokoroSpeech().speak(rows, style, len(rows))
+    return asr.shared().transcribe(audio, kokoro.SAMPLE_RATE).text
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python bench/cs_oracles.py", description=__doc__.split("\n")[0])
     ap.add_argument("--raw", required=True, type=Path)
@@ -71,15 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     unit_mean = np.where(unit_n[:, None] > 0, unit_sum / np.maximum(unit_n, 1)[:, None], mean)
     position_mean = np.where(pos_n[:, None] > 0, pos_sum / np.maximum(pos_n, 1)[:, None], mean)
 
-    half = dim // 2
     oracles = {
         "gold": lambda rows, units: rows,
         "unit_mean": lambda rows, units: unit_mean[units],
         "position_mean": lambda rows, units: position_mean[: len(rows)],
         "mean": lambda rows, units: np.broadcast_to(mean, rows.shape),
         # which half of a row is heard: one half the unit-mean table's, the other gold
-        "unit_mean_t_en": lambda rows, units: np.concatenate([unit_mean[units][:, :half], rows[:, half:]], 1),
-        "unit_mean_d_en": lambda rows, units: np.concatenate([rows[:, :half], unit_mean[units][:, half:]], 1),
+        "unit_mean_t_en": lambda rows, units: halves(unit_mean[units], rows),
+        "unit_mean_d_en": lambda rows, units: halves(rows, unit_mean[units]),
         # a regression's shrinkage towards the mean, on gold rows
         "gold_shrunk_0.6": lambda rows, units: 0.6 * rows + 0.4 * mean,
     }
@@ -90,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
         units = KokoroSpeech.content_units(text)[:L]
         for name, f in oracles.items():
             l2[name].append(np.sum((f(rows, units) - rows) ** 2, -1))
-    engine, ear = kokoro.shared(1), asr.shared()
     refs, heard = [], {name: [] for name in oracles}
     for uid, text in tqdm(dev[: args.replies], desc="speak and hear", unit="reply"):
         rows = reader.get("speech_content", uid)[:L]
@@ -98,9 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         style = reader.get("speech_style", uid)
         refs.append(text)
         for name, f in oracles.items():
-            audio = engine.synthesize(np.asarray(f(rows, units), np.float32), style, 1.0,
-                                      max_mean_frames=KokoroSpeech.MAX_MEAN_FRAMES)
-            heard[name].append(ear.transcribe(audio, kokoro.SAMPLE_RATE).text)
+            heard[name].append(hear(np.asarray(f(rows, units), np.float32), style))
     out = {name: {"speech_wer": asr.word_error_rate(refs, heard[name]),
                   "speech_cer": asr.char_error_rate(refs, heard[name]),
                   "row_l2": float(np.concatenate(l2[name]).mean())} for name in oracles}

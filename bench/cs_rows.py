@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save", type=Path, default=None,
                     help="a folder for each variant's dev predictions (npz); the heard replies are printed")
     args = ap.parse_args(argv)
+    from cs_oracles import halves, hear  # the bench folder is this script's sys.path[0]
     from tqdm import tqdm
 
     from empatheia_jax.data import asr
@@ -135,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     from empatheia_jax.train import losses
 
     t0 = time.perf_counter()
-    half = kokoro.CONTENT_DIM // 2
     train = _load(args.raw, args.targets, "train", args.rows)
     dev = _load(args.raw, args.targets, "dev", args.rows, args.dev)
     weight = np.ones(kokoro.CONTENT_DIM, np.float32)
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         mean = np.einsum("nqd,nq->d", rows, mask, dtype=np.float64) / n
         sq = np.einsum("nqd,nq->d", rows.astype(np.float32) ** 2, mask, dtype=np.float64) / n
         weight = losses.balanced_dim_weights(np.maximum(sq - mean**2, 0.0))
-    reader, engine, ear = TargetReader(args.targets), kokoro.shared(1), asr.shared()
+    reader = TargetReader(args.targets)
     # the per-unit mean of the train rows (bench/cs_oracles.py's unit_mean), its L2 on the same dev rows
     units, rows, mask = train[2], train[3], train[4]
     unit_sum = np.zeros((KokoroSpeech.num_units, rows.shape[-1]))
@@ -163,17 +163,14 @@ def main(argv: list[str] | None = None) -> int:
                      units=dev[2], mask=dev[4])
         # which half of a row the errors that are heard sit in: the predicted t_en with the gold d_en
         # (which drives the durations and the prosody), and the other way round
-        mixes = {"": lambda p, g: p, "_gold_d_en": lambda p, g: np.concatenate([p[:, :half], g[:, half:]], 1),
-                 "_gold_t_en": lambda p, g: np.concatenate([g[:, :half], p[:, half:]], 1)}
+        mixes = {"": lambda p, g: p, "_gold_d_en": halves, "_gold_t_en": lambda p, g: halves(g, p)}
         refs, heard = [], {m: [] for m in (mixes if args.mix else [""])}
         for i in tqdm(range(min(args.replies, len(preds))), desc=f"conv {conv}: speak, hear", unit="reply"):
             n = int(dev[4][i].sum())
             gold, style = dev[3][i, :n].astype(np.float32), reader.get("speech_style", dev[1][i])
             refs.append(dev[0][i])
             for m in heard:
-                audio = engine.synthesize(mixes[m](preds[i, :n], gold), style, 1.0,
-                                          max_mean_frames=KokoroSpeech.MAX_MEAN_FRAMES)
-                heard[m].append(ear.transcribe(audio, kokoro.SAMPLE_RATE).text)
+                heard[m].append(hear(mixes[m](preds[i, :n], gold), style))
             if args.save:
                 print(f"  {dev[0][i]!r} -> {heard[''][-1]!r}", flush=True)
         out[name] = dict(l2)
