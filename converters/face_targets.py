@@ -14,8 +14,10 @@ generator targets for this generator, not stand-ins, and the bridge (`converters
 
 The controls are computed the way data/make_sample.py renders each utterance: the mouth follows the RMS
 envelope of the utterance's own wav (RAW/media/{uid}.wav), the avatar is the speaker's or listener's profile,
-the expression the dialogue's emotion class for the speaker and the calm "empathetic" style for the
-listener. A user with DreamTalk exports DreamTalk's features instead (converters/dreamtalk_targets.py).
+the expression `kokoro_voices.utterance_style(role, emotion)`: the dialogue's emotion class for the
+speaker, the listener's answer to it (joy, surprise, sadness mirrored, the calm "empathetic" style to the
+rest) for the listener. A user with DreamTalk exports DreamTalk's features instead
+(converters/dreamtalk_targets.py).
 
 `--mouth phonemes` needs no media: the mouth track comes from the utterance's phonemes laid out with
 Kokoro's predicted durations in the voice it is spoken with (`generators.visemes`), the same timeline

@@ -16,8 +16,9 @@ Output (the raw-data contract of docs/design.md):
 Why it looks like this:
 - Dialogues are real EmpatheticDialogues conversations (via `data.import_ed`), drawn seeded and
   balanced over the 7 coarse emotions so every class is present even in a small sample.
-- Speaker utterances are spoken and acted with the dialogue's 7-class emotion; listener utterances
-  all use one calm, warm "empathetic" style. Speech prosody and facial expression per emotion are
+- Speaker utterances are spoken and acted with the dialogue's 7-class emotion; the listener answers
+  with its avatar's response to it (`kokoro_voices.utterance_style`): happy, surprised and sad mirrored,
+  the calm, warm "empathetic" style to the others. Speech prosody and facial expression per emotion are
   strong and consistent, so cheap audio/video features recover the emotion.
 - A seeded fraction of dialogues (default 30%, stratified by split) is "text_masked": their
   situation text is replaced by one neutral sentence, every sentence containing an emotion word
@@ -65,13 +66,13 @@ from empatheia_jax.data.schema import (
     validate_dialogues,
 )
 
-GENERATOR_VERSION = "2"  # 2: Kokoro gold speech of the responses (gold_speech/)
+GENERATOR_VERSION = "3"  # 2: Kokoro gold speech of the responses (gold_speech/); 3: the listener
+# answers in kokoro_voices.utterance_style (mirrors joy, surprise, sadness) instead of always calm
 GOLD_SPEECH_DIR = "gold_speech"
 SPLITS = ("train", "valid", "test")
 DEFAULT_ED_CSV_NAME = "empathetic_dialogues_validation.csv"
 MAX_UTTERANCE_WORDS = 60  # longer ED utterances (rare, some are merged raw lines) are not drawn
 DEFAULT_MASKED_FRACTION = 0.3
-LISTENER_STYLE = "empathetic"
 NEUTRAL_SCENARIO = "The speaker tells the listener about something that happened recently."
 _SPEAKER_FILLERS = (
     "Let me tell you about something that happened.",
@@ -406,6 +407,7 @@ def build_sample(out: str | os.PathLike, n: int, seed: int, *, ed_csv: str | os.
     `resolve_ed_csv` and converted by `data.import_ed.convert_ed_csv`. `gold_speech`: the splits whose
     responses get Kokoro gold speech in `gold_speech/`.
     """
+    from empatheia_jax.generators.kokoro_voices import utterance_style
     from empatheia_jax.generators.speech_synth import EMOTION_PROSODY, FRAME_RATE, SAMPLE_RATE
 
     if n < 1:
@@ -448,15 +450,15 @@ def build_sample(out: str | os.PathLike, n: int, seed: int, *, ed_csv: str | os.
             emotion = emap.class_name(word)
             uids = []
             for uid, role, text in dialogue_utterances(d):
-                style = emotion if role == "speaker" else LISTENER_STYLE
+                style = utterance_style(role, emotion)
                 profile = d.profile_of(role).to_json()
                 jobs.append((uid, text, profile, style, str(media), size))
                 uids.append(uid)
             if split in gold_speech:
-                listener = d.profile_of("listener").to_json()
+                listener, style = d.profile_of("listener").to_json(), utterance_style("listener", emotion)
                 for j, turn in enumerate(d.turns):
                     uid = response_utterance_id(d, j)
-                    gold_jobs.setdefault(uid, (uid, turn.response, listener, LISTENER_STYLE, str(gold_dir)))
+                    gold_jobs.setdefault(uid, (uid, turn.response, listener, style, str(gold_dir)))
             info[d.conversation_id] = {"split": split, "emotion": emotion, "speaker_emotion": word,
                                        "text_masked": is_masked, "sentences_removed": removed,
                                        "utterances": uids}
@@ -492,7 +494,7 @@ def build_sample(out: str | os.PathLike, n: int, seed: int, *, ed_csv: str | os.
             "masked_fraction": masked_fraction,
             "source": source,
             "media": {"sample_rate": SAMPLE_RATE, "audio": "wav mono int16", "fps": FRAME_RATE,
-                      "video": f"mp4 h264 yuv420p {size}x{size}", "listener_style": LISTENER_STYLE,
+                      "video": f"mp4 h264 yuv420p {size}x{size}", "listener_style": "utterance_style",
                       "prosody": {k: vars(v) for k, v in EMOTION_PROSODY.items()}},
             "gold_speech": gold_info,
             "targets": {"speech": "real: Kokoro-82M features of every utterance "

@@ -50,7 +50,9 @@ def test_style_decodes_to_the_profile_and_expression(sample):
         avatar = face_render.decode_style(reader.get("video_style", uid))
         p = d.profile_of(role)
         assert (avatar["age"], avatar["gender"], avatar["timbre"]) == (p.age, p.gender, p.timbre)
-        assert avatar["emotion"] == ("empathetic" if role == "listener" else emotion)
+        # the listener mirrors joy, surprise and sadness and answers the rest calmly
+        mirrored = emotion if emotion in {"happy", "surprised", "sad"} else "empathetic"
+        assert avatar["emotion"] == (mirrored if role == "listener" else emotion)
         ident = lambda i: (i % 5, (i // 5) % 5, i % 3 == 0)  # noqa: E731 - skin, hair, blue iris
         assert ident(avatar["ID"]) == ident(int(p.ID))
 
@@ -114,12 +116,14 @@ def test_phoneme_mouth_targets_need_no_media_and_follow_kokoro_speech(sample, tm
     assert sorted(reader.keys("video_content")) == sorted(responses)
     assert "phonemes" in reader.meta["video_content"]["mouth"]
     syncs = []
+    emotions = json.loads((raw / "sample_meta.json").read_text())["dialogues"]
     for uid, (d, turn) in list(responses.items())[:3]:
         content = reader.get("video_content", uid)
-        audio, _ = kokoro_voices.gold_speech(turn.response, d.profile_of("listener").to_json(), "empathetic")
+        style = kokoro_voices.utterance_style("listener", emotions[d.conversation_id]["emotion"])
+        audio, _ = kokoro_voices.gold_speech(turn.response, d.profile_of("listener").to_json(), style)
         assert len(content) == -(-len(audio) * 25 // 24000), uid
         syncs.append(lip_sync(content[:, face_render.CONTENT_MOUTH], speech_envelope(audio, 24000)))
-        assert face_render.decode_style(reader.get("video_style", uid))["emotion"] == "empathetic"
+        assert face_render.decode_style(reader.get("video_style", uid))["emotion"] == style
     assert min(syncs) > 0.5, syncs
     with pytest.raises(ValueError, match="--mouth"):
         face_targets.export_face_targets(text_only, tmp_path / "t3", mouth="lips", progress=False)

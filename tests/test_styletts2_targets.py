@@ -122,9 +122,11 @@ def test_kokoro_targets_are_kokoro_features(raw, kokoro_out):
         np.testing.assert_array_equal(content, model.content_features(ph))
         style = kokoro_voices.voice(profile, kokoro_voices.utterance_style(role, emotion)).style
         np.testing.assert_array_equal(got["speech_style"][uid], style)
-    # the listener speaks in the calm style, speakers in their dialogue's emotion (neutral when unknown)
-    styles = {uid: kokoro_voices.utterance_style(role, e) for role, _, uid, _, e in utts}
-    assert set(styles.values()) == {"happy", "neutral", "empathetic"}
+    # speakers in their dialogue's emotion (neutral when unknown); the listener mirrors joy and answers an
+    # unknown emotion in the calm style
+    styles = {(role, e): kokoro_voices.utterance_style(role, e) for role, _, _, _, e in utts}
+    assert styles == {("speaker", "happy"): "happy", ("speaker", None): "neutral",
+                      ("listener", "happy"): "happy", ("listener", None): "empathetic"}
     meta = json.loads((kokoro_out / "meta.json").read_text())
     for kind in st.KINDS:
         assert meta[kind]["source"] == "kokoro" and meta[kind]["count"] == 6

@@ -16,10 +16,12 @@ Rows (`video_metrics.video_rows`): SSIM, PSNR, CPBD, F-LMD / M-LMD (FaceMesh lan
 (correlation of the mouth opening with the gold speech's envelope, SyncNet's weights being unobtainable),
 and `video_{age,gender,timbre,emotion}_acc`: the profile and expression recovered FROM THE FRAMES of each
 test record's rendered avatar (PROBE_FRAMES frames of it) by a `video_metrics.VideoStyleProbe`, against the
-listener's labels and the empathetic listener expression, over every test record with a style target.
+listener's labels and the expression the gold avatar shows (its video_style target: the listener's answer
+to the dialogue's emotion, `kokoro_voices.utterance_style`), over every test record with a style target.
 
 The probe is fitted here, on train records' gold clips, each drawn with one of the nine expressions in turn
-(a listener always looks empathetic, so the train replies alone would teach one expression): it reads what
+(a listener shows only the expressions it answers with, so the train replies alone would not teach all
+nine): it reads what
 a viewer sees, FaceMesh geometry and colours, not the style vector. `gold_rows` scores the probe on the gold
 test clips, the ceiling the other columns are read against.
 """
@@ -45,7 +47,7 @@ HIGHER_IS_BETTER = frozenset({"video_ssim", "video_psnr", "video_cpbd", "video_l
 LOWER_IS_BETTER = frozenset({"video_f_lmd", "video_m_lmd"})
 _ROW_NAMES = {"ssim": "video_ssim", "psnr": "video_psnr", "cpbd": "video_cpbd", "f_lmd": "video_f_lmd",
               "m_lmd": "video_m_lmd", "lip_sync": "video_lip_sync", "n": "video_examples"}
-LISTENER_EXPRESSION = "empathetic"
+LISTENER_EXPRESSION = "empathetic"  # the Pipeline baseline's fixed, calm avatar
 PROBE_FRAMES = 8
 """Frames of a clip the style probe reads, evenly spaced: the avatar is constant, only the mouth and the
 eyelids move, and the probe's features are medians and means over frames (~6.5 ms a frame)."""
@@ -63,7 +65,7 @@ class VideoEval:
     def __init__(self, shards_dir: str | os.PathLike, split: str = "test", *, train_split: str = "train",
                  examples: int = 6, progress: bool = True):
         from empatheia_jax.data.splits import check_split
-        from empatheia_jax.generators.face_render import face_controls
+        from empatheia_jax.generators.face_render import decode_style, face_controls
         from empatheia_jax.generators.speech_synth import read_wav, speech_envelope
 
         manifest = check_split(shards_dir, split)
@@ -82,10 +84,12 @@ class VideoEval:
             rec = reader[i]
             targets = rec.get("targets") or {}
             if {"video_content", "video_style"} <= targets.keys():
-                self.labels[i] = {**{k: str(rec["listener_profile"][k]) for k in ("age", "gender", "timbre")},
-                                  "emotion": LISTENER_EXPRESSION}
                 self.gold_controls[i] = (np.asarray(targets["video_content"]),
                                          np.asarray(targets["video_style"], np.float32))
+                # the expression the gold avatar shows is the label: the listener's answer to the dialogue's
+                # emotion (kokoro_voices.utterance_style) in current targets, always calm in older ones
+                self.labels[i] = {**{k: str(rec["listener_profile"][k]) for k in ("age", "gender", "timbre")},
+                                  "emotion": decode_style(self.gold_controls[i][1])["emotion"]}
             wav = media / f"{rec['response_utt_id']}.wav"
             if len(self.items) < self.examples and i in self.labels:
                 if not wav.is_file():

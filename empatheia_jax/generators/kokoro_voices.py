@@ -29,9 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from empatheia_jax.generators.speech_synth import LISTENER_STYLE, STYLES, check_profile
+from empatheia_jax.generators.speech_synth import LISTENER_STYLE, STYLES, check_profile, listener_style
 
-MAP_VERSION = "1"  # bump when any table below changes: targets and gold speech record it
+MAP_VERSION = "2"  # bump when any table or rule below changes: targets and gold speech record it
+# 2: the listener answers in `listener_style(emotion)` (mirrors joy, surprise, sadness), not always calm
 
 
 @dataclass(frozen=True)
@@ -111,10 +112,12 @@ def voice(profile: dict[str, Any], style: str) -> Voice:
 
 
 def utterance_style(role: str, emotion: str | None) -> str:
-    """The style an utterance is spoken in: the dialogue's emotion class for the speaker, the listener's
-    calm style for the listener (the same rule data/make_sample.py renders media with)."""
+    """The style an utterance is spoken and drawn in: the dialogue's emotion class for the speaker; for the
+    listener, the avatar's answer to it (`speech_synth.listener_style`: joy, surprise and sadness mirrored,
+    the calm empathetic style otherwise), the same rule chat's pinned avatar follows, so the SD's style
+    targets carry the expression a reply should show. data/make_sample.py renders media with it."""
     if role == "listener":
-        return LISTENER_STYLE
+        return listener_style(emotion)
     return emotion or "neutral"
 
 
