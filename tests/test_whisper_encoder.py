@@ -8,10 +8,11 @@ input encoder.
 - The numpy reader of model.bin refuses a truncated file, another binary version, trailing bytes and a
   missing variable, with an error naming the file (and the variable).
 - `whisper_tiny_en+lite`: [k, 384] audio features, deterministic, different for different clips, the mean
-  of the kept frames over k equal chunks; a clip over 30 s is encoded window by window.
+  of the kept frames over k equal chunks; a clip over 30 s is encoded window by window; chat rebuilds it
+  from a shard manifest and refuses a manifest made with another model.bin.
 
-~40 s on 2 cores: Kokoro speaks two sentences (~6 s), CTranslate2 and our encoder load (~3 s), our encoder
-compiles once (~2 s) and runs ~8 windows (~1 s each), CTranslate2 encodes one.
+~30 s on 2 cores: Kokoro speaks two sentences (~9 s with its load), CTranslate2 and our encoder load (~3 s),
+our encoder compiles once (~2 s) and runs ~8 windows (~1 s each), CTranslate2 encodes one.
 """
 
 from __future__ import annotations
@@ -188,6 +189,18 @@ def test_whisper_tiny_en_features(speech, whisper):
     assert cfg["video"]["name"] == "lite"
     with pytest.raises(ValueError, match="only encodes audio"):
         get_encoder("whisper_tiny_en")
+
+
+def test_chat_rebuilds_it_from_a_manifest(whisper):
+    """chat rebuilds the shards' encoder from the manifest entry, and refuses other weights."""
+    from empatheia_jax.serve.chat import EncoderManifestError, encoder_from_manifest
+
+    entry = {"name": whisper.name, "config": whisper.config()}
+    rebuilt = encoder_from_manifest(entry)
+    assert rebuilt.config() == whisper.config() and rebuilt.k == 3
+    entry["config"]["audio"]["model_sha256"] = "0" * 64  # shards prepared with another model.bin
+    with pytest.raises(EncoderManifestError, match=r"audio\.model_sha256"):
+        encoder_from_manifest(entry)
 
 
 def test_a_clip_over_30_seconds_is_encoded_window_by_window(speech, whisper):
