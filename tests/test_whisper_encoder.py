@@ -9,10 +9,10 @@ input encoder.
   missing variable, with an error naming the file (and the variable).
 - `whisper_tiny_en+lite`: [k, 384] audio features, deterministic, different for different clips, the mean
   of the kept frames over k equal chunks; a clip over 30 s is encoded window by window; chat rebuilds it
-  from a shard manifest and refuses a manifest made with another model.bin.
+  from a shard manifest and refuses a manifest made with another model.bin; `prepare` writes its features.
 
-~30 s on 2 cores: Kokoro speaks two sentences (~9 s with its load), CTranslate2 and our encoder load (~3 s),
-our encoder compiles once (~2 s) and runs ~8 windows (~1 s each), CTranslate2 encodes one.
+~40 s on 2 cores: Kokoro speaks two sentences (~9 s with its load), CTranslate2 and our encoder load (~3 s),
+our encoder compiles once (~2 s) and runs ~16 windows (~1 s each), CTranslate2 encodes one.
 """
 
 from __future__ import annotations
@@ -210,3 +210,26 @@ def test_a_clip_over_30_seconds_is_encoded_window_by_window(speech, whisper):
     mel = whisper_log_mel(y)[:, : len(y) // 160]
     second = np.pad(mel[:, 3000:], ((0, 0), (0, 2900))).T[None]
     np.testing.assert_allclose(frames[1500:], whisper.audio._encoder(second)[0, :50], rtol=0, atol=1e-5)
+
+
+def test_prepare_writes_its_features_into_the_shards(whisper, tmp_path):
+    """`prepare(encoder="whisper_tiny_en+lite")`: the shards hold the encoder's features of each utterance's
+    wav and the manifest its config (what chat rebuilds it from)."""
+    from helpers import make_raw, read_shard_split, synthetic_dialogue
+
+    from empatheia_jax.data import prepare as prep
+    from empatheia_jax.data.targets import make_standin_targets
+
+    raw = make_raw(tmp_path / "raw", {"train": [synthetic_dialogue("w1", "sad", 2)]})
+    make_standin_targets(raw, raw / "targets", progress=False)
+    manifest = prep.prepare(raw, tmp_path / "shards", encoder="whisper_tiny_en+lite", encoder_kwargs={"k": 3},
+                            targets=raw / "targets", progress=False, command="test")
+    assert manifest["encoder"] == {"name": "whisper_tiny_en+lite", "config": whisper.config()}
+    assert manifest["features"]["audio_dim"] == 384
+    recs = read_shard_split(tmp_path / "shards", "train")
+    history = [h for r in recs for h in r["history"]]
+    assert len(history) == 1 + 3
+    for r in recs:
+        for i, h in enumerate(r["history"]):
+            np.testing.assert_array_equal(r["audio_feats"][i],
+                                          whisper.encode_audio(raw / "media" / f"{h['utt_id']}.wav"))
