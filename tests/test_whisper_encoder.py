@@ -198,6 +198,7 @@ def test_chat_rebuilds_it_from_a_manifest(whisper):
     entry = {"name": whisper.name, "config": whisper.config()}
     rebuilt = encoder_from_manifest(entry)
     assert rebuilt.config() == whisper.config() and rebuilt.k == 3
+    assert rebuilt.audio._encoder is whisper.audio._encoder  # one loaded model, one jitted forward a process
     entry["config"]["audio"]["model_sha256"] = "0" * 64  # shards prepared with another model.bin
     with pytest.raises(EncoderManifestError, match=r"audio\.model_sha256"):
         encoder_from_manifest(entry)
