@@ -62,6 +62,7 @@ class FaceJob(NamedTuple):
     text: str
     profile: dict[str, Any]
     style: str  # the expression (and voice) the utterance is drawn in
+    speed: float | None  # the phoneme mouth's rate: LISTENER_SPEED for a listener, else the style's
 
 
 def face_jobs(raw: str | Path, splits: list[str] | None = None, dialogues: Iterable[Any] | None = None,
@@ -69,9 +70,10 @@ def face_jobs(raw: str | Path, splits: list[str] | None = None, dialogues: Itera
     """Every distinct utterance as data/make_sample.py renders it: the utterances the speech exporter lists
     (`styletts2_targets.speech_jobs`) and the style they are drawn in."""
     from converters.styletts2_targets import speech_jobs
-    from empatheia_jax.generators.kokoro_voices import utterance_style
+    from empatheia_jax.generators.kokoro_voices import LISTENER_SPEED, utterance_style
 
-    return [FaceJob(j.uid, j.wav, j.text, j.profile, utterance_style(j.role, j.emotion))
+    return [FaceJob(j.uid, j.wav, j.text, j.profile, utterance_style(j.role, j.emotion),
+                    LISTENER_SPEED if j.role == "listener" else None)
             for j in speech_jobs(raw, splits, dialogues, responses_only)]
 
 
@@ -86,24 +88,27 @@ def utterance_controls(wav: str | Path, profile: dict, style: str) -> tuple[np.n
     return face_controls(speech_envelope(x, sr), profile, style)
 
 
-def text_controls(text: str, profile: dict, style: str) -> tuple[np.ndarray, np.ndarray]:
+def text_controls(text: str, profile: dict, style: str, speed: float | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
     """(video_content, video_style) of one utterance without its media: the mouth follows its phonemes on
-    the timeline Kokoro speaks them with in the utterance's voice (`generators.visemes`)."""
+    the timeline Kokoro speaks them with in the utterance's voice (`generators.visemes`), at `speed` when
+    given (as `kokoro_voices.gold_speech`), else the style's."""
     from empatheia_jax.generators import kokoro, kokoro_voices, visemes
     from empatheia_jax.generators.face_render import face_controls
 
     engine = kokoro.shared(1)
     phonemes = kokoro.phonemize(text)
     voice = kokoro_voices.voice(profile, style)
-    frames = kokoro.frames_of(engine.durations(engine.content_features(phonemes), voice.style, voice.speed))
+    rate = voice.speed if speed is None else float(speed)
+    frames = kokoro.frames_of(engine.durations(engine.content_features(phonemes), voice.style, rate))
     return face_controls(visemes.mouth_track(phonemes, frames), profile, style, smooth=False)
 
 
 def _one(job: tuple[FaceJob, str]) -> tuple[str, tuple[np.ndarray, np.ndarray] | None, str | None]:
-    (uid, wav, text, profile, style), mouth = job
+    (uid, wav, text, profile, style, speed), mouth = job
     try:
         if mouth == "phonemes":
-            return uid, text_controls(text, profile, style), None
+            return uid, text_controls(text, profile, style, speed), None
         return uid, utterance_controls(wav, profile, style), None
     except Exception as e:  # noqa: BLE001 - collected and reported with the utterance id
         return uid, None, f"{uid}: {type(e).__name__}: {e}"
@@ -135,7 +140,11 @@ def export_face_targets(raw: str | Path, out: str | Path, *, splits: list[str] |
         kokoro.cut_model("durations")  # built once here, not raced by the workers
     errors: list[str] = []
     with contextlib.ExitStack() as stack:
-        meta = {"raw": str(Path(raw).resolve()), "mouth": MOUTH_METHOD[mouth]}
+        from empatheia_jax.generators.kokoro_voices import MAP_VERSION
+
+        # the style rule (utterance_style) and the phoneme mouth's voice speed follow the voice map
+        meta = {"raw": str(Path(raw).resolve()), "mouth": MOUTH_METHOD[mouth],
+                "voice_map_version": MAP_VERSION}
         writers = {k: stack.enter_context(TargetWriter(out, k, SOURCE, None, shard_size,
                                                        {**meta, "method": METHOD[k]}))
                    for k in KINDS}

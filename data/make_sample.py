@@ -340,11 +340,11 @@ def render_utterance(job: tuple[str, str, dict, str, str, int]) -> tuple[str, in
 def speak_gold(job: tuple[str, str, dict, str, str]) -> tuple[str, dict]:
     """Worker: write `{uid}.wav` of the gold speech (Kokoro, 24 kHz); returns (uid, voice recipe)."""
     from empatheia_jax.generators.kokoro import SAMPLE_RATE
-    from empatheia_jax.generators.kokoro_voices import gold_speech
+    from empatheia_jax.generators.kokoro_voices import LISTENER_SPEED, gold_speech
     from empatheia_jax.generators.speech_synth import write_wav
 
     uid, text, profile, style, gold_dir = job
-    wav, v = gold_speech(text, profile, style)
+    wav, v = gold_speech(text, profile, style, LISTENER_SPEED)  # every gold job is a listener's reply
     write_wav(os.path.join(gold_dir, uid + ".wav"), wav, SAMPLE_RATE)
     return uid, {"style": style, **v.recipe, "samples": len(wav)}
 

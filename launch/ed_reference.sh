@@ -52,8 +52,21 @@ if [[ ! -f "$RUN/ed/raw/dev.json" ]]; then
     echo "[ed_reference] importing $ED_CSV (train + $HOLDOUT, whole conversations)"
     "$PY" -m data.import_ed --csv "$ED_CSV" --out "$RUN/ed/raw" --split train --holdout "$HOLDOUT"
 fi
-if [[ ! -f "$RUN/ed/targets/meta.json" ]] || ! grep -q video_content "$RUN/ed/targets/meta.json"; then
+# Targets are (re)made when missing, incomplete or made with another voice map (the listener's style rule and
+# voices live there: kokoro_voices.MAP_VERSION); the shards that embed them are then prepared again.
+if ! "$PY" - "$RUN/ed/targets/meta.json" <<'EOF'
+import json, sys
+from empatheia_jax.generators.kokoro_voices import MAP_VERSION
+try:
+    meta = json.load(open(sys.argv[1]))
+except OSError:
+    sys.exit(1)
+sys.exit(0 if all(meta.get(k, {}).get("voice_map_version") == MAP_VERSION
+                  for k in ("speech_style", "video_content", "video_style")) else 1)
+EOF
+then
     echo "[ed_reference] reply targets: Kokoro speech features, the face generator's mouth on Kokoro's timeline"
+    rm -f "$RUN/ed/shards/manifest.json"
     "$PY" -m converters.styletts2_targets --raw "$RUN/ed/raw" --out "$RUN/ed/targets" --responses-only \
         --workers 2 --quiet
     "$PY" -m converters.face_targets --raw "$RUN/ed/raw" --out "$RUN/ed/targets" --mouth phonemes \

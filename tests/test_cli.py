@@ -246,6 +246,13 @@ def test_eval_prints_the_table_and_its_json_equals_the_library(trained, shards, 
     assert want["gold"]["speech_wer"] < 0.25 and want["gold"]["speech_cer"] < 0.2, want["gold"]
     assert want["trained"]["speech_wer"] > want["gold"]["speech_wer"] + 0.3, (want["trained"], want["gold"])
     assert want["gold"]["video_gender_acc"] > want["pipeline_tts"]["video_gender_acc"], want["gold"]
+    # the pinned avatar (what chat --listener draws had the user chosen each record's listener profile): the
+    # probes, fitted on gold voices and faces, read the profile chosen, whatever emotion the 1-step SD guesses
+    pinned = {k: v for k, v in want["trained"].items() if "_pinned_" in k}
+    assert pinned.keys() == {f"speech_pinned_{a}_acc" for a in ("age", "gender", "timbre")} | {
+        f"video_pinned_{a}_acc" for a in ("age", "gender", "timbre", "emotion")}
+    assert min(v for k, v in pinned.items() if "emotion" not in k) >= 0.9, pinned
+    assert not [k for c in ("mean_style", "pipeline_tts", "gold") for k in want[c] if "_pinned_" in k]
     for column in want:  # same programs (same XLA flags, the shared compilation cache): bit-identical
         assert got[column].keys() == want[column].keys(), column
         for k, v in want[column].items():

@@ -120,7 +120,8 @@ def test_phoneme_mouth_targets_need_no_media_and_follow_kokoro_speech(sample, tm
     for uid, (d, turn) in list(responses.items())[:3]:
         content = reader.get("video_content", uid)
         style = kokoro_voices.utterance_style("listener", emotions[d.conversation_id]["emotion"])
-        audio, _ = kokoro_voices.gold_speech(turn.response, d.profile_of("listener").to_json(), style)
+        audio, _ = kokoro_voices.gold_speech(turn.response, d.profile_of("listener").to_json(), style,
+                                             kokoro_voices.LISTENER_SPEED)
         assert len(content) == -(-len(audio) * 25 // 24000), uid
         syncs.append(lip_sync(content[:, face_render.CONTENT_MOUTH], speech_envelope(audio, 24000)))
         assert face_render.decode_style(reader.get("video_style", uid))["emotion"] == style

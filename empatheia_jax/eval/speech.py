@@ -15,6 +15,11 @@ What is compared (docs/design.md "Speech out"):
   listener's profile labels, applied to each system's style vector over every test record with a style
   target. Kokoro has no style encoder, so the probe reads the vector that drives the generator, the one
   the gold voice was chosen as.
+- **The pinned avatar** (speech_pinned_age_acc / _gender_acc / _timbre_acc, the model's column only): the
+  same probe on the voice `chat --listener` would speak with if the user chose each record's listener
+  profile (`serve.avatar.pinned_styles`: the voice map of that profile in the style the SD's predicted
+  emotion calls for). The probe was fitted on gold voices, so this asks whether a chosen avatar is heard
+  as the one chosen, whatever emotion the model predicts.
 - **Intelligibility** (speech_wer / speech_cer, `empatheia_jax.data.asr`): Whisper tiny.en, a recogniser
   trained on none of this, transcribes every spoken reply of every system; its corpus WER/CER against the
   record's gold reply text (`response`, the words the teacher-forced content is over) says whether the
@@ -43,9 +48,12 @@ from empatheia_jax.data import input_pipeline as ip
 from empatheia_jax.data.shard_format import target_source
 
 SPEECH_METRICS = ("speech_mcd", "speech_spk_sim", "speech_f0_diff_st", "speech_dur_ratio", "speech_wer",
-                  "speech_cer", "speech_age_acc", "speech_gender_acc", "speech_timbre_acc", "speech_examples",
-                  "speech_unusable")
-HIGHER_IS_BETTER = frozenset({"speech_spk_sim", "speech_age_acc", "speech_gender_acc", "speech_timbre_acc"})
+                  "speech_cer", "speech_age_acc", "speech_gender_acc", "speech_timbre_acc",
+                  "speech_pinned_age_acc", "speech_pinned_gender_acc", "speech_pinned_timbre_acc",
+                  "speech_examples", "speech_unusable")
+HIGHER_IS_BETTER = frozenset({"speech_spk_sim", "speech_age_acc", "speech_gender_acc", "speech_timbre_acc",
+                              "speech_pinned_age_acc", "speech_pinned_gender_acc",
+                              "speech_pinned_timbre_acc"})
 LOWER_IS_BETTER = frozenset({"speech_mcd", "speech_f0_diff_st", "speech_wer", "speech_cer"})
 PROFILE = ("age", "gender", "timbre")
 _ROW_NAMES = {"mcd": "speech_mcd", "speaker_similarity": "speech_spk_sim",
@@ -67,6 +75,7 @@ class SpeechEval:
         from empatheia_jax.data.splits import check_split
 
         manifest = check_split(shards_dir, split)
+        self.emotion_classes = tuple((manifest.get("emotion_map") or {}).get("classes") or ())
         source = target_source(manifest, "speech_content")
         style_source = target_source(manifest, "speech_style")
         if source != "kokoro" or style_source != "kokoro":
@@ -212,7 +221,23 @@ class SpeechEval:
         if any(len(style) == 0 for _, style in pairs):
             raise ValueError("no predicted speech style and no gold speech_style target to speak with")
         styles = {i: np.asarray(c["speech_style"]) for i, c in collected.items() if "speech_style" in c}
-        return self._rows(name, self._speak(name, pairs), styles)
+        out = self._rows(name, self._speak(name, pairs), styles)
+        if styles:  # the model has an SD, so `chat --listener` can pin its avatar
+            out.update(self._pinned_rows(collected))
+        return out
+
+    def _pinned_rows(self, collected: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
+        """speech_pinned_*_acc: the probe on the pinned avatar of each labelled record (module docstring)."""
+        from empatheia_jax.serve.avatar import pinned_styles
+
+        idx = [i for i in sorted(self.labels) if i in collected]
+        if not idx:
+            return {}
+        emotions = predicted_emotions(collected, self.emotion_classes)
+        styles = pinned_styles("kokoro", {i: self.labels[i] for i in idx}, emotions)
+        acc = self.probe.accuracy(np.stack([styles[i] for i in idx]),
+                                  {k: [self.labels[i][k] for i in idx] for k in PROFILE})
+        return {f"speech_pinned_{k}_acc": float(v) for k, v in acc.items()}
 
     def reference_columns(self) -> dict[str, dict[str, float]]:
         """mean_style and pipeline_tts (see the module docstring): gold content, a fixed voice each; and
@@ -229,6 +254,14 @@ class SpeechEval:
         """The gold speech against itself: MCD 0, similarity 1 (the rows measure what they say), and the
         recogniser's WER/CER on it, the floor of every system's."""
         return self._rows("gold", self.gold, {})
+
+
+def predicted_emotions(collected: Mapping[int, Mapping[str, Any]], classes: tuple[str, ...]
+                       ) -> dict[int, str | None]:
+    """Per record, the class the SD's emotion head predicted (`emotion_cls`, an index into the shards' emotion
+    map), as the name the pinned avatar's style is chosen from; None where the head is absent."""
+    return {i: classes[c["emotion_cls"]] if "emotion_cls" in c and c["emotion_cls"] < len(classes) else None
+            for i, c in collected.items()}
 
 
 def describe_targets(manifest: Mapping[str, Any]) -> str:

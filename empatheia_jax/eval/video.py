@@ -19,6 +19,11 @@ test record's rendered avatar (PROBE_FRAMES frames of it) by a `video_metrics.Vi
 listener's labels and the expression the gold avatar shows (its video_style target: the listener's answer
 to the dialogue's emotion, `kokoro_voices.utterance_style`), over every test record with a style target.
 
+`video_pinned_*_acc` (the model's column only): the same probe on the avatar `chat --listener` would draw
+had the user chosen each record's listener profile (`serve.avatar.pinned_styles`, in the style the SD's
+predicted emotion calls for), over the model's own content rows: is the chosen avatar seen as chosen, and
+does its expression follow the predicted emotion to the gold avatar's.
+
 The probe is fitted here, on train records' gold clips, each drawn with one of the nine expressions in turn
 (a listener shows only the expressions it answers with, so the train replies alone would not teach all
 nine): it reads what
@@ -41,9 +46,12 @@ from empatheia_jax.data.shard_format import target_source
 
 VIDEO_METRICS = ("video_ssim", "video_psnr", "video_cpbd", "video_f_lmd", "video_m_lmd", "video_lip_sync",
                  "video_age_acc", "video_gender_acc", "video_timbre_acc", "video_emotion_acc",
-                 "video_examples")
+                 "video_pinned_age_acc", "video_pinned_gender_acc", "video_pinned_timbre_acc",
+                 "video_pinned_emotion_acc", "video_examples")
 HIGHER_IS_BETTER = frozenset({"video_ssim", "video_psnr", "video_cpbd", "video_lip_sync", "video_age_acc",
-                              "video_gender_acc", "video_timbre_acc", "video_emotion_acc"})
+                              "video_gender_acc", "video_timbre_acc", "video_emotion_acc",
+                              "video_pinned_age_acc", "video_pinned_gender_acc", "video_pinned_timbre_acc",
+                              "video_pinned_emotion_acc"})
 LOWER_IS_BETTER = frozenset({"video_f_lmd", "video_m_lmd"})
 _ROW_NAMES = {"ssim": "video_ssim", "psnr": "video_psnr", "cpbd": "video_cpbd", "f_lmd": "video_f_lmd",
               "m_lmd": "video_m_lmd", "lip_sync": "video_lip_sync", "n": "video_examples"}
@@ -69,6 +77,7 @@ class VideoEval:
         from empatheia_jax.generators.speech_synth import read_wav, speech_envelope
 
         manifest = check_split(shards_dir, split)
+        self.emotion_classes = tuple((manifest.get("emotion_map") or {}).get("classes") or ())
         sources = {k: target_source(manifest, k) for k in ("video_content", "video_style")}
         if set(sources.values()) != {"face_render"}:
             raise VideoEvalUnavailable(f"{shards_dir}: video targets are {sources}, not the face generator's "
@@ -191,7 +200,19 @@ class VideoEval:
                             collected[it["record_index"]]["video_style"]) for it in self.items]
         drawn = {i: (c["video_content"], c["video_style"]) for i, c in collected.items()
                  if {"video_content", "video_style"} <= c.keys()}
-        return self._rows(name, clips, drawn)
+        return {**self._rows(name, clips, drawn), **self._pinned_rows(collected)}
+
+    def _pinned_rows(self, collected: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
+        """video_pinned_*_acc: the probe on each labelled record's pinned avatar (module docstring)."""
+        from empatheia_jax.eval.speech import predicted_emotions
+        from empatheia_jax.serve.avatar import pinned_styles
+
+        idx = [i for i in sorted(self.labels) if "video_content" in collected.get(i, {})]
+        emotions = predicted_emotions(collected, self.emotion_classes)
+        styles = pinned_styles("face_render", {i: {k: self.labels[i][k] for k in ("age", "gender", "timbre")}
+                                               for i in idx}, emotions)
+        rows = self._style_rows({i: (collected[i]["video_content"], styles[i]) for i in idx})
+        return {k.replace("video_", "video_pinned_", 1): v for k, v in rows.items()}
 
     def reference_columns(self) -> dict[str, dict[str, float]]:
         """mean_style and pipeline_tts (module docstring): the gold mouth track, one fixed avatar each; and

@@ -126,16 +126,26 @@ def to_pcm16(audio: np.ndarray) -> np.ndarray:
     return np.round(np.clip(np.asarray(audio, np.float64), -1.0, 32767 / 32768) * 32768).astype(np.int16)
 
 
-def gold_speech(text: str, profile: dict[str, Any], style: str) -> tuple[np.ndarray, Voice]:
+LISTENER_SPEED = 1.0
+"""The rate a listener utterance is spoken at in gold speech and in the phoneme mouth track, whatever its
+style: the rate the bridge speaks the model's reply at (`serve.avatar`), since the style the SD predicts
+(S^s) carries no rate. Only the pinned avatar (`chat --listener`) speaks at its style's rate."""
+
+
+def gold_speech(text: str, profile: dict[str, Any], style: str, speed: float | None = None
+                ) -> tuple[np.ndarray, Voice]:
     """The gold speech of an utterance (int16, 24 kHz) and the voice it was spoken with.
 
     Kokoro speaks the utterance's own content features (`content_features(phonemize(text))`, the
     speech_content target) in `voice(profile, style)` (the speech_style target), so the targets are exactly
-    what the audio was made from.
+    what the audio was made from; at `speed` when given (a listener's reply: LISTENER_SPEED), else the
+    style's.
     """
     from empatheia_jax.generators import kokoro
 
     v = voice(profile, style)
+    if speed is not None:
+        v = Voice(style=v.style, speed=float(speed), recipe={**v.recipe, "speed": float(speed)})
     engine = kokoro.shared(1)
     audio = engine.synthesize(engine.content_features(kokoro.phonemize(text)), v.style, v.speed)
     return to_pcm16(audio), v

@@ -14,6 +14,7 @@ each generator (`Generator.avatar_style`) for that profile, in the style the pre
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,15 @@ def pinned_style(generator: str, listener: dict[str, str], meta: dict[str, Any]
     vector, rate = registry.generator_class(generator).avatar_style(listener, style)
     who = "/".join(listener[k] for k in ("age", "gender", "timbre"))
     return vector, rate, f"listener avatar {who} pinned, in the {style} style (reply emotion: {emotion})"
+
+
+def pinned_styles(generator: str, listeners: Mapping[int, Mapping[str, str]],
+                  emotions: Mapping[int, str | None]) -> dict[int, np.ndarray]:
+    """Per record, the style vector `chat --listener` would use: that record's listener profile as the pinned
+    avatar, in the style its predicted emotion (a class or fine word, or None) calls for (eval's
+    `*_pinned_*` rows ask whether the probes read the avatar the user chose)."""
+    return {i: pinned_style(generator, dict(who), {"emotion": emotions.get(i)})[0]
+            for i, who in listeners.items()}
 
 
 def reply_rows(meta: dict[str, Any], available: int, where: str = "features",
