@@ -44,6 +44,8 @@ def test_shape_config_and_sampling(enc):
     assert m.shape == (16, N_M) and p.shape == (16, N_P, 2) and face.all()
     with pytest.raises(ValueError, match="only encodes video"):
         get_encoder("facemesh")
+    both = get_encoder("whisper_tiny_en+facemesh", k=2).config()  # the two encoders that ship pretrained
+    assert both["audio"]["name"] == "whisper_tiny_en" and both["video"] == {**cfg, "k": 2}
 
 
 def test_mouth_opening_rises_step_by_step(enc):
