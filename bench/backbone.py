@@ -194,17 +194,19 @@ def machine_ceilings(repeats: int = 5) -> dict:
     import torch
 
     big = torch.ones(256 * 1024 * 1024)
-    bw = big.numel() * 4 / min(_wall(big.sum, repeats))
+    bw = big.numel() * 4 / min(wall_times(big.sum, repeats))
     a = torch.randn(2048, 2048)
-    torch_gemm = 2 * 2048**3 / min(_wall(lambda: a @ a, repeats))
+    torch_gemm = 2 * 2048**3 / min(wall_times(lambda: a @ a, repeats))
     aj = jnp.asarray(a.numpy())
     mm = jax.jit(lambda x: x @ x)
-    jax_gemm = 2 * 2048**3 / min(_wall(lambda: mm(aj).block_until_ready(), repeats))
+    jax_gemm = 2 * 2048**3 / min(wall_times(lambda: mm(aj).block_until_ready(), repeats))
     return {"bandwidth_GBps": bw / 1e9, "gemm_GFps_torch": torch_gemm / 1e9, "gemm_GFps_xla": jax_gemm / 1e9}
 
 
-def _wall(fn: Callable[[], object], repeats: int) -> list[float]:
-    fn()
+def wall_times(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Wall times of `repeats` calls of `fn` after `warmup` untimed ones (bench/train_step.py's too)."""
+    for _ in range(warmup):
+        fn()
     out = []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -177,6 +177,7 @@ class StageRun:
     (`trainer.jit_step`), the model, the stage and the loss weights."""
 
     def __init__(self, args: argparse.Namespace, seed: int = 0):
+        import jax
         from flax import nnx
 
         from empatheia_jax.models.empatheia import Empatheia
@@ -189,8 +190,11 @@ class StageRun:
         self.model = Empatheia(cfg, rngs=nnx.Rngs(seed + 1))
         tx, _ = trainer.make_tx(self.config, config_lib.stage_schedule(self.config))
         optimizer = stages.make_optimizer(self.model, self.stage, tx)
-        self.graphs, self.params, self.frozen, self.opt_state = stages.split_for_step(
-            self.model, optimizer, self.stage)
+        graphs, params, frozen, opt_state = stages.split_for_step(self.model, optimizer, self.stage)
+        # Committed to their device, as the trainer's sharded state is: the step's outputs are (it pins
+        # out_shardings), and uncommitted first inputs would make the second call compile again.
+        commit = lambda tree: jax.tree.map(lambda x: jax.device_put(x, x.sharding), tree)  # noqa: E731
+        self.graphs, self.params, self.frozen, self.opt_state = graphs, *commit((params, frozen, opt_state))
         self.weights = trainer.loss_weights(self.config)
         self.step = trainer.jit_step(self.stage, self.weights, self.params, self.opt_state,
                                      compiler_options=cpu_compiler_options())
@@ -282,13 +286,7 @@ def time_calls(call, steps: int, warmup: int) -> dict:
     t0 = time.perf_counter()
     loss = call()
     compile_s = time.perf_counter() - t0
-    for _ in range(max(warmup - 1, 0)):
-        call()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
+    times = backbone_bench.wall_times(call, steps, warmup=max(warmup - 1, 0))
     return {"loss": loss, "compile_s": compile_s, "step_s_all": times}
 
 
@@ -414,6 +412,10 @@ def hf_side(args: argparse.Namespace) -> int:
     return 0
 
 
+class MissingWheels(RuntimeError):
+    """The HF side cannot run here: torch, transformers or peft is not installed (named in the message)."""
+
+
 def run_hf(args: argparse.Namespace, argv: list[str]) -> list[dict]:
     """Runs `hf_side` in a child process (JAX_PLATFORMS=cpu there) and turns its lines into rows."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
@@ -423,8 +425,7 @@ def run_hf(args: argparse.Namespace, argv: list[str]) -> list[dict]:
     lines = proc.stdout.splitlines()
     missing = [json.loads(x[len("HF_MISSING "):]) for x in lines if x.startswith("HF_MISSING ")]
     if missing:
-        raise SystemExit(f"error: the HF reference needs the wheel(s) {', '.join(missing[0])}; "
-                         f"{MISSING_HINT}")
+        raise MissingWheels(f"the HF reference needs the wheel(s) {', '.join(missing[0])}; {MISSING_HINT}")
     if proc.returncode:
         raise SystemExit(f"error: the HF reference failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     rows = []
@@ -508,8 +509,17 @@ def main(argv: list[str] | None = None) -> int:
     args = defaults(parser().parse_args(argv))
     if args.side == "hf":
         return hf_side(args)
-    hf_rows = run_hf(args, argv) if args.hf else []  # first: the GPU is still free of JAX
+    hf_rows, hf_error = [], None
+    if args.hf:  # first: the GPU is still free of JAX
+        try:
+            hf_rows = run_hf(args, argv)
+        except MissingWheels as e:  # our rows are still measured; the error is said and recorded
+            hf_error = str(e)
+            print(f"error: {hf_error}", file=sys.stderr, flush=True)
     rows = run_ours(args)
+    for r in rows:
+        if hf_error:
+            r["hf_error"] = hf_error
     for h in hf_rows:
         ours = next((r for r in rows if r["seq"] == h["seq"]), None)
         if ours:
@@ -526,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.md:
         with open(args.md, "a") as f:
             f.write("\n".join(table.splitlines()[2:]) + "\n")
-    return 0
+    return 3 if hf_error else 0
 
 
 if __name__ == "__main__":

@@ -79,3 +79,10 @@ def test_hf_reference_and_backbone_step_report_the_same_fields(bench):
     # Same shape, same (random, untrained) task: both start near ln V.
     assert hf["loss"] == pytest.approx(math.log(512), rel=0.1)
     assert ours["loss"] == pytest.approx(math.log(512), rel=0.1)
+
+
+def test_a_missing_hf_wheel_is_named(bench, tmp_path, monkeypatch):
+    (tmp_path / "peft.py").write_text("raise ImportError('no peft here')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the child finds this "peft" first
+    with pytest.raises(bench.MissingWheels, match=r"wheel\(s\) peft;.*bench/gpu_wheels.sh"):
+        bench.run_hf(_args(bench, "--backbone-only"), [*TINY, "--backbone-only"])
