@@ -32,7 +32,7 @@ MODE=gpu
 [[ "${1:-}" == "--cpu-smoke" ]] && MODE=cpu
 OUTDIR="${OUT:-bench_out}"
 mkdir -p "$OUTDIR"
-PY="${PYTHON:-python}"
+PY="${PYTHON:-$(command -v python || command -v python3)}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # torch and jax share the GPU in the decode piece

@@ -15,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=bench/wheels
-PY=${PYTHON:-python}
+PY="${PYTHON:-$(command -v python || command -v python3)}"
 mkdir -p "$DEST"
 SMALL=(
   transformers==5.23.0 peft==0.21.2 tokenizers==0.23.3 safetensors==0.8.0 huggingface_hub==2.4.0
