@@ -72,10 +72,10 @@ class SpeechEval:
     def __init__(self, shards_dir: str | os.PathLike, split: str = "test", *, train_split: str = "train",
                  gold_dir: str | os.PathLike | None = None, examples: int = 16, threads: int = 2,
                  progress: bool = True):
-        from empatheia_jax.data.splits import check_split
+        from empatheia_jax.data.splits import check_split, emotion_map_of
 
         manifest = check_split(shards_dir, split)
-        self.emotion_classes = tuple((manifest.get("emotion_map") or {}).get("classes") or ())
+        self.emotion_classes = tuple(emotion_map_of(manifest).classes)
         source = target_source(manifest, "speech_content")
         style_source = target_source(manifest, "speech_style")
         if source != "kokoro" or style_source != "kokoro":

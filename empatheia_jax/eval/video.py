@@ -72,12 +72,12 @@ class VideoEval:
 
     def __init__(self, shards_dir: str | os.PathLike, split: str = "test", *, train_split: str = "train",
                  examples: int = 6, progress: bool = True):
-        from empatheia_jax.data.splits import check_split
+        from empatheia_jax.data.splits import check_split, emotion_map_of
         from empatheia_jax.generators.face_render import decode_style, face_controls
         from empatheia_jax.generators.speech_synth import read_wav, speech_envelope
 
         manifest = check_split(shards_dir, split)
-        self.emotion_classes = tuple((manifest.get("emotion_map") or {}).get("classes") or ())
+        self.emotion_classes = tuple(emotion_map_of(manifest).classes)
         sources = {k: target_source(manifest, k) for k in ("video_content", "video_style")}
         if set(sources.values()) != {"face_render"}:
             raise VideoEvalUnavailable(f"{shards_dir}: video targets are {sources}, not the face generator's "
