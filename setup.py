@@ -55,7 +55,7 @@ SPEECH = [
 VIDEO = [
     "protobuf>=6.31,<7",
     "scikit-image==0.26.0",
-    "scikit-learn>=1.5",  # the style probe's LDA (video_metrics.VideoStyleProbe)
+    "scikit-learn>=1.5",  # the style probe's LDA (speech_metrics.LinearStyleProbe)
     "cpbd-py312==1.0.3",
     "opencv-python-headless==5.0.0.93",
     "matplotlib>=3.8",

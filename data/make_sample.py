@@ -66,8 +66,9 @@ from empatheia_jax.data.schema import (
     validate_dialogues,
 )
 
-GENERATOR_VERSION = "3"  # 2: Kokoro gold speech of the responses (gold_speech/); 3: the listener
-# answers in kokoro_voices.utterance_style (mirrors joy, surprise, sadness) instead of always calm
+GENERATOR_VERSION = "4"  # 2: Kokoro gold speech of the responses (gold_speech/); 3: the listener
+# answers in kokoro_voices.utterance_style (mirrors joy, surprise, sadness) instead of always calm;
+# 4: gold speech in voice map version 3 (one additive term per profile factor)
 GOLD_SPEECH_DIR = "gold_speech"
 SPLITS = ("train", "valid", "test")
 DEFAULT_ED_CSV_NAME = "empathetic_dialogues_validation.csv"

@@ -128,9 +128,9 @@ class SpeechEval:
                     labels[k].append(str(rec["listener_profile"][k]))
         if not styles:
             raise SpeechEvalUnavailable(f"{shards_dir}: the {train_split} split has no speech_style targets")
-        from empatheia_jax.eval.metrics.speech import StyleClassifier
+        from empatheia_jax.eval.metrics.speech import LinearStyleProbe
 
-        self.probe = StyleClassifier().fit(np.stack(styles), labels)
+        self.probe = LinearStyleProbe().fit(np.stack(styles), labels)
         self.mean_style = np.mean(styles, axis=0).astype(np.float32)
         majority = {k: collections.Counter(v).most_common(1)[0][0] for k, v in labels.items()}
         from empatheia_jax.generators.kokoro_voices import voice

@@ -15,7 +15,7 @@ either side). What is compared (docs/design.md "Video out"):
 Rows (`video_metrics.video_rows`): SSIM, PSNR, CPBD, F-LMD / M-LMD (FaceMesh landmarks), lip sync
 (correlation of the mouth opening with the gold speech's envelope, SyncNet's weights being unobtainable),
 and `video_{age,gender,timbre,emotion}_acc`: the profile and expression recovered FROM THE FRAMES of each
-test record's rendered avatar (PROBE_FRAMES frames of it) by a `video_metrics.VideoStyleProbe`, against the
+test record's rendered avatar (PROBE_FRAMES frames of it) by a `speech_metrics.LinearStyleProbe`, against the
 listener's labels and the expression the gold avatar shows (its video_style target: the listener's answer
 to the dialogue's emotion, `kokoro_voices.utterance_style`), over every test record with a style target.
 
@@ -130,8 +130,8 @@ class VideoEval:
         self.gold = [self._draw(it["content"], it["style"]) for it in self.items]
 
     def _fit_probe(self, clips: list[tuple[np.ndarray, np.ndarray]]):
-        """A VideoStyleProbe on train clips drawn with each expression in turn (module docstring)."""
-        from empatheia_jax.eval.metrics.video import VideoStyleProbe
+        """A LinearStyleProbe on train clips drawn with each expression in turn (module docstring)."""
+        from empatheia_jax.eval.metrics.speech import LinearStyleProbe
         from empatheia_jax.generators.face_render import STYLE_GROUPS, decode_style
 
         offset, expressions = STYLE_GROUPS["emotion"]
@@ -147,7 +147,7 @@ class VideoEval:
         if len(set(labels["emotion"])) < 2:
             raise VideoEvalUnavailable(f"{len(clips)} train clips with video targets are too few to fit the "
                                        "frame-based style probe")
-        return VideoStyleProbe().fit(np.stack(features), labels)
+        return LinearStyleProbe().fit(np.stack(features), labels)
 
     @classmethod
     def _probe_features(cls, content: np.ndarray, style: np.ndarray) -> np.ndarray:

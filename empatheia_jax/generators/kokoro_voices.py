@@ -4,18 +4,23 @@ The gold speech_style target of an utterance IS this vector (Kokoro's graph has 
 target cannot be measured from audio; it is chosen, and the gold speech is synthesized with it). The map
 works on labels only, so it applies to any AvaMERG-format data, not just the sample.
 
-How the vector is built (docs/design.md "Speech out"; measured in tests/test_kokoro.py):
-- Each shipped voice pack ([510, 256], one row per input length) is reduced to its mean row.
-- Gender and age pick a blend of those voices. The wheel has four female voices whose mean F0 on an English
-  sentence ranges 230-324 Hz (gongitsune < nezumi < alpha < tebukuro) and one male voice (kumo, 94 Hz), so
-  female ages blend neighbouring voices and male ages move kumo along two directions:
-  - PITCH = (tebukuro - kumo) restricted to the last 128 dims (the prosodic style the F0 predictor reads):
-    +0.3 of it lifts kumo's F0 from 94 to ~146 Hz with the timbre kept (resemblyzer cosine 0.87 to kumo);
-  - TIMBRE = (tebukuro - kumo) restricted to the first 128 dims (the decoder's acoustic style): moves the
-    speaker embedding with F0 nearly unchanged.
-- Timbre low/mid/high moves along TIMBRE (-/0/+) with a small PITCH step.
-- Emotion adds a PITCH offset and sets the speaking rate (`speed`): happy/surprised/fear high and fast, sad
-  low and slow, and so on (`EMOTION_VOICE`). The listener's "empathetic" style is calm: slightly low, speed 1.
+How the vector is built (docs/design.md "Speech out"; measured in tests/test_kokoro.py): each shipped voice
+pack ([510, 256], one row per input length) is reduced to its mean row, and a voice is a SUM of one term per
+factor, each along its own direction, so that a linear probe reads age, gender and timbre back from any
+voice whatever its emotion (version 2 blended different voices per female age and moved male ages along the
+timbre direction: a timbre was not linearly separable from an age, and the pinned avatar was read right 0.55
+of the time, docs/benchmarks.md):
+- gender: the base voice, the mean of jf_alpha and jf_nezumi (female, F0 ~270 Hz on an English sentence) or
+  jm_kumo (male, 94 Hz), the wheel's only male voice;
+- PITCH = (tebukuro - kumo) on the last 128 dims (the prosodic style the F0 predictor reads): +0.3 of it lifts
+  kumo's F0 from 94 to ~146 Hz with the timbre kept. Age, timbre and emotion all move the pitch along it;
+- AGE = (tebukuro - gongitsune), the wheel's youngest- and oldest-sounding voices, less its components along
+  PITCH and TIMBRE: what makes a voice sound young or old besides its pitch. Ages sit at -1/-1/3/+1/3/+1
+  (elderly ... child) times `AGE_STEP` along it, plus a per-gender pitch step (`AGE_PITCH`);
+- TIMBRE = (tebukuro - kumo) on the first 128 dims (the decoder's acoustic style): low/mid/high at -/0/+
+  with a small pitch step, and nothing else moves along it;
+- emotion: a PITCH offset and the speaking rate (`speed`): happy/surprised/fear high and fast, sad low and
+  slow, and so on (`EMOTION_VOICE`). The listener's "empathetic" style is calm: slightly low, speed 1.
 
 The speed is not part of the 256-d target: the bridge synthesizes Empatheia's reply (the listener) at the
 listener's speed, 1.0.
@@ -31,8 +36,9 @@ import numpy as np
 
 from empatheia_jax.generators.speech_synth import LISTENER_STYLE, STYLES, check_profile, listener_style
 
-MAP_VERSION = "2"  # bump when any table or rule below changes: targets and gold speech record it
+MAP_VERSION = "3"  # bump when any table or rule below changes: targets and gold speech record it
 # 2: the listener answers in `listener_style(emotion)` (mirrors joy, surprise, sadness), not always calm
+# 3: one additive term per factor (gender base + age + timbre + emotion), each on its own direction
 
 
 @dataclass(frozen=True)
@@ -53,19 +59,13 @@ EMOTION_VOICE: dict[str, EmotionVoice] = {
     LISTENER_STYLE: EmotionVoice(pitch=-0.04, speed=1.0),
 }
 
-# Female ages: a blend of the shipped female voices (weights sum to 1) and a PITCH offset.
-FEMALE_AGE = {
-    "child": ({"jf_tebukuro": 0.8, "jf_alpha": 0.2}, 0.05),
-    "young": ({"jf_alpha": 0.6, "jf_nezumi": 0.4}, 0.0),
-    "middle-aged": ({"jf_nezumi": 0.5, "jf_gongitsune": 0.5}, -0.04),
-    "elderly": ({"jf_gongitsune": 1.0}, -0.12),
-}
-# Male ages: kumo moved along PITCH and TIMBRE.
-MALE_AGE = {
-    "child": (0.55, 0.4),
-    "young": (0.1, 0.05),
-    "middle-aged": (0.0, 0.0),
-    "elderly": (-0.1, -0.2),
+FEMALE_BASE = {"jf_alpha": 0.5, "jf_nezumi": 0.5}  # voice-pack weights of the female base voice
+MALE_BASE = {"jm_kumo": 1.0}
+AGE_STEP = 0.3  # along AGE, per unit of AGE_LEVEL
+AGE_LEVEL = {"child": 1.0, "young": 1 / 3, "middle-aged": -1 / 3, "elderly": -1.0}
+AGE_PITCH = {  # PITCH offset of each age, per gender: a boy's voice is lifted further from kumo than a girl's
+    "female": {"child": 0.25, "young": 0.08, "middle-aged": -0.08, "elderly": -0.25},
+    "male": {"child": 0.55, "young": 0.1, "middle-aged": 0.0, "elderly": -0.1},
 }
 TIMBRE = {"low": (-0.06, -0.3), "mid": (0.0, 0.0), "high": (0.06, 0.3)}  # (PITCH, TIMBRE) offsets
 
@@ -80,14 +80,18 @@ class Voice:
 
 
 @functools.cache
-def _bases() -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+def _bases() -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+    """(mean row of each voice pack, PITCH, TIMBRE, AGE): the directions of the module docstring."""
     from empatheia_jax.generators.kokoro import voice_packs
 
     means = {name: pack.mean(axis=0).astype(np.float64) for name, pack in voice_packs().items()}
     d = means["jf_tebukuro"] - means["jm_kumo"]
     pitch = np.concatenate([np.zeros(128), d[128:]])
     timbre = np.concatenate([d[:128], np.zeros(128)])
-    return means, pitch, timbre
+    age = means["jf_tebukuro"] - means["jf_gongitsune"]
+    for other in (pitch, timbre):  # orthogonal to both: pitch and timbre are moved by their own terms
+        age = age - (age @ other) / (other @ other) * other
+    return means, pitch, timbre, age
 
 
 def voice(profile: dict[str, Any], style: str) -> Voice:
@@ -96,17 +100,13 @@ def voice(profile: dict[str, Any], style: str) -> Voice:
     age, gender, timbre = check_profile(profile)
     if style not in EMOTION_VOICE:
         raise ValueError(f"style {style!r} is not one of {STYLES}")
-    means, pitch_dir, timbre_dir = _bases()
-    if gender == "female":
-        blend, p = FEMALE_AGE[age]
-        t = 0.0
-    else:
-        blend, (p, t) = {"jm_kumo": 1.0}, MALE_AGE[age]
+    means, pitch_dir, timbre_dir, age_dir = _bases()
+    blend = FEMALE_BASE if gender == "female" else MALE_BASE
     tp, tt = TIMBRE[timbre]
     emo = EMOTION_VOICE[style]
-    p, t = p + tp + emo.pitch, t + tt
-    vec = sum(w * means[name] for name, w in blend.items()) + p * pitch_dir + t * timbre_dir
-    recipe = {"blend": blend, "pitch": round(p, 6), "timbre": round(t, 6), "speed": emo.speed,
+    p, a = AGE_PITCH[gender][age] + tp + emo.pitch, AGE_STEP * AGE_LEVEL[age]
+    vec = sum(w * means[name] for name, w in blend.items()) + p * pitch_dir + tt * timbre_dir + a * age_dir
+    recipe = {"blend": blend, "pitch": round(p, 6), "timbre": tt, "age": round(a, 6), "speed": emo.speed,
               "map_version": MAP_VERSION}
     return Voice(style=vec.astype(np.float32), speed=emo.speed, recipe=recipe)
 

@@ -14,8 +14,8 @@ Why these metrics (each one blind to something the others see):
 - **Lip sync** (`lip_sync`): correlation of the mouth opening with the speech envelope; it stands in for
   SyncNet's LSE-C, whose weights are not obtainable offline (see `lip_sync` for why it is a fair proxy here
   and what it misses).
-- **Style probe** (`video_style_features` + `VideoStyleProbe`, a shrinkage LDA per attribute with
-  `speech_metrics.StyleClassifier`'s interface): "does the rendered avatar look like the listener's profile
+- **Style probe** (`video_style_features` + `speech_metrics.LinearStyleProbe`, a shrinkage LDA per
+  attribute): "does the rendered avatar look like the listener's profile
   and the chosen emotion", trained on gold video features with the labels and applied to each system's
   video, as the speech probe is.
 
@@ -55,7 +55,6 @@ from empatheia_jax.data.facemesh import (  # noqa: F401 - re-exported: eval's la
     shared_face_mesh,
 )
 from empatheia_jax.data.facemesh import check_frames as _frames
-from empatheia_jax.eval.metrics.speech import StyleClassifier
 
 LIP_SYNC_MAX_LAG = 2  # frames (+-80 ms at 25 fps) searched for the best lag
 CPBD_STRIDE = 5  # video_rows scores CPBD on every 5th frame: sharpness barely changes between frames
@@ -372,39 +371,6 @@ def video_style_features(frames, lm=None, *, mesh: FaceMesh | None = None) -> np
     return out
 
 
-class VideoStyleProbe(StyleClassifier):
-    """Per attribute, scikit-learn's linear discriminant analysis with Ledoit-Wolf shrinkage on all the
-    standardised `video_style_features`; `StyleClassifier`'s fit / predict / accuracy / report otherwise.
-
-    Why not the speech probe's nearest centroid: it weighs every column equally, and the columns that tell
-    one attribute vary inside the classes of another (face geometry with age and gender, colours with the
-    avatar's ID), so the subtle expressions drown: fitted on 72 of the demo sample's train avatars (8 per
-    expression), the centroid probe told the listener's empathetic face from a neutral one at chance (gold
-    test clips: emotion 0.50, timbre 0.85), the LDA at 1.00 (age 0.95, gender and timbre 1.00). The pooled
-    covariance learns which directions vary within a class; shrinkage keeps it invertible with fewer clips
-    than 51 features per class.
-    """
-
-    def fit(self, features, labels: Mapping[str, Sequence[str | None]]) -> VideoStyleProbe:
-        from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
-
-        super().fit(features, labels)  # classes, majority class, standardisation
-        z = self._standardised(features)
-        self.models = {}
-        for attr, values in labels.items():
-            if len(self.classes[attr]) > 1:
-                known = [i for i, v in enumerate(values) if v is not None]
-                self.models[attr] = LinearDiscriminantAnalysis(solver="lsqr", shrinkage="auto").fit(
-                    z[known], [str(values[i]) for i in known])
-        return self
-
-    def predict(self, features) -> dict[str, list[str]]:
-        z = self._standardised(features)
-        return {attr: ([classes[0]] * len(z) if attr not in self.models
-                       else [str(c) for c in self.models[attr].predict(z)])
-                for attr, classes in self.classes.items()}
-
-
 def video_rows(systems: Mapping[str, Sequence[np.ndarray]], gold: Sequence[np.ndarray],
                envelopes: Sequence[np.ndarray], *, progress: bool = True,
                cpbd_stride: int = CPBD_STRIDE, features: dict[str, np.ndarray] | None = None,
@@ -421,7 +387,8 @@ def video_rows(systems: Mapping[str, Sequence[np.ndarray]], gold: Sequence[np.nd
     - `n`: number of clips.
     Gold landmarks are computed once and shared by all systems. Pass a dict as `features` to also get the
     `video_style_features` of every clip without computing the landmarks again: it receives "gold" and each
-    system name -> [N, STYLE_DIM] (for `VideoStyleProbe`: fit on the gold rows, score each system's).
+    system name -> [N, STYLE_DIM] (for `speech_metrics.LinearStyleProbe`: fit on the gold rows, score each
+    system's).
     """
     from tqdm import tqdm
 
