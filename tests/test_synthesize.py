@@ -163,3 +163,39 @@ def test_listener_pins_the_voice_and_the_face_and_the_emotion_sets_the_style(tmp
     for bad, why in (("old,male,mid", "age 'old'"), ("young,female", "age,gender,timbre")):
         with pytest.raises(ValueError, match=why):
             parse_listener(bad)
+
+
+def test_unpinned_face_shows_the_reply_emotion_on_the_predicted_avatar(tmp_path, gold, monkeypatch):
+    """Without --listener the SD's predicted avatar is drawn, with the expression of the reply's emotion (CoE
+    step 2 "lonely" -> sad), as the pinned avatar would show it; a reply without an emotion keeps S^v."""
+    from empatheia_jax.generators.face_render import FaceRenderer, decode_style, face_controls
+
+    content, style = gold
+    who = {"age": "elderly", "gender": "female", "timbre": "high"}
+    v_content, v_style = face_controls(np.abs(np.sin(np.linspace(0, 20, 40))), who, "happy")
+    noisy = v_style + 0.3 * np.random.default_rng(0).random(v_style.shape).astype(np.float32)
+    shown = FaceRenderer.expressed(noisy, "sad")
+    assert decode_style(shown) == {**decode_style(v_style), "emotion": "sad"}
+    np.testing.assert_array_equal(np.delete(shown, range(9, 18)), np.delete(noisy, range(9, 18)))
+    with pytest.raises(ValueError, match="'bored'"):
+        FaceRenderer.expressed(v_style, "bored")
+    for emotion_text, want in (("lonely", "sad"), (None, "happy")):
+        features = {"speech_content": content, "speech_style": style, "video_content": v_content,
+                    "video_style": noisy}
+        result = ChatResult(text=REPLY, coe={}, reply=REPLY, emotion="",
+                            emotion_probs=np.zeros(0, np.float32), profile={}, features=features,
+                            signal_tokens_forced=False, speech_targets="kokoro", video_targets="face_render",
+                            emotion_text=emotion_text)
+        npz, _ = write_outputs(result, tmp_path / f"r{want}")
+        wav, _, _ = synthesize_reply(npz, tmp_path / f"{want}.wav")
+        drawn = {}
+        render = FaceRenderer.render
+
+        def spy(self, content, style, wav, out, drawn=drawn, render=render):
+            drawn["style"] = style
+            return render(self, content, style, wav, out)
+
+        monkeypatch.setattr(FaceRenderer, "render", spy)
+        _, _, notes = render_avatar(npz, wav, tmp_path / f"{want}.mp4")
+        assert decode_style(drawn["style"])["emotion"] == want
+        assert any("shows the sad expression" in n for n in notes) == (want == "sad"), notes

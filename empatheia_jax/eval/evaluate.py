@@ -557,9 +557,6 @@ def evaluate(
     if details is not None:
         details["classified"] = {i: {k: v for k, v in c.items() if k == "labels" or k.endswith("_cls")}
                                  for i, c in (collected or {}).items()}
-    for rows in (speech, video):
-        if rows is not None and collected:
-            result.update(rows.model_rows(name, collected))
     if generate_text:
         preds = generate_predictions(model, tokenizer, shards_dir, split, max_new_tokens=max_new_tokens,
                                      repetition_penalty=repetition_penalty,
@@ -570,6 +567,12 @@ def evaluate(
             details["predictions"] = preds
         if predictions_path is not None:
             write_predictions(preds, predictions_path)
+        for p in preds:  # the avatar shows the emotion the reply was written from, as in chat
+            if collected is not None and p["record_index"] in collected and p.get("emotion", -1) >= 0:
+                collected[p["record_index"]]["emotion_coe"] = int(p["emotion"])
+    for rows in (speech, video):
+        if rows is not None and collected:
+            result.update(rows.model_rows(name, collected))
     return {k: result[k] for k in sorted(result, key=metric_order)}
 
 

@@ -17,9 +17,9 @@ What is compared (docs/design.md "Speech out"):
   the gold voice was chosen as.
 - **The pinned avatar** (speech_pinned_age_acc / _gender_acc / _timbre_acc, the model's column only): the
   same probe on the voice `chat --listener` would speak with if the user chose each record's listener
-  profile (`serve.avatar.pinned_styles`: the voice map of that profile in the style the SD's predicted
-  emotion calls for). The probe was fitted on gold voices, so this asks whether a chosen avatar is heard
-  as the one chosen, whatever emotion the model predicts.
+  profile (`serve.avatar.pinned_styles`: the voice map of that profile in the style the predicted emotion
+  calls for, `predicted_emotions`). The probe was fitted on gold voices, so this asks whether a chosen
+  avatar is heard as the one chosen, whatever emotion the model predicts.
 - **Intelligibility** (speech_wer / speech_cer, `empatheia_jax.data.asr`): Whisper tiny.en, a recogniser
   trained on none of this, transcribes every spoken reply of every system; its corpus WER/CER against the
   record's gold reply text (`response`, the words the teacher-forced content is over) says whether the
@@ -258,10 +258,15 @@ class SpeechEval:
 
 def predicted_emotions(collected: Mapping[int, Mapping[str, Any]], classes: tuple[str, ...]
                        ) -> dict[int, str | None]:
-    """Per record, the class the SD's emotion head predicted (`emotion_cls`, an index into the shards' emotion
-    map), as the name the pinned avatar's style is chosen from; None where the head is absent."""
-    return {i: classes[c["emotion_cls"]] if "emotion_cls" in c and c["emotion_cls"] < len(classes) else None
-            for i, c in collected.items()}
+    """Per record, the emotion the avatar shows, chosen as chat chooses it (`serve.avatar.reply_emotion`): the
+    class of the generated CoE step 2 when it names one (`emotion_coe`, which `evaluate` adds from the
+    generations), else the SD emotion head's (`emotion_cls`); both index the shards' emotion map. None where
+    neither exists."""
+    out: dict[int, str | None] = {}
+    for i, c in collected.items():
+        picks = [c[k] for k in ("emotion_coe", "emotion_cls") if 0 <= c.get(k, -1) < len(classes)]
+        out[i] = classes[picks[0]] if picks else None
+    return out
 
 
 def describe_targets(manifest: Mapping[str, Any]) -> str:

@@ -7,7 +7,8 @@ very frames the sample's mp4 was encoded from, so gold and generated frames are 
 either side). What is compared (docs/design.md "Video out"):
 - **the model** (trained column): `render_controls(C^v, S^v)` with C^v read over the GOLD reply's frames
   (teacher-forced, the rows its target has), so generated and gold clips have the same length and play
-  with the same speech;
+  with the same speech; S^v shows the expression of the reply's emotion (`FaceRenderer.expressed`, as
+  chat's avatar does: the class of the generated CoE step 2, else the SD's, `speech.predicted_emotions`);
 - **mean_style**: the gold controls' mouth track with the mean train style vector, decoded to its nearest
   avatar: an avatar that moves right and looks like everyone's average;
 - **pipeline_tts**: the gold mouth track on the avatar of the majority train listener profile (the
@@ -20,7 +21,7 @@ listener's labels and the expression the gold avatar shows (its video_style targ
 to the dialogue's emotion, `kokoro_voices.utterance_style`), over every test record with a style target.
 
 `video_pinned_*_acc` (the model's column only): the same probe on the avatar `chat --listener` would draw
-had the user chosen each record's listener profile (`serve.avatar.pinned_styles`, in the style the SD's
+had the user chosen each record's listener profile (`serve.avatar.pinned_styles`, in the style the
 predicted emotion calls for), over the model's own content rows: is the chosen avatar seen as chosen, and
 does its expression follow the predicted emotion to the gold avatar's.
 
@@ -43,6 +44,7 @@ import numpy as np
 
 from empatheia_jax.data import input_pipeline as ip
 from empatheia_jax.data.shard_format import target_source
+from empatheia_jax.eval.speech import predicted_emotions
 
 VIDEO_METRICS = ("video_ssim", "video_psnr", "video_cpbd", "video_f_lmd", "video_m_lmd", "video_lip_sync",
                  "video_age_acc", "video_gender_acc", "video_timbre_acc", "video_emotion_acc",
@@ -196,15 +198,18 @@ class VideoEval:
                    if "video_content" not in collected.get(it["record_index"], {})]
         if missing:
             raise ValueError(f"no predicted video features for test records {missing[:5]}")
-        clips = [self._draw(collected[it["record_index"]]["video_content"],
-                            collected[it["record_index"]]["video_style"]) for it in self.items]
-        drawn = {i: (c["video_content"], c["video_style"]) for i, c in collected.items()
-                 if {"video_content", "video_style"} <= c.keys()}
+        from empatheia_jax.generators.face_render import FaceRenderer
+        from empatheia_jax.generators.speech_synth import listener_style
+
+        emotions = predicted_emotions(collected, self.emotion_classes)
+        drawn = {i: (c["video_content"], c["video_style"] if emotions[i] is None else
+                     FaceRenderer.expressed(c["video_style"], listener_style(emotions[i])))
+                 for i, c in collected.items() if {"video_content", "video_style"} <= c.keys()}
+        clips = [self._draw(*drawn[it["record_index"]]) for it in self.items]
         return {**self._rows(name, clips, drawn), **self._pinned_rows(collected)}
 
     def _pinned_rows(self, collected: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
         """video_pinned_*_acc: the probe on each labelled record's pinned avatar (module docstring)."""
-        from empatheia_jax.eval.speech import predicted_emotions
         from empatheia_jax.serve.avatar import pinned_styles
 
         idx = [i for i in sorted(self.labels) if "video_content" in collected.get(i, {})]

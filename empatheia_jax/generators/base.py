@@ -54,6 +54,16 @@ class Generator(ABC):
         raise GeneratorError(f"{cls.description} has no avatar map (its style targets are measured from "
                              "media, not chosen from the profile), so it cannot pin a --listener avatar")
 
+    @classmethod
+    def expressed(cls, style_vector: np.ndarray, style: str) -> np.ndarray:
+        """The predicted style `style_vector` showing the expression of `style` (an emotion of
+        `speech_synth.STYLES`): the avatar without a pinned --listener keeps the SD's prediction of WHO it is
+        and shows the reply's emotion, as the pinned one does. A generator whose style vector does not hold
+        the expression apart from the identity keeps the predicted vector: Kokoro's voice map puts an
+        emotion's pitch on the direction an age's pitch also moves along, and a measured style (StyleTTS2's,
+        DreamTalk's) has no expression coordinate at all."""
+        return np.asarray(style_vector)
+
 
 class SpeechGenerator(Generator):
     modality = "speech"

@@ -705,6 +705,18 @@ class FaceRenderer(VideoGenerator):
         """The one-hot groups of that avatar and expression (`face_controls`' style); rate 1."""
         return face_controls(np.zeros(1), profile, style)[1], 1.0
 
+    @classmethod
+    def expressed(cls, style_vector: np.ndarray, style: str) -> np.ndarray:
+        """The predicted avatar (every group but the expression, as predicted) with `style`'s expression."""
+        if style not in EXPRESSIONS:
+            raise ValueError(f"expression {style!r} is not one of {STYLES}")
+        decode_style(style_vector)  # the shape and finiteness check
+        out = np.array(style_vector, np.float32).reshape(-1)
+        offset, classes = STYLE_GROUPS["emotion"]
+        out[offset: offset + len(classes)] = 0.0
+        out[offset + classes.index(style)] = 1.0
+        return out
+
     def render(self, content: np.ndarray, style: np.ndarray, wav: str | os.PathLike, out
                ) -> tuple[int, list[str]]:
         sr, samples = read_wav(wav)

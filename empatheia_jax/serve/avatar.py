@@ -10,6 +10,8 @@ The listener avatar can be pinned (`chat --listener age,gender,timbre`), as E3RG
 one avatar for a conversation: the predicted style vectors S^s/S^v are then replaced by the avatar map of
 each generator (`Generator.avatar_style`) for that profile, in the style the predicted emotion calls for
 (`speech_synth.listener_style`), so who speaks is the user's choice and how they feel stays the model's.
+Unpinned, the face still shows the reply's emotion (`Generator.expressed`: the SD's predicted avatar with
+that expression), so the expression follows the emotion the reply was written from in both cases.
 """
 
 from __future__ import annotations
@@ -135,13 +137,18 @@ def render_avatar(features: str | Path, wav: str | Path, out: str | Path, *, gen
                   listener: dict[str, str] | None = None, **options: Any) -> tuple[Path, int, list[str]]:
     """The talking face: predicted C^v/S^v drawn by the video generator `generator` (built with `options`)
     for the speech in `wav`, that speech muxed in; (path, frames, notes). `listener` pins the face as in
-    `synthesize_reply`."""
+    `synthesize_reply`; without it the predicted avatar shows the reply emotion's expression when the reply
+    has one (`reply_emotion`, `Generator.expressed`)."""
     content, style, meta = _features(features, "video")
     registry.check_trained_on(generator, meta.get("video_targets"), str(features))
     pinned: list[str] = []
     if listener is not None:
         style, _, note = pinned_style(generator, listener, meta)
         pinned.append(note)
+    elif (emotion := reply_emotion(meta)) is not None:
+        style = registry.generator_class(generator).expressed(style, listener_style(emotion))
+        pinned.append(f"the predicted avatar shows the {listener_style(emotion)} expression (reply emotion: "
+                      f"{emotion})")
     drawer = registry.get(generator, **options)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
