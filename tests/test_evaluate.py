@@ -282,6 +282,47 @@ def test_parse_and_score_of_rigged_generations():
     assert got == [1, 1, 0, 1]
 
 
+def test_reply_overlap_and_engagement_rows_on_hand_made_replies():
+    """BLEU-1/2 and ROUGE-L are the libraries' own figures (and BLEU-1 a hand count on a one-pair corpus);
+    question, reuse and duplicate rates are counted by hand."""
+    from rouge_score import rouge_scorer
+    from sacrebleu.metrics import BLEU
+
+    replies = ["I am so sorry about your dog.", "That is great news!", "That is great news!",
+               "Did you call the vet?"]
+    golds = ["Oh no, I am sorry to hear about your dog.", "Congratulations, that is wonderful news!",
+             "How exciting, when do you start?", "Have you talked to a vet about it?"]
+    turns = ["My dog is sick and I'm worried.", "I got the job!", "I start my new job on Monday.",
+             "My cat stopped eating."]
+    got = mtext.reply_overlap(replies, golds)
+    for n in (1, 2):
+        want = BLEU(max_ngram_order=n, lowercase=True).corpus_score(replies, [golds]).score / 100
+        assert got[f"reply_bleu{n}"] == pytest.approx(want) and 0 < want < 1
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    assert got["reply_rouge_l"] == pytest.approx(np.mean([scorer.score(g, r)["rougeL"].fmeasure
+                                                          for r, g in zip(replies, golds, strict=True)]))
+    # one pair by hand: "that is great news !" vs "that is wonderful news !" (13a splits the "!"): 4 of 5
+    # unigrams match, equal lengths (no brevity penalty)
+    one = mtext.reply_overlap(["That is great news!"], ["That is wonderful news!"])
+    assert one["reply_bleu1"] == pytest.approx(4 / 5)
+    assert mtext.reply_overlap(["a b c"], ["x y z"])["reply_rouge_l"] == 0.0
+    rows = mtext.reply_engagement(replies, turns)
+    assert rows["question_rate"] == pytest.approx(1 / 4)  # only the vet question
+    # content words shared with the speaker's turn: "dog" (1st); "news" vs "got the job": none (2nd); none
+    # (3rd: "great news" vs "start my new job on Monday"); "vet" vs "cat stopped eating": none
+    assert rows["reuse_rate"] == pytest.approx(1 / 4)
+    assert mtext.content_words("My dog is sick and I'm worried.") == {"dog", "sick", "worried"}
+    assert rows["duplicate_rate"] == pytest.approx(1 - 3 / 4)  # "That is great news!" twice
+    assert mtext.reply_engagement(["Ok.", "ok"], ["", ""])["duplicate_rate"] == 0.5  # case, punctuation
+    with pytest.raises(ValueError, match="2 replies for 1"):
+        mtext.reply_engagement(["a", "b"], ["c"])
+    # text_metrics adds them when the predictions carry the gold reply and the speaker's turn
+    preds = [{"reply": r, "gold_reply": g, "speaker_turn": t, "emotion_word": "", "emotion": -1, "labels": {}}
+             for r, g, t in zip(replies, golds, turns, strict=True)]
+    m = mtext.text_metrics(preds)
+    assert {k: m[k] for k in (*got, *rows)} == {**got, **rows}
+
+
 def test_baselines_equal_a_hand_computation(shards):
     got = eval_baselines.baselines(shards, "test", max_speech_len=ROWS, max_video_len=ROWS)
     train = ip.ShardReader.for_split(shards, "train")
@@ -314,6 +355,8 @@ def test_baselines_equal_a_hand_computation(shards):
         assert got[f"{kind}_l2"] == pytest.approx(np.mean(l2), rel=1e-9)
     assert got["dist1_corpus"] == pytest.approx(mtext.distinct_n([r["response"] for r in te], 1))
     assert got["dist2_reply"] == pytest.approx(mtext.distinct_n_per_reply([r["response"] for r in te], 2))
+    engaged = mtext.reply_engagement([r["response"] for r in te], [mtext.speaker_turn(r) for r in te])
+    assert {k: got[k] for k in engaged} == engaged and engaged["question_rate"] >= 0
     assert got["num_examples"] == 3
     chance = eval_baselines.chance_levels()
     assert chance["emotion_acc_cls"] == pytest.approx(1 / 7) and chance["gender_acc"] == 0.5
@@ -419,3 +462,38 @@ def test_per_class_report_and_the_report_folder(tmp_path):
     for plot in got:
         assert f"![{plot}](per_class_{plot}.png)" in text and (folder / f"per_class_{plot}.png").is_file()
     assert "| sad | 0.5000 | 2 |" in text
+
+
+def test_bag_of_words_floor_is_fitted_on_the_train_part_only():
+    """The floor learns which words go with which emotion from the train records alone: a word planted in
+    every test record of one class (and in no train record) changes none of its predictions, and it scores
+    the test records by hand."""
+    def rec(text, emotion, fine):
+        return {"history": [{"role": "speaker", "utterance": text}], "labels": {"emotion": emotion,
+                                                                              "emotion_fine": fine}}
+
+    train = [rec(t, e, f) for t, e, f in [
+        ("I won the lottery today", 0, 1), ("we won the game, so happy", 0, 1), ("my best day ever", 0, 2),
+        ("my dog died last night", 4, 5), ("I cried all night, so sad", 4, 5), ("I lost my job", 4, 6),
+        ("a spider in my bed, terrified", 3, 7), ("the storm scared me", 3, 7)]]
+    test = [rec("I won a prize", 0, 1), rec("my cat died", 4, 5), rec("a spider scared me", 3, 7),
+            rec("the lottery made my day", 4, 6)]
+    got = eval_baselines.bag_of_words(train, test)
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+
+    vec = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True).fit([eval_baselines.dialogue_text(r)
+                                                                       for r in train])
+    for key, name in (("emotion", "emotion_acc_text"), ("emotion_fine", "emotion32_acc_text")):
+        clf = LogisticRegression(max_iter=2000).fit(vec.transform([eval_baselines.dialogue_text(r)
+                                                                   for r in train]),
+                                                    [r["labels"][key] for r in train])
+        pred = clf.predict(vec.transform([eval_baselines.dialogue_text(r) for r in test]))
+        assert got[name] == pytest.approx(np.mean(pred == [r["labels"][key] for r in test]))
+    assert got["emotion_acc_text"] >= 0.75  # the three worded like the train records
+    planted = [rec(r["history"][0]["utterance"] + (" zyzzyva" if r["labels"]["emotion"] == 4 else ""),
+                   r["labels"]["emotion"], r["labels"]["emotion_fine"]) for r in test]
+    assert eval_baselines.bag_of_words(train, planted) == got
+    # a floor fitted on train AND test (the leak the test guards against) does use it
+    leaked = eval_baselines.bag_of_words(train + planted, planted)
+    assert leaked["emotion_acc_text"] > got["emotion_acc_text"], (leaked, got)

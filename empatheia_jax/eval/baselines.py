@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import collections
 import os
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -12,7 +14,14 @@ from empatheia_jax.data import input_pipeline as ip
 from empatheia_jax.data import templates as tpl
 from empatheia_jax.data.splits import check_split
 from empatheia_jax.eval.metrics.names import ACC_NAME, LABELS
-from empatheia_jax.eval.metrics.text import Means, accuracy, feature_distances, reply_text_metrics
+from empatheia_jax.eval.metrics.text import (
+    Means,
+    accuracy,
+    feature_distances,
+    reply_engagement,
+    reply_text_metrics,
+    speaker_turn,
+)
 from empatheia_jax.eval.report import metric_order
 from empatheia_jax.models.empatheia import EmpatheiaConfig
 
@@ -34,7 +43,8 @@ def baselines(
     `feature_distances` as the model: content by row index (row i predicts the mean of the train rows i, i.e.
     the average position profile; rows no train target reaches get the mean of all rows), truncated to
     `max_speech_len`/`max_video_len` rows as the pipeline truncates (pass the model's values); style one mean
-    vector. dist{1,2}_{corpus,reply} are those of the GOLD replies of `split`: a reference, not a predictor.
+    vector. dist{1,2}_{corpus,reply}, question_rate, reuse_rate and duplicate_rate are those of the GOLD
+    replies of `split`: a reference, not a predictor.
     """
     check_split(shards_dir, split)
     check_split(shards_dir, train_split)
@@ -43,11 +53,12 @@ def baselines(
 
     test = ip.ShardReader.for_split(shards_dir, split)
     means = Means()
-    replies = []
+    replies, turns = [], []
     n = len(test) if max_examples is None else min(len(test), max_examples)
     for i in range(n):
         rec = test[i]
         replies.append(tpl.clean_text(rec.get("response")))
+        turns.append(tpl.clean_text(speaker_turn(rec)))
         lab = rec.get("labels") or {}
         for k, maj in majority.items():
             label = -1 if lab.get(k) is None else int(lab[k])
@@ -69,6 +80,7 @@ def baselines(
             means.add_values(f"{kind}_cos", cos)
     out = means.result()
     out.update(reply_text_metrics(replies))
+    out.update(reply_engagement(replies, turns))
     out["num_examples"] = float(n)
     return {k: out[k] for k in sorted(out, key=metric_order)}
 
@@ -109,6 +121,41 @@ def _fit(train: ip.ShardReader, limits: dict[str, int]
         mean_rows[kind] = np.where(n[:, None] > 0, s / np.maximum(n, 1)[:, None], overall)
     mean_style = {kind: s / style_n[kind] for kind, s in style_sum.items()}
     return majority, mean_rows, mean_style
+
+
+def dialogue_text(record: Mapping[str, Any]) -> str:
+    """What a text classifier of the dialogue reads: every history utterance, in order (the dialogue alone,
+    as the model reads it; no situation text)."""
+    return " ".join(tpl.clean_text(h.get("utterance")) for h in record.get("history") or ())
+
+
+def bag_of_words(train: Sequence[Mapping[str, Any]], test: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The bag-of-words floor of the emotion rows: TF-IDF of `dialogue_text` (words and word pairs,
+    sublinear tf) and a logistic regression per label, both fitted on the `train` records only, scored on
+    `test` as emotion_acc_text (the shards' classes) and emotion32_acc_text (the 32 ED labels). An LLM that
+    does not beat it has learnt no more than which words go with which emotion. Labels < 0 are left out of
+    the fit and the score; a label with one train class is skipped."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+
+    def label(rec, key):
+        value = (rec.get("labels") or {}).get(key)
+        return -1 if value is None else int(value)
+
+    vectorizer = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True)
+    x_train = vectorizer.fit_transform([dialogue_text(r) for r in train])
+    x_test = vectorizer.transform([dialogue_text(r) for r in test])
+    out = {}
+    for key, name in (("emotion", "emotion_acc_text"), ("emotion_fine", "emotion32_acc_text")):
+        y_train = np.array([label(r, key) for r in train])
+        y_test = np.array([label(r, key) for r in test])
+        seen, scored = y_train >= 0, y_test >= 0
+        if len(set(y_train[seen])) < 2 or not scored.any():
+            continue
+        clf = LogisticRegression(max_iter=2000).fit(x_train[seen], y_train[seen])
+        out[name] = float(np.mean(clf.predict(x_test[scored]) == y_test[scored]))
+    out["num_examples"] = float(len(test))
+    return out
 
 
 def chance_levels(cfg: EmpatheiaConfig | None = None) -> dict[str, float]:

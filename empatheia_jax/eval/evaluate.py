@@ -43,7 +43,7 @@ from empatheia_jax.eval import baselines as eval_baselines
 from empatheia_jax.eval import speech as speech_eval
 from empatheia_jax.eval import video as video_eval
 from empatheia_jax.eval.metrics.names import ACC_NAME, LABELS
-from empatheia_jax.eval.metrics.text import Means, accuracy, feature_distances, text_metrics
+from empatheia_jax.eval.metrics.text import Means, accuracy, feature_distances, speaker_turn, text_metrics
 from empatheia_jax.eval.report import metric_order, write_predictions
 from empatheia_jax.generators import registry
 from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
@@ -309,7 +309,8 @@ def generate_predictions(
     in training, sorted by length within windows of 16 batches (bounded memory) and batched (left-padded;
     a short batch is completed with copies so the batch size, hence the program, never changes); media
     features are spliced through `inputs_embeds`. Examples whose prompt does not fit `max_len` are left out.
-    Each dict: record_index, uid, labels, prompt_tokens, num_new, text (the new tokens decoded with special
+    Each dict: record_index, uid, labels, gold_reply (the record's response), speaker_turn (the speaker's last
+    utterance in the history, "" if none), prompt_tokens, num_new, text (the new tokens decoded with special
     tokens, up to the end token), signal_complete, and the fields of `parse_generation`.
 
     `score_emotions` (CoE templates) also chooses CoE step 2 among the 32 ED labels by likelihood after the
@@ -376,7 +377,9 @@ def _window_prompts(reader: ip.ShardReader, builder: ip.ExampleBuilder, start: i
         kept.append({"input_ids": ex["input_ids"], "aud_feats": ex["aud_feats"],
                      "vid_feats": ex["vid_feats"], "record_index": i, "uid": rec.get("uid"),
                      "labels": {k: -1 if lab.get(k) is None else int(lab[k])
-                                for k in (*LABELS, "emotion_fine")}})
+                                for k in (*LABELS, "emotion_fine")},
+                     "gold_reply": tpl.clean_text(rec.get("response")),
+                     "speaker_turn": tpl.clean_text(speaker_turn(rec))})
     kept.sort(key=lambda e: len(e["input_ids"]))
     return kept
 
@@ -427,6 +430,7 @@ def _generate_batch(
         text = tokenizer.decode(new, skip_special_tokens=False)
         pred = parse_generation(text, emap, pipeline_baseline=pipeline_baseline)
         pred.update(record_index=e["record_index"], uid=e["uid"], labels=e["labels"],
+                    gold_reply=e["gold_reply"], speaker_turn=e["speaker_turn"],
                     prompt_tokens=len(prompts[r]), num_new=int(gen.num_new[r]), text=text)
         if signal is not None:  # signal_rate only where the target has them
             pred["signal_complete"] = signal <= set(new)
@@ -626,8 +630,9 @@ def reference_columns(
     speech: speech_eval.SpeechEval | None = None,
     video: video_eval.VideoEval | None = None,
 ) -> dict[str, dict[str, float]]:
-    """The columns a model's are read against, in table order: the baselines (fitted on `train_split`, so
-    absent, with a note on stderr, where the shards have none), the speech/video references, chance."""
+    """The columns a model's are read against, in table order: the baselines (the majority class and mean
+    targets, then the bag-of-words emotion floor; fitted on `train_split`, so absent, with a note on stderr,
+    where the shards have none), the speech/video references, chance."""
     columns: dict[str, dict[str, float]] = {}
     if train_split in (manifest.get("splits") or {}):
         columns["baseline"] = eval_baselines.baselines(
@@ -637,6 +642,11 @@ def reference_columns(
             max_speech_len=model_cfg.max_speech_len,
             max_video_len=model_cfg.max_video_len,
         )
+        texts = {}
+        for part in (train_split, split):  # the text and labels only: a split's media may not fit in memory
+            reader = ip.ShardReader.for_split(shards_dir, part)
+            texts[part] = [{k: reader[i].get(k) for k in ("history", "labels")} for i in range(len(reader))]
+        columns["bag_of_words"] = eval_baselines.bag_of_words(texts[train_split], texts[split])
     else:  # e.g. one imported csv: the majority and mean predictors need a train split to be fitted on
         print(f"note: no baseline column: {shards_dir} has no split {train_split!r} "
               "(config.data.train_split) to fit it on", file=sys.stderr)

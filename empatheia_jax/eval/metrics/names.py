@@ -14,7 +14,10 @@ TEXT_METRICS = ("emotion_acc_text", "emotion32_acc_text", "emotion_acc_vote", "e
                 "emotion_acc_scored", "emotion32_acc_scored", "coe_parse_rate", "emotion_scored_rate",
                 "emotion_parse_rate", "emotion32_parse_rate", "signal_rate", "dist1_corpus",
                 "dist2_corpus", "dist1_reply", "dist2_reply", "repetition_rate", "reply_words",
-                "age_acc_text", "gender_acc_text", "timbre_acc_text")
+                "reply_bleu1", "reply_bleu2", "reply_rouge_l", "question_rate", "reuse_rate",
+                "duplicate_rate", "age_acc_text", "gender_acc_text", "timbre_acc_text")
+"""question_rate and reuse_rate have no better direction (the gold listener asks in about a third of its
+replies): the baseline column gives the gold replies' figures to read them against."""
 
 
 CLASS_METRICS = ("emotion_acc_cls", "age_acc", "gender_acc", "timbre_acc")
@@ -31,14 +34,17 @@ METRICS = (*TEXT_METRICS[:6], *CLASS_METRICS, *FEATURE_METRICS, *speech_eval.SPE
            *video_eval.VIDEO_METRICS, *TEXT_METRICS[6:], *LOSS_METRICS, *COUNT_METRICS)
 
 
-HIGHER_IS_BETTER = frozenset({*CLASS_METRICS, *(set(TEXT_METRICS) - {"repetition_rate", "reply_words"}),
+HIGHER_IS_BETTER = frozenset({*CLASS_METRICS, *(set(TEXT_METRICS) - {"repetition_rate", "reply_words",
+                                                                      "question_rate", "reuse_rate",
+                                                                      "duplicate_rate"}),
                               "speech_content_cos", "video_content_cos",
                               "speech_style_cos", "video_style_cos", *speech_eval.HIGHER_IS_BETTER,
                               *video_eval.HIGHER_IS_BETTER})
 
 
-LOWER_IS_BETTER = frozenset({*LOSS_METRICS, "speech_content_l2", "video_content_l2", "speech_style_l2",
-                             "video_style_l2", *speech_eval.LOWER_IS_BETTER, *video_eval.LOWER_IS_BETTER})
+LOWER_IS_BETTER = frozenset({*LOSS_METRICS, "duplicate_rate", "speech_content_l2", "video_content_l2",
+                             "speech_style_l2", "video_style_l2", *speech_eval.LOWER_IS_BETTER,
+                             *video_eval.LOWER_IS_BETTER})
 
 
 LABELS = ("emotion", "age", "gender", "timbre")

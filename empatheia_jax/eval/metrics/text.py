@@ -87,9 +87,11 @@ def text_metrics(predictions: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     signal_rate: share holding all signal tokens (when "signal_complete" is given); dist{1,2}_corpus
     (`distinct_n`) and dist{1,2}_reply (`distinct_n_per_reply`) over the replies; repetition_rate: share
     of replies with a repeated word 4-gram (`has_repeated_ngram`); reply_words: mean reply length in words
-    (`reply_length`); *_acc_text for the Pipeline baseline's profile line. Predictions with the *_scored
-    fields of `generate_predictions(score_emotions=True)` add emotion_acc_scored / emotion32_acc_scored
-    (unscored = wrong) and emotion_scored_rate (share with a CoE to score after).
+    (`reply_length`); with the predictions' gold_reply and speaker_turn (`generate_predictions`), the
+    `reply_overlap` and `reply_engagement` rows; *_acc_text for the Pipeline baseline's profile line.
+    Predictions with the *_scored fields of `generate_predictions(score_emotions=True)` add
+    emotion_acc_scored / emotion32_acc_scored (unscored = wrong) and emotion_scored_rate (share with a CoE to
+    score after).
     """
     if not predictions:
         return {}
@@ -117,7 +119,11 @@ def text_metrics(predictions: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         m.add("repetition_rate", has_repeated_ngram(p["reply"]), 1)
         m.add("reply_words", reply_length(p["reply"]), 1)
     out = m.result()
-    out.update(reply_text_metrics([p["reply"] for p in predictions]))
+    replies = [p["reply"] for p in predictions]
+    out.update(reply_text_metrics(replies))
+    if all("gold_reply" in p for p in predictions):
+        out.update(reply_overlap(replies, [p["gold_reply"] for p in predictions]))
+        out.update(reply_engagement(replies, [p["speaker_turn"] for p in predictions]))
     out["num_generated"] = float(len(predictions))
     return out
 
@@ -126,6 +132,59 @@ def reply_text_metrics(replies: Sequence[str]) -> dict[str, float]:
     """Dist-1/2 in both conventions over `replies` (the model's, or the gold ones as a reference)."""
     return {"dist1_corpus": distinct_n(replies, 1), "dist2_corpus": distinct_n(replies, 2),
             "dist1_reply": distinct_n_per_reply(replies, 1), "dist2_reply": distinct_n_per_reply(replies, 2)}
+
+
+def reply_overlap(replies: Sequence[str], golds: Sequence[str]) -> dict[str, float]:
+    """How much of the gold reply a reply says: reply_bleu1 / reply_bleu2 (sacrebleu's corpus BLEU with
+    n-grams up to 1 / 2, its default 13a tokenisation, lowercased; 0-1, not 0-100) and reply_rouge_l (the
+    mean ROUGE-L F1 of rouge-score, Porter-stemmed). Generic replies ("I'm sorry to hear that.") fit many
+    dialogues and score low against each gold; Dist-n cannot see that, since it never reads the gold."""
+    if len(replies) != len(golds):
+        raise ValueError(f"{len(replies)} replies for {len(golds)} gold replies")
+    if not replies:
+        return {}
+    from rouge_score import rouge_scorer
+    from sacrebleu.metrics import BLEU
+
+    out = {f"reply_bleu{n}": BLEU(max_ngram_order=n, lowercase=True).corpus_score(list(replies),
+                                                                                  [list(golds)]).score / 100
+           for n in (1, 2)}
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    out["reply_rouge_l"] = float(np.mean([scorer.score(g, r)["rougeL"].fmeasure
+                                          for r, g in zip(replies, golds, strict=True)]))
+    return out
+
+
+def content_words(text: str) -> set[str]:
+    """The words of `text` that carry its content: `parse.words`, lowercased, without scikit-learn's English
+    stop words (a fixed, well-known list), contractions (I'm, don't, it's: function words the list spells
+    without the apostrophe) and one-letter tokens."""
+    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
+
+    return {w for w in (x.lower() for x in words(text))
+            if len(w) > 1 and "'" not in w and w not in ENGLISH_STOP_WORDS}
+
+
+def speaker_turn(record: Mapping[str, Any]) -> str:
+    """The speaker's last utterance in a shard record's history (what a reply answers), "" if none."""
+    said = [h.get("utterance") for h in record.get("history") or () if h.get("role") == "speaker"]
+    return str(said[-1]) if said and said[-1] else ""
+
+
+def reply_engagement(replies: Sequence[str], speaker_turns: Sequence[str]) -> dict[str, float]:
+    """Does a reply engage with THIS dialogue: question_rate (share of replies that ask something, a "?"),
+    reuse_rate (share that reuse a content word of the speaker's last turn, `content_words`) and
+    duplicate_rate (1 - distinct replies / replies, compared as their lowercased words without punctuation:
+    the share of replies that repeat another one word for word)."""
+    if len(replies) != len(speaker_turns):
+        raise ValueError(f"{len(replies)} replies for {len(speaker_turns)} speaker turns")
+    if not replies:
+        return {}
+    distinct = {" ".join(w.lower() for w in words(r) if w[0].isalnum()) for r in replies}
+    return {"question_rate": float(np.mean(["?" in r for r in replies])),
+            "reuse_rate": float(np.mean([bool(content_words(r) & content_words(s))
+                                         for r, s in zip(replies, speaker_turns, strict=True)])),
+            "duplicate_rate": 1.0 - len(distinct) / len(replies)}
 
 
 def vote_emotions(votes: Sequence[Sequence[Mapping[str, Any]]], key: str = "emotion") -> dict[int, int]:
