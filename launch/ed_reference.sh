@@ -21,11 +21,14 @@
 # demo's lr 1e-3 on 64 sample dialogues undo the ED training: 41 % of dev replies repeat a 4-gram,
 # docs/benchmarks.md), COE_EVAL=0 to skip the coe stage's dev evaluation (a diagnostic: the card reports
 # the final model's), EVAL_FLAGS (extra `empatheia eval` flags), SPEECH_EXAMPLES (dev replies spoken and
-# heard by Whisper in the final evaluation, default 32), DEVICE (the card's device line).
+# heard by Whisper in the final evaluation, default 32), DEVICE (the card's device line), COE_FROM (a
+# finished coe stage to chain from instead of training one: a workdir or a PEFT export, e.g. the committed
+# reference model, `python -m empatheia_jax.reference`; the ED stages train the CS only, so its LoRA reaches
+# the new export unchanged, and a redesigned CS costs the ccl stage, not the hours of coe).
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-    sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 RUN=$1
@@ -78,18 +81,22 @@ if [[ ! -f "$RUN/ed/shards/manifest.json" ]]; then
         --overwrite
 fi
 
-echo "[ed_reference] stage coe on EmpatheticDialogues -> $RUN/coe"
-"$PY" -m empatheia_jax.cli train --config configs/smollm2_ed.py --workdir "$RUN/coe" \
-    "${COMMON[@]}" --config.data.shards="$RUN/ed/shards" "$@"
-
-if [[ ${COE_EVAL:-1} != 0 ]]; then
-    echo "[ed_reference] dev evaluation of the coe stage -> $RUN/report"
-    "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/coe" --data "$RUN/ed/shards" --split dev \
-        --report "$RUN/report" --no_repeat_ngram_size 4 --score_emotions ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
+if [[ -n ${COE_FROM:-} ]]; then
+    echo "[ed_reference] the coe stage is $COE_FROM (COE_FROM)"
+    prev=$COE_FROM
+    WORKDIRS=()
+else
+    echo "[ed_reference] stage coe on EmpatheticDialogues -> $RUN/coe"
+    "$PY" -m empatheia_jax.cli train --config configs/smollm2_ed.py --workdir "$RUN/coe" \
+        "${COMMON[@]}" --config.data.shards="$RUN/ed/shards" "$@"
+    if [[ ${COE_EVAL:-1} != 0 ]]; then
+        echo "[ed_reference] dev evaluation of the coe stage -> $RUN/report"
+        "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/coe" --data "$RUN/ed/shards" --split dev \
+            --report "$RUN/report" --no_repeat_ngram_size 4 --score_emotions ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
+    fi
+    prev=$RUN/coe
+    WORKDIRS=(--workdir "$RUN/coe")
 fi
-
-prev=$RUN/coe
-WORKDIRS=(--workdir "$RUN/coe")
 ED_STAGES=${ED_STAGES:-ccl}
 for stage in ${ED_STAGES/#0/}; do
     echo "[ed_reference] stage $stage on the ED replies' targets -> $RUN/ed_$stage"
@@ -108,7 +115,7 @@ for stage in ${STAGES/#0/}; do
     prev=$RUN/$stage
     WORKDIRS+=(--workdir "$RUN/$stage")
 done
-if [[ $prev == "$RUN/coe" ]]; then
+if [[ $prev == "$RUN/coe" || $prev == "${COE_FROM:-}" ]]; then
     exit 0
 fi
 # The export is what gets evaluated, so the card's figures are those of the weights it ships: EXPORT_DTYPE
@@ -130,5 +137,5 @@ echo "[ed_reference] model card -> $RUN/export"
 "$PY" -m empatheia_jax.eval.model_card "$RUN/export" --metrics "$RUN/report_final/metrics.json" \
     "${WORKDIRS[@]}" \
     --subset_metrics "$RUN/report_final/subset64.json" --subset_examples 64 \
-    --command "bash launch/ed_reference.sh $RUN${*:+ $*}" --device "${DEVICE:-$(nproc)-core CPU}"
+    --command "${COE_FROM:+COE_FROM=$COE_FROM }bash launch/ed_reference.sh $RUN${*:+ $*}" --device "${DEVICE:-$(nproc)-core CPU}"
 echo "[ed_reference] done: $RUN/export (chat: empatheia chat --ckpt $RUN/export --text ...)"

@@ -339,3 +339,36 @@ def test_damaged_exports_are_refused_with_the_file(exports, tmp_path):
     (bad / HEADS_FILE).write_bytes(b"not safetensors")
     with pytest.raises(CheckpointError, match=re.escape(str(bad / HEADS_FILE))):
         load_exported(bad)
+
+
+def test_a_stage_starts_from_a_peft_export_with_a_new_cs(run, exports, cli_env, tmp_path):
+    """`init_from` an export (the committed reference model is one): a ccl stage with a redesigned CS (a row
+    convolution) starts from the export's LoRA, added rows, projections and SD, bit for bit, its CS
+    fresh; a merged export (LoRA folded into the kernels) is refused with the reason."""
+    root, _, workdir = run
+    cfg_file = root / "export_config.py"
+
+    def train(out, init_from):
+        cmd = [sys.executable, "-m", "empatheia_jax.cli", "train", f"--config={cfg_file}", f"--workdir={out}",
+               "--config.stage=ccl", "--config.schedule.ccl.steps=1", "--config.model.empatheia.cs_conv=3",
+               f"--config.init_from={init_from}"]
+        return subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=600, cwd=REPO)
+
+    p = train(tmp_path / "ccl", exports["peft"])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    assert "start fresh" in p.stderr and str(exports["peft"]) in p.stderr
+
+    def flat(ckpt_dir, step):
+        tree = ocp.StandardCheckpointer().restore(ckpt_dir / str(step) / "params")
+        return {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
+                for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    source, started = flat(workdir / "checkpoints", STEP), flat(tmp_path / "ccl" / "checkpoints", 1)
+    kept = [k for k in source if "content_sync" not in k]
+    assert any("lora" in k for k in kept) and any("style_dis" in k for k in kept)
+    for k in kept:  # ccl trains only the CS: everything else is the export's (float32: the checkpoint's)
+        np.testing.assert_array_equal(started[k], source[k], err_msg=k)
+    assert any("conv" in k for k in started if "content_sync" in k)
+    p = train(tmp_path / "merged", exports["merged"])
+    assert p.returncode != 0 and "export with --mode peft" in p.stderr and "Traceback" not in p.stderr, \
+        p.stderr[-3000:]

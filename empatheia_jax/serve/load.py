@@ -37,18 +37,17 @@ from empatheia_jax.train.checkpoint import (
     resolve_checkpoint,
 )
 from empatheia_jax.train.trainer import build_model, model_manifest, saved_state
-from empatheia_jax.weights.checkpoint_io import load_checkpoint, load_tokenizer, read_json
+from empatheia_jax.weights.checkpoint_io import load_checkpoint, load_tokenizer
 from empatheia_jax.weights.export_empatheia import (
     ADAPTER_FILE,
     EXPORT_CONFIG,
-    FORMAT,
-    FORMAT_VERSION,
     HEADS_FILE,
     HF_VOCAB_TABLES,
     MODES,
-    RUN_KEYS,
     export_model,
+    is_export,
     load_head_tensors,
+    read_export_meta,
 )
 from empatheia_jax.weights.export_hf import (
     ExportError,
@@ -80,7 +79,7 @@ def load_trained(
     "untrained" column of `empatheia eval`. `backbone` replaces the converted-backbone folder the run or
     export recorded (it moved, or the export came from another machine: the committed reference model).
     """
-    from empatheia_jax.serve.load import is_export, load_exported
+    from empatheia_jax.serve.load import load_exported
 
     if is_export(path):
         loaded = load_exported(path, step=step, restore=restore, backbone=backbone)
@@ -147,32 +146,6 @@ def export_trained(
     if not is_export(src):
         meta = {**meta, "exported_from": str(src.absolute())}
     return export_model(model, tokenizer, meta, out, mode=mode, overwrite=overwrite, dtype=dtype)
-
-
-def is_export(path: str | os.PathLike) -> bool:
-    """True for a folder written by `export_trained` (it holds empatheia_config.json)."""
-    return (Path(path) / EXPORT_CONFIG).is_file()
-
-
-def read_export_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """The export's empatheia_config.json, checked (format, version, mode, keys); errors name the file."""
-    path = Path(path)
-    file = path / EXPORT_CONFIG
-    if ".tmp-" in path.name:
-        raise CheckpointError(f"{path} is the temporary folder of an interrupted (or running) export")
-    meta = read_json(file, CheckpointError, f"{path} is not an Empatheia export folder")
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{file}: format={meta.get('format') if isinstance(meta, dict) else None!r}, "
-                              f"expected {FORMAT!r}")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{file}: format_version={meta.get('format_version')!r}, this code reads "
-                              f"{FORMAT_VERSION}")
-    if meta.get("mode") not in MODES:
-        raise CheckpointError(f"{file}: mode={meta.get('mode')!r} is not one of {MODES}")
-    missing = [k for k in RUN_KEYS if k not in meta]
-    if missing:
-        raise CheckpointError(f"{file} lacks {missing}")
-    return meta
 
 
 def _load_merged_backbone(llm: Llama, folder: Path) -> None:

@@ -39,6 +39,8 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from safetensors import SafetensorError
+from safetensors.numpy import load_file
 
 from empatheia_jax import sharding
 from empatheia_jax.data import target_stats
@@ -72,6 +74,14 @@ from empatheia_jax.train.checkpoint import (
     resolve_checkpoint,
 )
 from empatheia_jax.weights.checkpoint_io import load_checkpoint, load_tokenizer
+from empatheia_jax.weights.export_empatheia import (
+    ADAPTER_FILE,
+    HEADS_FILE,
+    is_export,
+    load_head_tensors,
+    read_export_meta,
+)
+from empatheia_jax.weights.export_hf import ExportError, load_peft_tensors
 
 log = logging.getLogger("empatheia_jax.train.trainer")
 
@@ -925,43 +935,70 @@ CS_DESIGN_FIELDS = frozenset({"cs_units", "cs_conv", *CS_VAES})
 
 
 def _init_from(run: _Run) -> None:
-    """Every saved parameter from `init_from`'s checkpoint, whose model must be the run's, except that a
-    stage training the CS ("cs" group) accepts a source differing only in `CS_DESIGN_FIELDS`: the CS blocks
-    whose config differs keep their fresh init (said in the log) and everything else is the source's.
-    That is exact for a source stage that never trained those blocks (coe), and a warm start otherwise."""
+    """Every saved parameter from `init_from` (a training checkpoint, or a PEFT export such as the committed
+    reference model), whose model must be the run's, except that a stage training the CS ("cs" group)
+    accepts a source differing only in `CS_DESIGN_FIELDS`: the CS blocks whose config differs keep their
+    fresh init (said in the log) and everything else is the source's. That is exact for a source stage that
+    never trained those blocks (coe), and a warm start otherwise."""
     config, model = run.config, run.model
-    src_dir, src_step = resolve_checkpoint(checkpoints_of(config.init_from))
-    _, meta = read_meta(src_dir, src_step)
-    source, current = _function_of(meta["model_config"]), _function_of(model.config)
+    if is_export(config.init_from):
+        where, step, source_config, source_params = _export_params(Path(config.init_from), run)
+    else:
+        src_dir, step = resolve_checkpoint(checkpoints_of(config.init_from))
+        where, source_config = src_dir, read_meta(src_dir, step)[1]["model_config"]
+    source, current = _function_of(source_config), _function_of(model.config)
     differ = {k for k in set(source) | set(current) if source.get(k) != current.get(k)}
-    if not differ:
-        with TrainCheckpointer(src_dir, create=False, async_save=False) as src:
-            restored = src.restore(src_step, params=saved_state(model, run.include_backbone))
-        nnx.update(model, restored.params)
-        log.info("initialised from %s step %d", src_dir, src_step)
-        return
-    if "cs" not in run.stage.trainable_groups or not differ <= CS_DESIGN_FIELDS:
+    if differ and ("cs" not in run.stage.trainable_groups or not differ <= CS_DESIGN_FIELDS):
         _check_same("model", source, current, Path(config.init_from))  # raises, naming the fields
-    # the source's own (abstract) model is the restore target: its CS blocks have other shapes
-    src_model = nnx.eval_shape(lambda: Empatheia(EmpatheiaConfig.from_dict(meta["model_config"]),
-                                                 rngs=nnx.Rngs(0)))
-    with TrainCheckpointer(src_dir, create=False, async_save=False) as src:
-        restored = src.restore(src_step, params=saved_state(src_model, run.include_backbone))
+    if not is_export(config.init_from):
+        # the source's own (abstract) model is the restore target when its CS blocks have other shapes
+        target = model if not differ else nnx.eval_shape(
+            lambda: Empatheia(EmpatheiaConfig.from_dict(source_config), rngs=nnx.Rngs(0)))
+        with TrainCheckpointer(where, create=False, async_save=False) as src:
+            source_params = src.restore(step, params=saved_state(target, run.include_backbone)).params
+        if not differ:
+            nnx.update(model, source_params)
+            log.info("initialised from %s step %d", where, step)
+            return
     fresh = [name for name in CS_VAES if source[name] != current[name]]
     prefixes = [("content_sync", name.removeprefix("cs_")) for name in fresh]
-    stored = {tuple(map(str, p)): v for p, v in nnx.to_flat_state(restored.params)}
+    stored = {tuple(map(str, p)): v for p, v in nnx.to_flat_state(source_params)}
     kept = {}
     for path, var in nnx.to_flat_state(saved_state(model, run.include_backbone)):
         key = tuple(map(str, path))
         if any(key[:2] == prefix for prefix in prefixes):
             continue
         if key not in stored or tuple(stored[key].shape) != tuple(var.shape):
-            raise CheckpointError(f"--init_from {src_dir}: parameter {'/'.join(key)} has no counterpart of "
+            raise CheckpointError(f"--init_from {where}: parameter {'/'.join(key)} has no counterpart of "
                                   f"shape {tuple(var.shape)} in the source")
         kept[path] = jax.device_put(stored[key][...], var[...].sharding)  # onto the run's mesh
     nnx.update(model, nnx.from_flat_state(kept))
-    log.info("initialised from %s step %d; the CS blocks %s start fresh (their design differs: %s)", src_dir,
-             src_step, ", ".join(fresh), ", ".join(sorted(differ)))
+    if fresh:
+        log.info("initialised from %s step %d; the CS blocks %s start fresh (their design differs: %s)",
+                 where, step, ", ".join(fresh), ", ".join(sorted(differ)))
+    else:
+        log.info("initialised from %s step %d", where, step)
+
+
+def _export_params(path: Path, run: _Run) -> tuple[Path, int, dict[str, Any], nnx.State]:
+    """(where, step, model config, the trained parameters) of a PEFT export, for `_init_from`: the export's
+    model is built on the host with the files' LoRA and heads (its random backbone is never used: a stage
+    that starts from an export keeps its backbone frozen). A merged export has the LoRA folded into the
+    kernels and cannot be split back, so it is refused, as is a run that trains the backbone."""
+    meta = read_export_meta(path)
+    if meta["mode"] != "peft":
+        raise CheckpointError(f"--init_from {path}: a {meta['mode']} export has the LoRA merged into the "
+                              "backbone; export with --mode peft to start a stage from it")
+    if run.include_backbone:
+        raise CheckpointError(f"--init_from {path}: an export holds no backbone, and this run trains it")
+    source = Empatheia(EmpatheiaConfig.from_dict(meta["model_config"]), rngs=nnx.Rngs(0))
+    for name, fill in ((ADAPTER_FILE, lambda t, w: load_peft_tensors(source.llm, source.config.lora, t, w)),
+                       (HEADS_FILE, lambda t, w: load_head_tensors(source, t, w))):
+        try:
+            fill(load_file(str(path / name)), str(path / name))
+        except (OSError, SafetensorError, ExportError) as e:
+            raise CheckpointError(f"--init_from {path}: cannot load {name}: {e}") from e
+    return path, int(meta["step"]), meta["model_config"], saved_state(source, include_backbone=False)
 
 
 def _prepare(run: _Run, resuming: bool, writer: MetricsWriter, watcher: PreemptionWatcher) -> bool:

@@ -53,7 +53,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from empatheia_jax.models.empatheia import Empatheia
-from empatheia_jax.weights.checkpoint_io import CheckpointError, read_config
+from empatheia_jax.weights.checkpoint_io import CheckpointError, read_config, read_json
 from empatheia_jax.weights.export_hf import (
     SAFETENSORS_METADATA,
     AtomicDir,
@@ -73,6 +73,32 @@ MODES = ("peft", "merged")
 _EXPORT_KEYS = ("format", "format_version", "mode", "backbone_source", "exported_from", "stored_dtype")
 RUN_KEYS = ("step", "model_config", "config", "stage", "encoder", "backbone", "include_backbone")
 HF_VOCAB_TABLES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def is_export(path: str | os.PathLike) -> bool:
+    """True for a folder written by `export_trained` (it holds empatheia_config.json)."""
+    return (Path(path) / EXPORT_CONFIG).is_file()
+
+
+def read_export_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The export's empatheia_config.json, checked (format, version, mode, keys); errors name the file."""
+    path = Path(path)
+    file = path / EXPORT_CONFIG
+    if ".tmp-" in path.name:
+        raise CheckpointError(f"{path} is the temporary folder of an interrupted (or running) export")
+    meta = read_json(file, CheckpointError, f"{path} is not an Empatheia export folder")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{file}: format={meta.get('format') if isinstance(meta, dict) else None!r}, "
+                              f"expected {FORMAT!r}")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{file}: format_version={meta.get('format_version')!r}, this code reads "
+                              f"{FORMAT_VERSION}")
+    if meta.get("mode") not in MODES:
+        raise CheckpointError(f"{file}: mode={meta.get('mode')!r} is not one of {MODES}")
+    missing = [k for k in RUN_KEYS if k not in meta]
+    if missing:
+        raise CheckpointError(f"{file} lacks {missing}")
+    return meta
 
 
 # ----------------------------------------------------------------------------------------------------------
