@@ -268,7 +268,8 @@ class Server:
             audio, video = await asyncio.to_thread(self.write_media, session, n, fields["audio"],
                                                    fields["video"])
             queued = time.perf_counter()
-            self._in_flight += 1
+            with self._lock:
+                self._in_flight += 1
             job = self._worker.submit(self._run, session, n, fields, audio, video, queued)
         except BaseException:
             self._finish(session)
@@ -298,7 +299,8 @@ class Server:
             status = 413 if isinstance(e.__cause__, chat.PromptTooLongError) else 422
             raise RequestProblem(status, str(e)) from e
         finally:
-            self._in_flight -= 1
+            with self._lock:
+                self._in_flight -= 1
         elapsed = time.perf_counter() - start
         self._turn_seconds = 0.7 * self._turn_seconds + 0.3 * elapsed
         files = out.pop("files", {}) or {}
