@@ -398,3 +398,12 @@ def test_page_in_headless_chromium(served, tmp_path):
         assert shot.stat().st_size > 1000
     finally:
         driver.quit()
+
+
+def test_serve_flag_errors_are_one_line(cli_env, tmp_path):
+    """Before it listens, serve fails like every command: one `error:` line, exit 2, no traceback."""
+    from test_cli import assert_user_error
+
+    assert_user_error(cli(cli_env, "serve"), "serve needs --ckpt")
+    assert_user_error(cli(cli_env, "serve", "--ckpt", tmp_path / "gone"), "--ckpt", "gone")
+    assert_user_error(cli(cli_env, "serve", "--ckpt", tmp_path, "--port", "70000"), "--port")
