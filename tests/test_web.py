@@ -360,7 +360,7 @@ def test_page_in_headless_chromium(served, tmp_path):
 
     opts = webdriver.ChromeOptions()
     opts.binary_location = str(CHROMIUM)
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=900,1000",
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=900,1250",
                 "--autoplay-policy=no-user-gesture-required", f"--user-data-dir={tmp_path / 'profile'}"):
         opts.add_argument(arg)
     service = webdriver.ChromeService(executable_path=str(CHROMEDRIVER))
@@ -391,6 +391,8 @@ def test_page_in_headless_chromium(served, tmp_path):
                                       ".map(li => li.textContent)")
         assert len(items) == 4 and items[0] == "you:I lost my job today."
         wait.until(lambda d: d.execute_script("return document.getElementById('audio').duration > 0"))
+        wait.until(lambda d: d.execute_script("return document.getElementById('video').readyState >= 3"))
+        time.sleep(0.5)  # the controls repaint
         shot = tmp_path / "serve.png"
         driver.save_screenshot(str(shot))
         if os.environ.get("EMPATHEIA_SCREENSHOT"):  # how docs/serve.png was made
