@@ -296,6 +296,30 @@ def test_second_turn_sees_the_first_and_excludes_loading(served):
     assert code == 200 and fresh["prompt_length"] == first["prompt_length"]
 
 
+def test_audio_only_turn_is_transcribed_into_the_history(served, tmp_path):
+    """A turn with speech and no text: Whisper tiny.en's transcript is the utterance the model read, and
+    the one the next turn's history holds (the page lists it as what "you" said)."""
+    import soundfile as sf
+
+    from empatheia_jax.data import asr
+    from empatheia_jax.generators.kokoro import SAMPLE_RATE
+    from empatheia_jax.generators.kokoro_voices import gold_speech
+
+    url, _, _ = served
+    said = "My sister is moving to another country next week."
+    wav = tmp_path / "said.wav"
+    sf.write(wav, gold_speech(said, {"age": "middle-aged", "gender": "male", "timbre": "low"}, "sad")[0],
+             SAMPLE_RATE, subtype="PCM_16")
+    code, r, _ = request(url + "/api/turn", {"audio": b64(wav.read_bytes()), "render": "text"})
+    assert code == 200, r
+    [heard] = r["input_transcripts"]
+    assert r["speaker_text"] == heard["transcript"]
+    assert asr.word_error_rate([said], [r["speaker_text"]]) < 0.15, r["speaker_text"]
+    code, again, _ = request(url + "/api/turn", {"conversation": r["conversation"], "text": "Yes.",
+                                                 "render": "text"})
+    assert code == 200 and again["history_length"] == 4 and not again["input_transcripts"]
+
+
 def test_prompt_over_the_context_limit_is_413(served):
     url, _, _ = served
     code, out, _ = request(url + "/api/turn", {"text": "sad " * 900, "render": "text"})
