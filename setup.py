@@ -65,9 +65,12 @@ VIDEO = [
     "matplotlib>=3.8",
     "attrs>=19.1",
 ]
+# `empatheia serve` (docs/design.md "Serving"): FastAPI on uvicorn, one static page committed in the package.
+SERVE = ["fastapi==0.115.14", "uvicorn==0.32.1"]
 # pytest-xdist runs the suite on both cores of the CI box (docs/design.md "Tests and CI"); filelock guards
 # the session cache those workers share.
-TEST = ["pytest>=9.0", "pytest-xdist>=3.6", "filelock>=3.12", "ruff>=0.17"]
+# selenium drives Debian's chromium (the Makefile's install step apt-installs it) in tests/test_web.py.
+TEST = ["pytest>=9.0", "pytest-xdist>=3.6", "filelock>=3.12", "ruff>=0.17", "selenium==4.51.0"]
 
 setup(
     name="empatheia_jax",
@@ -78,14 +81,15 @@ setup(
     # clone (`python -m converters.X`, `python -m data.X`, `--config configs/X.py`) and import the library;
     # installed as top-level `data`/`converters`/`configs` they would collide with any package of those names.
     packages=find_packages(include=["empatheia_jax", "empatheia_jax.*"]),
-    package_data={"empatheia_jax": ["resources/*.json", "resources/reference/*"]},
+    package_data={"empatheia_jax": ["resources/*.json", "resources/reference/*", "serve/static/*"]},
     install_requires=CORE,
     extras_require={
         "convert": CONVERT,
         "data": DATA,
         "speech": SPEECH,
         "video": VIDEO,
-        "test": CONVERT + DATA + SPEECH + VIDEO + TEST,
+        "serve": SERVE,
+        "test": CONVERT + DATA + SPEECH + VIDEO + SERVE + TEST,
     },
     entry_points={"console_scripts": ["empatheia=empatheia_jax.cli:main"]},
 )

@@ -1,4 +1,4 @@
-"""`empatheia train | eval | chat | export`: the one console entry point.
+"""`empatheia train | eval | chat | serve | export`: the one console entry point.
 
     empatheia train --config configs/smollm2_demo.py --config.stage=coe --workdir work/run/coe
     empatheia train --config configs/smollm2_demo.py --config.stage=ccl --config.init_from=work/run/coe ...
@@ -8,6 +8,8 @@
     empatheia chat  --ckpt work/run/overall --text "..." [--audio a.wav] [--video v.mp4] [--history h.json]
                     [--out reply]      # writes reply.npz (features, emotion, profile) and reply.json
                     # without --text, the utterance is Whisper tiny.en's transcript of --audio
+    empatheia serve --ckpt work/run/overall [--host 127.0.0.1] [--port 7860]
+                    # the web page and POST /api/turn on one loaded model (docs/design.md "Serving")
     empatheia export --ckpt work/run/overall --out work/export [--merged] [--dtype bfloat16] [--overwrite]
                     # PEFT adapter (default) or merged HF, + heads.safetensors; load_trained(DIR) reads it
 
@@ -49,11 +51,11 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "train: ml-collections config file", lock_config=True
 )
 flags.DEFINE_string("workdir", None, "train: run folder (checkpoints, TensorBoard, metrics.jsonl)")
-flags.DEFINE_string("ckpt", None, "eval/chat/export: a training workdir, its checkpoints folder, one step "
-                    "folder or an export folder")
-flags.DEFINE_string("backbone", None, "eval/chat: the converted backbone folder, when the one the run "
+flags.DEFINE_string("ckpt", None, "eval/chat/serve/export: a training workdir, its checkpoints "
+                    "folder, one step folder or an export folder")
+flags.DEFINE_string("backbone", None, "eval/chat/serve: the converted backbone folder, when the one the run "
                     "or export recorded has moved (e.g. the packaged reference model on another machine)")
-flags.DEFINE_integer("step", None, "eval/chat/export: checkpoint step (default: the latest)")
+flags.DEFINE_integer("step", None, "eval/chat/serve/export: checkpoint step (default: the latest)")
 flags.DEFINE_string("split", "test", "eval: the split of the run's shards to evaluate")
 flags.DEFINE_string("shards", None, "eval: shards folder (default: the run's data.shards)")
 flags.DEFINE_string("data", None, "eval: what to evaluate on: a shards folder (as --shards) or an "
@@ -74,10 +76,10 @@ flags.DEFINE_integer("max_examples", 0, "eval: score the first N records of the 
                      "quick look at a large file before the whole run)", lower_bound=0)
 flags.DEFINE_integer("generate_batch_size", 0, "eval: batch size of the generation (0 = --batch_size)",
                      lower_bound=0)
-flags.DEFINE_integer("max_new_tokens", 160, "eval/chat: generation budget", lower_bound=1)
-flags.DEFINE_float("repetition_penalty", 1.0, "eval/chat: HF's repetition penalty (1.0 = off)",
+flags.DEFINE_integer("max_new_tokens", 160, "eval/chat/serve: generation budget", lower_bound=1)
+flags.DEFINE_float("repetition_penalty", 1.0, "eval/chat/serve: HF's repetition penalty (1.0 = off)",
                    lower_bound=1e-6)
-flags.DEFINE_integer("no_repeat_ngram_size", 0, "eval/chat: HF's no_repeat_ngram_size (0 = off)",
+flags.DEFINE_integer("no_repeat_ngram_size", 0, "eval/chat/serve: HF's no_repeat_ngram_size (0 = off)",
                      lower_bound=0)
 flags.DEFINE_bool("score_emotions", False, "eval: also choose CoE step 2 among the 32 ED labels by "
                   "likelihood after the model's own step 1 (rows emotion*_acc_scored; CoE templates)")
@@ -114,6 +116,14 @@ flags.DEFINE_bool("peft", False, "export: a PEFT adapter on the converted backbo
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "export: the stored dtype of the "
                   "weights (bfloat16 halves the files; loading casts back to the model's dtype)")
 flags.DEFINE_bool("overwrite", False, "export: replace an existing --out folder")
+flags.DEFINE_string("host", "127.0.0.1", "serve: the address to listen on (the default answers this machine "
+                    "only; 0.0.0.0 exposes the model, unauthenticated, to the network)")
+flags.DEFINE_integer("port", 7860, "serve: the TCP port", lower_bound=0, upper_bound=65535)
+flags.DEFINE_float("max_upload_mb", 20.0, "serve: the largest audio or video upload, MB", lower_bound=0.01)
+flags.DEFINE_float("max_media_seconds", 30.0, "serve: the longest audio or video upload, seconds",
+                   lower_bound=0.1)
+flags.DEFINE_integer("queue", 4, "serve: turns that may wait behind the running one (more get HTTP 503)",
+                     lower_bound=0)
 flags.DEFINE_bool("verbose", False, "library logging (absl, orbax, jax, grain, transformers) at INFO")
 
 
@@ -386,9 +396,7 @@ def _prepare_cached(ed_json: str, split: str, emotion_map: str) -> tuple[str, bo
 
 
 def _chat() -> int:
-    from empatheia_jax.data.targets import STAND_IN
-    from empatheia_jax.serve import chat
-    from empatheia_jax.train.checkpoint import CheckpointError
+    from empatheia_jax.serve import chat, turn
 
     if not FLAGS.ckpt or (FLAGS.text is None and not FLAGS.audio):
         raise app.UsageError("chat needs --ckpt and --text (or --audio alone: Whisper transcribes it)")
@@ -399,67 +407,71 @@ def _chat() -> int:
             raise FileNotFoundError(f"--{flag} {path}: no such file")
     history = chat.load_history(FLAGS.history) if FLAGS.history else None
     listener = _listener_flag()
-    model, tokenizer, config, meta = _load_trained()
-    # Features must come from the encoder that made the training shards; guessing one would give features
-    # the model never saw, silently.
-    where = f"--ckpt {FLAGS.ckpt} (step {meta.get('step', '?')})"
-    if not meta.get("encoder"):
-        raise CheckpointError(f"{where}: its meta has no 'encoder' entry (the encoder of its training "
-                              "shards), so chat cannot compute speech/video features the way training did")
-    try:
-        encoder = chat.encoder_from_manifest(meta["encoder"])
-    except chat.EncoderManifestError as e:
-        raise CheckpointError(f"{where}: {e}") from e
-    targets = meta.get("targets") or {}
-    speech_targets = targets.get("speech_content", {}).get("source", STAND_IN)
-    video_targets = targets.get("video_content", {}).get("source", STAND_IN)
-    speak = FLAGS.speak or FLAGS.avatar
-    if speak:  # before generating: a checkpoint that cannot speak fails now, not after a minute
-        from empatheia_jax.serve import avatar
-
-        avatar.check_can_speak(speech_targets, video_targets, where,
-                               video=avatar.VIDEO_GENERATOR if FLAGS.avatar else None)
-    try:
-        result = chat.respond(
-            model,
-            tokenizer,
-            text=FLAGS.text or "",
-            audio=FLAGS.audio,
-            video=FLAGS.video,
-            history=history,
-            encoder=encoder,
-            max_new_tokens=FLAGS.max_new_tokens,
-            repetition_penalty=FLAGS.repetition_penalty,
-            no_repeat_ngram_size=FLAGS.no_repeat_ngram_size,
-            # The prompt gets the training budget; the reply (and its signal tokens) come on top of it.
-            max_len=int(config.data.max_len) + FLAGS.max_new_tokens + 2 * model.config.n_signal + 2,
-            speech_targets=speech_targets,
-            video_targets=video_targets,
-        )
-    except chat.PromptTooLongError as e:
-        raise chat.ChatInputError(
-            f"--text: the latest utterance makes a {e.prompt_tokens}-token prompt, more than the "
-            f"{int(config.data.max_len)} tokens the model was trained with (config.data.max_len)"
-        ) from e
+    replier = _load_replier()
+    render = "avatar" if FLAGS.avatar else "speech" if FLAGS.speak else "text"
+    replier.check_can_render(render)  # before generating: a checkpoint that cannot speak fails now
+    done = turn.run_turn(replier, text=FLAGS.text or "", audio=FLAGS.audio, video=FLAGS.video,
+                         history=history, out=FLAGS.out or "chat_reply", render=render, listener=listener,
+                         hear=render != "text",
+                         max_new_tokens=FLAGS.max_new_tokens, repetition_penalty=FLAGS.repetition_penalty,
+                         no_repeat_ngram_size=FLAGS.no_repeat_ngram_size)
+    result = done.result
     print(chat.format_result(result))
-    npz, js = chat.write_outputs(result, FLAGS.out or "chat_reply")
-    print(f"features -> {npz}\ntext -> {js}")
-    if speak:
-
-        if listener is not None:
-            chat.update_outputs(js, {"listener": listener})
-        wav, seconds, notes = avatar.synthesize_reply(npz, npz.with_suffix(".wav"), listener=listener)
-        for n in notes:
+    print(f"features -> {done.npz}\ntext -> {done.json}")
+    if done.wav is not None:
+        for n in done.speech_notes:
             print(f"note: {n}")
-        print(f"speech ({seconds:.2f} s, Kokoro-82M, {result.speech_content_units} phoneme rows) -> {wav}")
-        heard = chat.hear_reply(js, wav)
-        wer = "no word to score" if heard["speech_wer"] is None else f"WER {heard['speech_wer']:.2f}"
-        print(f"heard by Whisper tiny.en: {heard['speech_transcript']!r} ({wer}) -> {js}")
-        if FLAGS.avatar:
-            mp4, frames, notes = avatar.render_avatar(npz, wav, npz.with_suffix(".mp4"), listener=listener)
-            for n in notes:
-                print(f"note: {n}")
-            print(f"avatar ({frames} frames at 25 fps with the speech, procedural face generator) -> {mp4}")
+        print(f"speech ({done.speech_seconds:.2f} s, Kokoro-82M, {result.speech_content_units} phoneme rows) "
+              f"-> {done.wav}")
+        heard = done.heard or {}
+        wer = "no word to score" if heard.get("speech_wer") is None else f"WER {heard['speech_wer']:.2f}"
+        print(f"heard by Whisper tiny.en: {heard.get('speech_transcript')!r} ({wer}) -> {done.json}")
+    if done.mp4 is not None:
+        for n in done.video_notes:
+            print(f"note: {n}")
+        print(f"avatar ({done.frames} frames at 25 fps with the speech, procedural face generator) "
+              f"-> {done.mp4}")
+    return 0
+
+
+def _load_replier() -> Any:
+    """The --ckpt model as a `turn.Replier` (its training shards' encoder, target sources, prompt budget)."""
+    from empatheia_jax.serve import turn
+
+    model, tokenizer, config, meta = _load_trained()
+    where = f"--ckpt {FLAGS.ckpt} (step {meta.get('step', '?')})"
+    return turn.replier_from_loaded(model, tokenizer, config, meta, where)
+
+
+def _serve() -> int:
+    import time
+
+    import uvicorn
+
+    from empatheia_jax.serve import web
+
+    if not FLAGS.ckpt:
+        raise app.UsageError("serve needs --ckpt")
+    t0 = time.perf_counter()
+    replier = _load_replier()
+    load_seconds = time.perf_counter() - t0
+    limits = web.Limits(max_upload_bytes=int(FLAGS.max_upload_mb * 2**20),
+                        max_media_seconds=FLAGS.max_media_seconds, queue=FLAGS.queue)
+    server = web.Server(web.replier_turn(replier, max_new_tokens=FLAGS.max_new_tokens,
+                                         repetition_penalty=FLAGS.repetition_penalty,
+                                         no_repeat_ngram_size=FLAGS.no_repeat_ngram_size),
+                        limits, info={"ckpt": str(FLAGS.ckpt), "load_seconds": load_seconds,
+                                      "speech_targets": replier.speech_targets,
+                                      "video_targets": replier.video_targets})
+    if FLAGS.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: --host {FLAGS.host} exposes the model to the network, without authentication",
+              file=sys.stderr)
+    print(f"model loaded in {load_seconds:.1f} s; serving on http://{FLAGS.host}:{FLAGS.port}/ "
+          "(Ctrl-C stops)", flush=True)
+    try:
+        uvicorn.run(server.app(), host=FLAGS.host, port=FLAGS.port, log_level="warning")
+    finally:
+        server.shutdown()
     return 0
 
 
@@ -493,7 +505,8 @@ def _export() -> int:
 
 # The sub-commands: name -> function returning the exit status. A new one adds its function here (its flags
 # are defined above, with the command name at the start of their help).
-COMMANDS: dict[str, Callable[[], int]] = {"train": _train, "eval": _eval, "chat": _chat, "export": _export}
+COMMANDS: dict[str, Callable[[], int]] = {"train": _train, "eval": _eval, "chat": _chat, "serve": _serve,
+                                          "export": _export}
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

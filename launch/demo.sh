@@ -185,3 +185,8 @@ wer = "no word to score" if js["speech_wer"] is None else f"WER {js['speech_wer'
 print(f"[demo] reference reply heard by Whisper tiny.en as: {js['speech_transcript']!r} ({wer}; "
       f"reply: {js['reply']!r})")
 EOF_HEARD
+
+# The one command that opens the web page on the model trained above (printed, not run: it serves until Ctrl-C).
+echo
+echo "[demo] talk with this model in a browser: run the line below, then open http://127.0.0.1:7860/"
+echo "  $PY -m empatheia_jax.cli serve --ckpt $RUN/overall"

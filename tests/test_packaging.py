@@ -34,10 +34,12 @@ def test_the_wheel_installs_the_library_and_nothing_else(tmp_path):
     assert top_level_names(wheel) == {"empatheia_jax"}
     with zipfile.ZipFile(wheel) as z:
         files = set(z.namelist())
-    # the packaged resources travel with it: the emotion maps and the reference model's weights and card
+    # the packaged resources travel with it: the emotion maps, the reference model's weights and card, and
+    # the page of `empatheia serve`
     for name in ("resources/ed_emotion_projection.json", "resources/reference/card.json",
                  "resources/reference/adapter_model.safetensors", "generators/registry.py",
-                 "train/objective.py", "serve/load.py"):
+                 "train/objective.py", "serve/load.py", "serve/static/index.html", "serve/static/app.js",
+                 "serve/static/style.css"):
         assert f"empatheia_jax/{name}" in files, name
     entry = next(n for n in files if n.endswith("entry_points.txt"))
     with zipfile.ZipFile(wheel) as z:
