@@ -325,7 +325,7 @@ def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)
     writes it (~10 s more).
     """
     from empatheia_jax.data import prepare as prep
-    from empatheia_jax.data.targets import TARGET_KINDS, make_standin_targets
+    from empatheia_jax.data.targets import STANDIN_KINDS, make_standin_targets
 
     splits, n = {}, 0
     for split, count in counts:
@@ -336,7 +336,7 @@ def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)
             n += 1
         splits[split] = objs
     raw = make_raw(root / "raw", splits)
-    kinds = list(TARGET_KINDS)
+    kinds = list(STANDIN_KINDS)
     if real_targets:
         from converters.face_targets import export_face_targets
         from converters.styletts2_targets import export_speech_targets
