@@ -1,7 +1,7 @@
 """Video targets for the embedded default: the controls the procedural face generator draws each video from.
 
     python -m converters.face_targets --raw RAW --out TARGETS [--splits a,b] [--workers 2] [--quiet]
-        [--mouth speech|phonemes] [--responses-only]
+        [--mouth speech|phonemes|replies] [--responses-only]
 
 The sample's talking faces come from `empatheia_jax/generators/face_render.py`, a procedural stand-in for
 DreamTalk with a
@@ -24,6 +24,13 @@ Kokoro's predicted durations in the voice it is spoken with (`generators.visemes
 Kokoro's synthesis of it has. That gives text corpora (imported EmpatheticDialogues, whose replies have
 no video) video_content targets; with `--responses-only` only the turns' responses are exported, which is
 all a record reads.
+
+`--mouth replies` (the demo's): the listener's utterances, which are the replies a record's targets are,
+get the phoneme mouth (and their video_units) on the timeline of Kokoro speaking them at
+`kokoro_voices.LISTENER_SPEED` in the listener's voice, exactly the gold speech data/make_sample.py writes
+for the test replies (`kokoro_voices.gold_speech`); the speaker's utterances keep their wav's envelope.
+So a reply's gold clip moves with the reply's gold speech, a model's mouth can be timed by the speech it
+is spoken with, and eval measures lip sync against that speech (`eval/video.py`).
 """
 
 from __future__ import annotations
@@ -40,11 +47,14 @@ import numpy as np
 
 SOURCE = "face_render"
 KINDS = ("video_content", "video_style")
-MOUTHS = ("speech", "phonemes")
+MOUTHS = ("speech", "phonemes", "replies")
 MOUTH_METHOD = {
     "speech": "mouth opening = the RMS envelope of the utterance's wav (speech_synth.speech_envelope)",
     "phonemes": ("mouth opening = generators.visemes.mouth_track of the utterance's Kokoro phonemes, laid "
                  "out with Kokoro's predicted durations in kokoro_voices.voice(profile, style); no media"),
+    "replies": ("listener utterances (the replies): generators.visemes.mouth_track of their Kokoro phonemes "
+                "at kokoro_voices.LISTENER_SPEED, the gold speech's timeline; speaker utterances: the RMS "
+                "envelope of their wav"),
 }
 METHOD = {
     "video_content": ("empatheia_jax/generators/face_render.py control space, "
@@ -121,7 +131,7 @@ def text_targets(text: str, profile: dict, style: str, speed: float | None = Non
 def _one(job: tuple[FaceJob, str]) -> tuple[str, tuple[np.ndarray, ...] | None, str | None]:
     (uid, wav, text, profile, style, speed), mouth = job
     try:
-        if mouth == "phonemes":
+        if mouth == "phonemes" or (mouth == "replies" and speed is not None):  # speed: a listener's
             return uid, text_targets(text, profile, style, speed), None
         return uid, utterance_controls(wav, profile, style), None
     except Exception as e:  # noqa: BLE001 - collected and reported with the utterance id
@@ -147,11 +157,12 @@ def export_face_targets(raw: str | Path, out: str | Path, *, splits: list[str] |
     if mouth not in MOUTHS:
         raise ValueError(f"--mouth {mouth!r}: expected one of {', '.join(MOUTHS)}")
     jobs = face_jobs(raw, splits, dialogues, responses_only)
-    missing = [j.wav for j in jobs if not Path(j.wav).is_file()] if mouth == "speech" else []
+    needs_wav = [j for j in jobs if mouth == "speech" or (mouth == "replies" and j.speed is None)]
+    missing = [j.wav for j in needs_wav if not Path(j.wav).is_file()]
     if missing:
         raise FileNotFoundError(f"{len(missing)} utterance wav(s) missing, e.g. {missing[:3]} "
                                 "(--mouth phonemes needs no media)")
-    if mouth == "phonemes":
+    if mouth != "speech":
         from empatheia_jax.generators import kokoro
 
         kokoro.cut_model("durations")  # built once here, not raced by the workers
@@ -162,7 +173,7 @@ def export_face_targets(raw: str | Path, out: str | Path, *, splits: list[str] |
         # the style rule (utterance_style) and the phoneme mouth's voice speed follow the voice map
         meta = {"raw": str(Path(raw).resolve()), "mouth": MOUTH_METHOD[mouth],
                 "voice_map_version": MAP_VERSION}
-        kinds = (*KINDS, "video_units") if mouth == "phonemes" else KINDS
+        kinds = (*KINDS, "video_units") if mouth != "speech" else KINDS
         writers = {k: stack.enter_context(TargetWriter(out, k, SOURCE, None, shard_size,
                                                        {**meta, "method": METHOD[k]}))
                    for k in kinds}
@@ -179,7 +190,7 @@ def export_face_targets(raw: str | Path, out: str | Path, *, splits: list[str] |
             if err:
                 errors.append(err)
                 continue
-            for kind, x in zip(kinds, controls, strict=True):
+            for kind, x in zip(kinds, controls, strict=False):  # a speech mouth has no units
                 writers[kind].add(uid, x)
         if errors:
             raise RuntimeError(f"{len(errors)} utterance(s) failed; no targets written:\n"
@@ -200,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard-size", type=int, default=512)
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--mouth", default="speech", choices=MOUTHS,
-                    help="speech: the wav's envelope (default); phonemes: Kokoro's timeline, no media")
+                    help="speech: the wav's envelope (default); phonemes: Kokoro's timeline, no media; "
+                         "replies: phonemes for the listener's utterances, speech for the speaker's")
     ap.add_argument("--responses-only", action="store_true",
                     help="only the turns' responses (what records read)")
     args = ap.parse_args(argv)

@@ -143,3 +143,29 @@ def test_phoneme_mouth_targets_need_no_media_and_follow_kokoro_speech(sample, tm
     counts = face_targets.export_face_targets(raw, tmp_path / "t", splits=["test"], progress=False)
     assert "video_units" not in counts and "video_units" not in TargetReader(tmp_path / "t").kinds
     assert not list((tmp_path / "t").glob("video_units-*"))
+
+
+def test_reply_mouth_times_the_listener_by_kokoro_and_the_speaker_by_the_wav(sample, tmp_path):
+    """`--mouth replies` (the demo's): a listener utterance's mouth and frame units are the phoneme mouth at
+    LISTENER_SPEED (the gold reply speech's timeline), a speaker utterance keeps its wav's envelope and has
+    no units."""
+    from empatheia_jax.generators import kokoro_voices
+
+    raw, speech_reader = sample
+    counts = face_targets.export_face_targets(raw, tmp_path / "t", splits=["test"], progress=False,
+                                              mouth="replies")
+    reader = TargetReader(tmp_path / "t")
+    jobs = face_targets.face_jobs(raw, ["test"])
+    listeners = [j for j in jobs if j.speed is not None]
+    speakers = [j for j in jobs if j.speed is None]
+    assert listeners and speakers and all(j.speed == kokoro_voices.LISTENER_SPEED for j in listeners)
+    assert counts["video_content"] == len(jobs) and counts["video_units"] == len(listeners)
+    assert reader.meta["video_units"]["mouth"] == face_targets.MOUTH_METHOD["replies"]
+    j = listeners[0]
+    content, _, units = face_targets.text_targets(j.text, j.profile, j.style, j.speed)
+    np.testing.assert_array_equal(reader.get("video_content", j.uid), content)
+    np.testing.assert_array_equal(reader.get("video_units", j.uid), units)
+    s = speakers[0]
+    assert ("video_units", s.uid) not in reader
+    gold = speech_reader.get("video_content", s.uid)
+    np.testing.assert_array_equal(reader.get("video_content", s.uid), gold)
