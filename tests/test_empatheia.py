@@ -430,6 +430,15 @@ def test_unit_aligned_video_block_reads_video_units_per_frame():
         EmpatheiaConfig(llm=LLM, **TINY, cv_units=-1)
     alone = model.content_sync.video_block(b["r_t"], b["r_t_mask"], jnp.asarray(units))
     np.testing.assert_allclose(np.asarray(alone.out), vb, rtol=1e-5, atol=1e-5)
+    # inference: a first pass without the video block, then C^v from the units known after speaking
+    first = model({k: jnp.asarray(v) for k, v in batch.items()}, heads={"cs"}, video=False)
+    assert "video_content" not in first
+    np.testing.assert_allclose(np.asarray(first["speech_content"]), b["speech_content"], rtol=1e-5, atol=1e-5)
+    second = model.video_content({k: jnp.asarray(v) for k, v in batch.items()}, jnp.asarray(units))
+    np.testing.assert_allclose(np.asarray(second), vb, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="video=False is for inference"):
+        model({k: jnp.asarray(v) for k, v in batch.items()}, heads={"cs"}, video=False, train=True,
+              rng=jax.random.key(0))
 
 
 def test_cs_conv_gives_both_content_blocks_a_row_convolution_and_no_style_block():

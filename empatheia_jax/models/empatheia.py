@@ -393,7 +393,12 @@ class ContentSynchronizer(nnx.Module):
                                  units=[speech_units, video_units])
         return {"cs_speech": speech, "cs_video": video}
 
-    def video_block(self, r_t: jax.Array, r_t_mask: jax.Array, video_units: jax.Array) -> VAEOutput:
+    def speech_block(self, r_t: jax.Array, r_t_mask: jax.Array, speech_units: jax.Array | None
+                     ) -> VAEOutput:
+        """The speech block alone, deterministic (z = mu), as `__call__(sample=False)` gives "cs_speech"."""
+        return self.speech(r_t, r_t_mask, sample=False, units=speech_units)
+
+    def video_block(self, r_t: jax.Array, r_t_mask: jax.Array, video_units: jax.Array | None) -> VAEOutput:
         """The video block alone, deterministic (z = mu): what `__call__(sample=False)` gives as
         "cs_video" for the same units (run_vaes runs a unit-aligned block alone, so nothing is shared)."""
         return self.video(r_t, r_t_mask, sample=False, units=video_units)
@@ -582,6 +587,22 @@ class Empatheia(nnx.Module):
 
     # -- forward --------------------------------------------------------------------------------------------
 
+    def _backbone(self, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(hidden [B,T,d], attention mask [B,T] bool, r^t mask [B,T] bool) of a batch: the spliced inputs
+        through the LLM; r^t is the hidden state at the response tokens."""
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask")
+        mask = jnp.ones(ids.shape, bool) if mask is None else mask.astype(bool)
+        positions = batch.get("positions")
+        if positions is None:
+            positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
+        x = self.embed_inputs(ids, batch.get("aud_feats"), batch.get("aud_mask"), batch.get("vid_feats"),
+                              batch.get("vid_mask"))
+        hidden, _ = self.llm.decode(x, positions=positions, attention_mask=mask)
+        response = batch.get("response_mask")
+        r_t_mask = (jnp.zeros(ids.shape, bool) if response is None else response.astype(bool)) & mask
+        return hidden, mask, r_t_mask
+
     def __call__(
         self,
         batch: Mapping[str, jax.Array],
@@ -589,13 +610,17 @@ class Empatheia(nnx.Module):
         train: bool = False,
         rng: jax.Array | None = None,
         heads: frozenset[str] | set[str] | None = None,
+        video: bool = True,
     ) -> dict[str, Any]:
         """All model outputs for a pipeline batch (docs/design.md "Batch layout").
 
         Needs `input_ids`; `attention_mask` (default all 1), `positions` (default cumsum(mask) - 1),
         `response_mask`, and the feature keys are read when present. `heads` picks the optional heads to
         run (default: all the model has); a stage passes only what its losses read. train=True samples
-        the VAE latents (needs `rng`); train=False uses z = mu.
+        the VAE latents (needs `rng`); train=False uses z = mu. `video=False` leaves the CS's video block
+        out (no `video_content`; evaluation only): the first pass of inference with a unit-aligned video
+        block (`cv_units`), whose frame units exist once the reply's speech rows have been spoken; the
+        second pass is `video_content`.
 
         `rng` is one key (shape []) or one key per example (shape [B]). With per-example keys every draw
         of example b (VAE noise and dropout) comes from rng[b] alone: `cs_key, sd_key = split(rng[b])`, then
@@ -620,19 +645,11 @@ class Empatheia(nnx.Module):
             rng = as_key(rng)
             if rng.ndim == 1 and rng.shape[0] != ids.shape[0]:
                 raise ValueError(f"{rng.shape[0]} per-example keys for a batch of {ids.shape[0]} examples")
-        mask = batch.get("attention_mask")
-        mask = jnp.ones(ids.shape, bool) if mask is None else mask.astype(bool)
-        positions = batch.get("positions")
-        if positions is None:
-            positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
-        x = self.embed_inputs(ids, batch.get("aud_feats"), batch.get("aud_mask"), batch.get("vid_feats"),
-                              batch.get("vid_mask"))
-        hidden, _ = self.llm.decode(x, positions=positions, attention_mask=mask)
+        hidden, mask, r_t_mask = self._backbone(batch)
         out: dict[str, Any] = {"logits": self.llm.logits(hidden), "hidden": hidden}
         out.update(self.gather_signal_states(hidden, ids, mask))
-        response = batch.get("response_mask")
         out["r_t"] = hidden
-        out["r_t_mask"] = (jnp.zeros(ids.shape, bool) if response is None else response.astype(bool)) & mask
+        out["r_t_mask"] = r_t_mask
         vae: dict[str, VAEOutput] = {}
         keys = (None, None) if rng is None else tuple(split_keys(rng))
         sample = bool(train)
@@ -641,16 +658,21 @@ class Empatheia(nnx.Module):
             if cfg.cs_units and units is None:
                 raise ValueError("this model's Content Synchronizer is unit-aligned (cs_units="
                                  f"{cfg.cs_units}): the batch needs speech_units [B, {cfg.max_speech_len}]")
-            frame_units = batch.get("video_units") if cfg.cv_units else None
-            if cfg.cv_units and frame_units is None:
-                raise ValueError("this model's video block is unit-aligned (cv_units="
-                                 f"{cfg.cv_units}): the batch needs video_units [B, {cfg.max_video_len}] "
-                                 "(at inference: speak the reply first, then Empatheia.video_content)")
-            cs = self.content_sync(out["r_t"], out["r_t_mask"], sample=sample, rng=keys[0],
-                                   speech_units=units, video_units=frame_units)
+            if not video:
+                if train:
+                    raise ValueError("video=False is for inference (train=False): training reads C^v")
+                cs = {"cs_speech": self.content_sync.speech_block(out["r_t"], out["r_t_mask"], units)}
+            else:
+                frame_units = batch.get("video_units") if cfg.cv_units else None
+                if cfg.cv_units and frame_units is None:
+                    raise ValueError("this model's video block is unit-aligned (cv_units="
+                                     f"{cfg.cv_units}): the batch needs video_units [B, {cfg.max_video_len}] "
+                                     "(at inference: video=False, speak the reply, then video_content)")
+                cs = self.content_sync(out["r_t"], out["r_t_mask"], sample=sample, rng=keys[0],
+                                       speech_units=units, video_units=frame_units)
+                out["video_content"] = cs["cs_video"].out
             vae.update(cs)
             out["speech_content"] = cs["cs_speech"].out
-            out["video_content"] = cs["cs_video"].out
         if "sd" in heads:
             sd = self.style_dis(out["r_s"], out["r_s_mask"], out["r_v"], out["r_v_mask"], sample=sample,
                                 rng=keys[1])
@@ -662,6 +684,18 @@ class Empatheia(nnx.Module):
             out["video_profile"] = vae["sd_video_profile"].out
         out["vae"] = vae
         return out
+
+    def video_content(self, batch: Mapping[str, jax.Array], video_units: jax.Array) -> jax.Array:
+        """C^v [B, max_video_len, d] (z = mu) of a batch whose frame units are known only after its speech
+        rows were spoken: the second inference pass of a unit-aligned video block (`cv_units`; the first is
+        `__call__(video=False)`). The backbone runs again over the same batch for r^t (one forward, cheap
+        next to speaking the reply), so the result is what `__call__` gives with `video_units` in the
+        batch."""
+        if not self.config.has_cs:
+            raise ValueError("this model has no Content Synchronizer")
+        hidden, _, r_t_mask = self._backbone(batch)
+        units = video_units if self.config.cv_units else None
+        return self.content_sync.video_block(hidden, r_t_mask, units).out
 
     # -- construction from a pretrained backbone ----------------------------------------------------------
 
