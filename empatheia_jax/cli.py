@@ -435,6 +435,7 @@ def _chat() -> int:
             max_len=int(config.data.max_len) + FLAGS.max_new_tokens + 2 * model.config.n_signal + 2,
             speech_targets=speech_targets,
             video_targets=video_targets,
+            listener=listener,
         )
     except chat.PromptTooLongError as e:
         raise chat.ChatInputError(

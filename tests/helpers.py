@@ -387,9 +387,9 @@ def read_shard_split(out: Path, split: str) -> list[dict]:
     return recs
 
 
-def tiny_empatheia(tok, shards: Path | None = None, dims: tuple[int, int] | None = None):
+def tiny_empatheia(tok, shards: Path | None = None, dims: tuple[int, int] | None = None, **overrides):
     """A 2-layer d=32 Empatheia over the tokenizer `tok` with the feature dims of the tiny shards (or
-    `dims` = (audio_dim, video_dim))."""
+    `dims` = (audio_dim, video_dim)); `overrides`: other EmpatheiaConfig fields (e.g. cv_units)."""
     import json
 
     from flax import nnx
@@ -406,7 +406,7 @@ def tiny_empatheia(tok, shards: Path | None = None, dims: tuple[int, int] | None
                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id), rngs=nnx.Rngs(0))
     heads = dict(n_signal=4, lora=LoraConfig(rank=4, alpha=8.0), max_speech_len=TINY_ROWS,
                  max_video_len=TINY_ROWS, vae_d_model=16, vae_heads=2, vae_layers=1, cs_latent=8,
-                 sd_queries=2, sd_code_dim=8, sd_latent=4, fuse_dim=16)
+                 sd_queries=2, sd_code_dim=8, sd_latent=4, fuse_dim=16, **overrides)
     return Empatheia.from_llm(llm, tok, {"audio_dim": dims[0], "video_dim": dims[1], **heads},
                               rngs=nnx.Rngs(1))
 
