@@ -314,15 +314,16 @@ TINY_PROFILES = ((1, "young", "female", "high"), (3, "child", "male", "mid"), (5
                  (7, "middle-aged", "male", "mid"))
 
 
-def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)), real_targets: bool = False
-                     ) -> Path:
+def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)), real_targets: bool = False,
+                     mouth: str = "speech") -> Path:
     """Lite-encoder shards for trainer/eval tests: ROOT/raw, ROOT/shards (returned).
 
     Dialogue i of a split has emotion TINY_EMOTIONS[i % 6], 1-2 turns, and rotating speaker/listener
     profiles, so every label is present and every stage (text, media, targets) has data. Targets are
     stand-ins; with `real_targets` the embedded generators' instead (Kokoro-82M speech features, the face
     generator's controls) plus the test responses' gold speech in RAW/gold_speech as data/make_sample.py
-    writes it (~10 s more).
+    writes it (~10 s more). `mouth`: the face targets' `--mouth` ("replies": the demo's, with frame units
+    for the replies).
     """
     from empatheia_jax.data import prepare as prep
     from empatheia_jax.data.targets import STANDIN_KINDS, make_standin_targets
@@ -347,7 +348,7 @@ def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)
         from empatheia_jax.generators.speech_synth import write_wav
 
         export_speech_targets(raw, raw / "targets", progress=False)
-        export_face_targets(raw, raw / "targets", progress=False)
+        export_face_targets(raw, raw / "targets", progress=False, mouth=mouth)
         kinds = []
         (raw / GOLD_SPEECH_DIR).mkdir()
         emotions = schema.EmotionMap.load("avamerg7")

@@ -555,3 +555,34 @@ def test_make_global_batch_shards_the_batch_axis(paper_shards, tok):
     assert g["aud_feats"].shape == b["aud_feats"].shape
     assert g["aud_feats"].sharding.spec == PartitionSpec("data", None, None)
     np.testing.assert_array_equal(np.asarray(g["input_ids"]), b["input_ids"])
+
+
+def test_exported_frame_units_survive_into_the_batch(tmp_path, tok):
+    """End to end: face targets exported with the demo's reply mouth -> prepare -> the pipeline of a
+    unit-aligned video block: each batch row's video_units are the exported units of its reply, frame for
+    frame (0-padded past the clip), aligned with its video_content rows."""
+    from helpers import make_tiny_shards
+
+    from empatheia_jax.data.targets import TargetReader
+
+    shards = make_tiny_shards(tmp_path, counts=(("train", 2), ("test", 2)), real_targets=True,
+                              mouth="replies")
+    reader = TargetReader(tmp_path / "raw" / "targets")
+    records = ip.ShardReader.for_split(shards, "test")
+    pipe = ip.make_dataset(shards, "test", "ccl", tok, batch_size=4, max_len=512, shuffle=False, num_epochs=1,
+                           drop_remainder=False, window_batches=1, process_index=0, process_count=1,
+                           video_units=True, max_video_len=400)
+    seen = 0
+    for batch in pipe:
+        for b, i in enumerate(batch["record_index"]):
+            if i < 0:
+                continue
+            uid = records[int(i)]["response_utt_id"]
+            units = reader.get("video_units", uid)[:, 0].astype(np.int32)
+            n = len(units)
+            assert n == int(batch["video_content_mask"][b].sum()) and n <= 400
+            np.testing.assert_array_equal(batch["video_units"][b, :n], units)
+            assert not batch["video_units"][b, n:].any() and units.any()
+            np.testing.assert_array_equal(batch["video_content"][b, :n], reader.get("video_content", uid))
+            seen += 1
+    assert seen == len(records) >= 2
