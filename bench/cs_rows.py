@@ -13,6 +13,16 @@ and reports per variant the dev row L2 (eq 9's measure; `bench/cs_oracles.py` gi
 and the corpus WER / CER of `--replies` dev replies spoken from the predicted rows in their gold voice and
 heard by Whisper tiny.en (`data.asr`); with `--mix` also of the rows whose t_en half (or d_en half) is gold,
 to tell which half the errors heard are in.
+
+    python bench/cs_rows.py --video --raw RAW --targets TARGETS [--steps 600] [--json OUT]
+
+`--video` trains the CS's video block instead (the face generator's video_content rows, one per 25-fps
+frame, of targets exported with `converters.face_targets --mouth phonemes`, which also writes each frame's
+unit, video_units): once unit-aligned to the frame units (`cv_units`), once position-only (the paper's
+block), same steps, and reports the dev row L2 against the mean predictor's (the mean train row at each
+frame index, eval's baseline) and the unit-mean oracle's, and the per-clip Pearson correlation of the
+predicted mouth opening (dim 0) with the gold mouth track, averaged over dev clips (what lip sync needs:
+the mouth moving when the gold one does).
 """
 
 from __future__ import annotations
@@ -47,7 +57,73 @@ def _load(raw: Path, targets: Path, split: str, q: int, limit: int | None = None
     return [j.text for j in jobs], [j.uid for j in jobs], units, rows, mask
 
 
-def _train(conv: int, data, dev, steps: int, batch: int, seed: int, weight: np.ndarray):
+def _load_video(raw: Path, targets: Path, split: str, q: int, limit: int | None = None):
+    """(texts, uids, frame units [N, q] int32, video_content rows [N, q, 256] float32, mask [N, q] bool) of
+    a split's replies that have video_units (face_targets --mouth phonemes)."""
+    from converters.styletts2_targets import speech_jobs
+    from empatheia_jax.data.targets import TargetReader
+
+    reader = TargetReader(targets)
+    jobs = [j for j in speech_jobs(raw, [split], responses_only=True) if ("video_units", j.uid) in reader]
+    jobs = jobs[:limit]
+    dim = reader.dim("video_content")
+    units = np.zeros((len(jobs), q), np.int32)
+    rows = np.zeros((len(jobs), q, dim), np.float32)
+    mask = np.zeros((len(jobs), q), bool)
+    for i, job in enumerate(jobs):
+        r = reader.get("video_content", job.uid)[:q]
+        u = reader.get("video_units", job.uid)[:q, 0].astype(np.int32)
+        units[i, : len(u)], rows[i, : len(r)], mask[i, : len(r)] = u, r, True
+    return [j.text for j in jobs], [j.uid for j in jobs], units, rows, mask
+
+
+def _mouth_sync(pred: np.ndarray, gold: np.ndarray, mask: np.ndarray, mouth: int = 0) -> float:
+    """Mean over clips of the Pearson correlation of the predicted and gold mouth opening over the clip's
+    frames (a constant prediction counts 0: it does not move with the speech)."""
+    rs = []
+    for p, g, m in zip(pred[..., mouth], gold[..., mouth], mask, strict=True):
+        p, g = p[m].astype(np.float64), g[m].astype(np.float64)
+        if len(p) < 3 or g.std() == 0:
+            continue
+        rs.append(0.0 if p.std() == 0 else float(np.corrcoef(p, g)[0, 1]))
+    return float(np.mean(rs)) if rs else float("nan")
+
+
+def _row_l2(pred: np.ndarray, gold: np.ndarray, mask: np.ndarray) -> float:
+    return float(np.square(pred.astype(np.float32) - gold.astype(np.float32))[mask].sum(-1).mean())
+
+
+def _video(args) -> dict:
+    """The `--video` comparison (module docstring)."""
+    from empatheia_jax.generators.kokoro_speech import KokoroSpeech
+
+    train = _load_video(args.raw, args.targets, "train", args.rows)
+    dev = _load_video(args.raw, args.targets, "dev", args.rows, args.dev)
+    units, rows, mask = train[2], train[3], train[4]
+    n = mask.sum(0)
+    mean_rows = np.where(n[:, None] > 0, np.einsum("nqd,nq->qd", rows, mask) / np.maximum(n, 1)[:, None],
+                         rows[mask].mean(0))
+    unit_sum = np.zeros((KokoroSpeech.num_units, rows.shape[-1]))
+    np.add.at(unit_sum, units[mask], rows[mask].astype(np.float64))
+    unit_n = np.bincount(units[mask], minlength=KokoroSpeech.num_units)[:, None]
+    unit_mean = (unit_sum / np.maximum(unit_n, 1)).astype(np.float32)
+    _, _, du, dr, dm = dev
+    mean_pred = np.broadcast_to(mean_rows, dr.shape)
+    out = {}
+    for name, pred in (("mean_predictor", mean_pred), ("unit_mean", unit_mean[du])):
+        out[name] = {"row_l2": _row_l2(pred, dr, dm), "mouth_sync": _mouth_sync(pred, dr, dm)}
+        print(f"{name}: {json.dumps(out[name])}", flush=True)
+    weight = np.ones(rows.shape[-1], np.float32)
+    for name, aligned in (("cv_units", True), ("position_only", False)):
+        preds, _ = _train(0, train, dev, args.steps, args.batch, args.seed, weight, aligned=aligned)
+        out[name] = {"row_l2": _row_l2(preds, dr, dm), "mouth_sync": _mouth_sync(preds, dr, dm)}
+        print(f"{name}: {json.dumps(out[name])}", flush=True)
+    out["_meta"] = {"train_replies": len(train[0]), "dev_replies": len(dev[0]), "frames": args.rows,
+                    "steps": args.steps, "batch": args.batch}
+    return out
+
+
+def _train(conv: int, data, dev, steps: int, batch: int, seed: int, weight: np.ndarray, aligned: bool = True):
     import jax
     import jax.numpy as jnp
     import optax
@@ -63,7 +139,7 @@ def _train(conv: int, data, dev, steps: int, batch: int, seed: int, weight: np.n
     q = units.shape[1]
     cfg = VAEConfig(d_in=8, d_model=e.vae_d_model, num_queries=q, d_latent=e.cs_latent, d_out=rows.shape[-1],
                     num_heads=e.vae_heads, enc_layers=e.vae_layers, dec_layers=e.vae_layers,
-                    num_units=KokoroSpeech.num_units, conv_kernel=conv)
+                    num_units=KokoroSpeech.num_units if aligned else 0, conv_kernel=conv)
     model = TransformerVAE(cfg, rngs=nnx.Rngs(seed))
     sched = optax.warmup_cosine_decay_schedule(0.0, 1e-3, min(50, steps // 2), steps)
     opt = nnx.Optimizer(model, optax.adamw(sched, weight_decay=0.0), wrt=nnx.Param)
@@ -71,7 +147,7 @@ def _train(conv: int, data, dev, steps: int, batch: int, seed: int, weight: np.n
 
     def loss_fn(m, u, r, k, key):
         h = jnp.zeros((u.shape[0], 1, 8))
-        o = m(h, jnp.zeros((u.shape[0], 1), bool), sample=True, rng=key, units=u)
+        o = m(h, jnp.zeros((u.shape[0], 1), bool), sample=True, rng=key, units=u if aligned else None)
         per_row = jnp.sum(jnp.square(o.out - r) * weight, -1)
         l2 = jnp.sum(jnp.where(k, per_row, 0.0)) / jnp.sum(k)
         return l2 + 1e-3 * jnp.mean(kl_divergence(o.mu, o.logvar, k)), l2
@@ -86,11 +162,12 @@ def _train(conv: int, data, dev, steps: int, batch: int, seed: int, weight: np.n
     @jax.jit
     def predict(state, u):
         m, _ = nnx.merge(graph, state)
-        return m(jnp.zeros((u.shape[0], 1, 8)), jnp.zeros((u.shape[0], 1), bool), sample=False, units=u).out
+        return m(jnp.zeros((u.shape[0], 1, 8)), jnp.zeros((u.shape[0], 1), bool), sample=False,
+                 units=u if aligned else None).out
 
     rng = np.random.default_rng(seed)
     key = jax.random.key(seed)
-    for i in tqdm(range(steps), desc=f"conv {conv}", unit="step"):
+    for i in tqdm(range(steps), desc=f"conv {conv}" + ("" if aligned else ", position-only"), unit="step"):
         idx = rng.choice(len(units), batch, replace=False)
         batch_rows = rows[idx].astype(np.float32)
         state, _ = step(state, units[idx], batch_rows, mask[idx], jax.random.fold_in(key, i))
@@ -122,10 +199,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mix", action="store_true",
                     help="also speak each prediction's t_en with the gold d_en and the other way round")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--video", action="store_true",
+                    help="train the video block: unit-aligned to the frame units vs position-only")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--save", type=Path, default=None,
                     help="a folder for each variant's dev predictions (npz); the heard replies are printed")
     args = ap.parse_args(argv)
+    if args.video:
+        t0 = time.perf_counter()
+        out = _video(args)
+        out["_meta"]["seconds"] = round(time.perf_counter() - t0, 1)
+        print(json.dumps(out["_meta"]))
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=1) + "\n")
+        return 0
     from cs_oracles import halves, hear  # the bench folder is this script's sys.path[0]
     from tqdm import tqdm
 

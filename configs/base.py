@@ -53,6 +53,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             # token ids), 0 = the paper's position-only queries (docs/design.md "Aligned Content
             # Synchronizer")
             "cs_units": 0,
+            # the same for the CS's video rows (25-fps frames): each frame's unit on its clip's Kokoro
+            # timeline (targets kind video_units, from face_targets --mouth phonemes); 0 = position-only
+            "cv_units": 0,
             # width of a depthwise row convolution in every CS layer, 0 = none (the paper's block)
             "cs_conv": 0,
             # positions per chunk of the token loss's logits (0: all at once): memory for one more

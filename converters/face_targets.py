@@ -1,7 +1,7 @@
 """Video targets for the embedded default: the controls the procedural face generator draws each video from.
 
     python -m converters.face_targets --raw RAW --out TARGETS [--splits a,b] [--workers 2] [--quiet]
-        [--mouth speech|phonemes] [--responses-only]
+        [--mouth speech|phonemes|replies] [--responses-only]
 
 The sample's talking faces come from `empatheia_jax/generators/face_render.py`, a procedural stand-in for
 DreamTalk with a
@@ -24,6 +24,13 @@ Kokoro's predicted durations in the voice it is spoken with (`generators.visemes
 Kokoro's synthesis of it has. That gives text corpora (imported EmpatheticDialogues, whose replies have
 no video) video_content targets; with `--responses-only` only the turns' responses are exported, which is
 all a record reads.
+
+`--mouth replies` (the demo's): the listener's utterances, which are the replies a record's targets are,
+get the phoneme mouth (and their video_units) on the timeline of Kokoro speaking them at
+`kokoro_voices.LISTENER_SPEED` in the listener's voice, exactly the gold speech data/make_sample.py writes
+for the test replies (`kokoro_voices.gold_speech`); the speaker's utterances keep their wav's envelope.
+So a reply's gold clip moves with the reply's gold speech, a model's mouth can be timed by the speech it
+is spoken with, and eval measures lip sync against that speech (`eval/video.py`).
 """
 
 from __future__ import annotations
@@ -40,11 +47,14 @@ import numpy as np
 
 SOURCE = "face_render"
 KINDS = ("video_content", "video_style")
-MOUTHS = ("speech", "phonemes")
+MOUTHS = ("speech", "phonemes", "replies")
 MOUTH_METHOD = {
     "speech": "mouth opening = the RMS envelope of the utterance's wav (speech_synth.speech_envelope)",
     "phonemes": ("mouth opening = generators.visemes.mouth_track of the utterance's Kokoro phonemes, laid "
                  "out with Kokoro's predicted durations in kokoro_voices.voice(profile, style); no media"),
+    "replies": ("listener utterances (the replies): generators.visemes.mouth_track of their Kokoro phonemes "
+                "at kokoro_voices.LISTENER_SPEED, the gold speech's timeline; speaker utterances: the RMS "
+                "envelope of their wav"),
 }
 METHOD = {
     "video_content": ("empatheia_jax/generators/face_render.py control space, "
@@ -53,6 +63,9 @@ METHOD = {
     "video_style": ("empatheia_jax/generators/face_render.py STYLE_GROUPS one-hots: "
                     "age, gender, timbre, expression, skin, hair, "
                     "iris; dims 30-255 zero"),
+    "video_units": ("per video_content row, the Kokoro unit id (KokoroSpeech.content_units' id space: 0 = "
+                    "pad, else the phoneme token id) of the row the frame shows "
+                    "(generators.visemes.frame_units), stored as float32"),
 }
 
 
@@ -93,6 +106,13 @@ def text_controls(text: str, profile: dict, style: str, speed: float | None = No
     """(video_content, video_style) of one utterance without its media: the mouth follows its phonemes on
     the timeline Kokoro speaks them with in the utterance's voice (`generators.visemes`), at `speed` when
     given (as `kokoro_voices.gold_speech`), else the style's."""
+    return text_targets(text, profile, style, speed)[:2]
+
+
+def text_targets(text: str, profile: dict, style: str, speed: float | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`text_controls` plus video_units [T, 1]: each frame's Kokoro unit id (`visemes.frame_units`) on the
+    same timeline, so frame k's unit is the phoneme its mouth opening was drawn from."""
     from empatheia_jax.generators import kokoro, kokoro_voices, visemes
     from empatheia_jax.generators.face_render import face_controls
 
@@ -101,14 +121,18 @@ def text_controls(text: str, profile: dict, style: str, speed: float | None = No
     voice = kokoro_voices.voice(profile, style)
     rate = voice.speed if speed is None else float(speed)
     frames = kokoro.frames_of(engine.durations(engine.content_features(phonemes), voice.style, rate))
-    return face_controls(visemes.mouth_track(phonemes, frames), profile, style, smooth=False)
+    content, style_vec = face_controls(visemes.mouth_track(phonemes, frames), profile, style, smooth=False)
+    units = visemes.frame_units(phonemes, frames).astype(np.float32)[:, None]
+    if len(units) != len(content):
+        raise AssertionError(f"{len(units)} frame units for {len(content)} video_content rows")
+    return content, style_vec, units
 
 
-def _one(job: tuple[FaceJob, str]) -> tuple[str, tuple[np.ndarray, np.ndarray] | None, str | None]:
+def _one(job: tuple[FaceJob, str]) -> tuple[str, tuple[np.ndarray, ...] | None, str | None]:
     (uid, wav, text, profile, style, speed), mouth = job
     try:
-        if mouth == "phonemes":
-            return uid, text_controls(text, profile, style, speed), None
+        if mouth == "phonemes" or (mouth == "replies" and speed is not None):  # speed: a listener's
+            return uid, text_targets(text, profile, style, speed), None
         return uid, utterance_controls(wav, profile, style), None
     except Exception as e:  # noqa: BLE001 - collected and reported with the utterance id
         return uid, None, f"{uid}: {type(e).__name__}: {e}"
@@ -120,7 +144,10 @@ def export_face_targets(raw: str | Path, out: str | Path, *, splits: list[str] |
                         ) -> dict[str, int]:
     """Write video_content / video_style (source "face_render") for every utterance of RAW; counts per kind.
 
-    mouth "speech": every utterance must have its wav; "phonemes": no media is read (`text_controls`).
+    mouth "speech": every utterance must have its wav; "phonemes": no media is read (`text_targets`), and
+    video_units (each frame's Kokoro unit id, for a unit-aligned video block) are written too; a speech
+    mouth has no units (its frames follow a waveform, not phonemes), and a stale video_units kind from an
+    earlier phoneme export is removed so no unit can label a frame it was not drawn from.
     Failures are collected and raised together, nothing committed then.
     """
     from tqdm import tqdm
@@ -130,11 +157,12 @@ def export_face_targets(raw: str | Path, out: str | Path, *, splits: list[str] |
     if mouth not in MOUTHS:
         raise ValueError(f"--mouth {mouth!r}: expected one of {', '.join(MOUTHS)}")
     jobs = face_jobs(raw, splits, dialogues, responses_only)
-    missing = [j.wav for j in jobs if not Path(j.wav).is_file()] if mouth == "speech" else []
+    needs_wav = [j for j in jobs if mouth == "speech" or (mouth == "replies" and j.speed is None)]
+    missing = [j.wav for j in needs_wav if not Path(j.wav).is_file()]
     if missing:
         raise FileNotFoundError(f"{len(missing)} utterance wav(s) missing, e.g. {missing[:3]} "
                                 "(--mouth phonemes needs no media)")
-    if mouth == "phonemes":
+    if mouth != "speech":
         from empatheia_jax.generators import kokoro
 
         kokoro.cut_model("durations")  # built once here, not raced by the workers
@@ -145,9 +173,10 @@ def export_face_targets(raw: str | Path, out: str | Path, *, splits: list[str] |
         # the style rule (utterance_style) and the phoneme mouth's voice speed follow the voice map
         meta = {"raw": str(Path(raw).resolve()), "mouth": MOUTH_METHOD[mouth],
                 "voice_map_version": MAP_VERSION}
+        kinds = (*KINDS, "video_units") if mouth != "speech" else KINDS
         writers = {k: stack.enter_context(TargetWriter(out, k, SOURCE, None, shard_size,
                                                        {**meta, "method": METHOD[k]}))
-                   for k in KINDS}
+                   for k in kinds}
         tasks = [(j, mouth) for j in jobs]
         if workers > 1:
             import multiprocessing as mp
@@ -161,11 +190,15 @@ def export_face_targets(raw: str | Path, out: str | Path, *, splits: list[str] |
             if err:
                 errors.append(err)
                 continue
-            writers["video_content"].add(uid, controls[0])
-            writers["video_style"].add(uid, controls[1])
+            for kind, x in zip(kinds, controls, strict=False):  # a speech mouth has no units
+                writers[kind].add(uid, x)
         if errors:
             raise RuntimeError(f"{len(errors)} utterance(s) failed; no targets written:\n"
                                + "\n".join(errors))
+    if mouth == "speech":
+        from empatheia_jax.data.targets import remove_kind
+
+        remove_kind(out, "video_units")
     return {k: len(w) for k, w in writers.items()}
 
 
@@ -178,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard-size", type=int, default=512)
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--mouth", default="speech", choices=MOUTHS,
-                    help="speech: the wav's envelope (default); phonemes: Kokoro's timeline, no media")
+                    help="speech: the wav's envelope (default); phonemes: Kokoro's timeline, no media; "
+                         "replies: phonemes for the listener's utterances, speech for the speaker's")
     ap.add_argument("--responses-only", action="store_true",
                     help="only the turns' responses (what records read)")
     args = ap.parse_args(argv)

@@ -99,9 +99,11 @@ if [[ -f "$WORK/shards/manifest.json" ]]; then
 else
     # Speech targets are Kokoro-82M's own t_en ++ d_en and the style vector each voice is made of; video targets
     # are the controls the procedural face generator (a stand-in for DreamTalk) drew each video from. prepare
-    # would fill any kind no generator exported with stand-ins; none is left.
+    # would fill any kind no generator exported with stand-ins; none is left. The replies' mouths follow
+    # Kokoro's timing of the gold reply speech (--mouth replies: the phoneme mouth and its frame units at
+    # the listener's speed), so lip sync is measured against the speech a reply is spoken with.
     "$PY" -m converters.styletts2_targets --backend kokoro --raw "$WORK/sample" --out "$WORK/targets" --workers 2
-    "$PY" -m converters.face_targets --raw "$WORK/sample" --out "$WORK/targets" --workers 2
+    "$PY" -m converters.face_targets --raw "$WORK/sample" --out "$WORK/targets" --workers 2 --mouth replies
     "$PY" -m data.prepare --raw "$WORK/sample" --out "$WORK/shards" --encoder lite \
         --targets "$WORK/targets" --make-standin-targets --split-by conversation --workers 2 ${V[@]+"${V[@]}"}
 fi

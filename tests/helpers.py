@@ -314,18 +314,19 @@ TINY_PROFILES = ((1, "young", "female", "high"), (3, "child", "male", "mid"), (5
                  (7, "middle-aged", "male", "mid"))
 
 
-def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)), real_targets: bool = False
-                     ) -> Path:
+def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)), real_targets: bool = False,
+                     mouth: str = "speech") -> Path:
     """Lite-encoder shards for trainer/eval tests: ROOT/raw, ROOT/shards (returned).
 
     Dialogue i of a split has emotion TINY_EMOTIONS[i % 6], 1-2 turns, and rotating speaker/listener
     profiles, so every label is present and every stage (text, media, targets) has data. Targets are
     stand-ins; with `real_targets` the embedded generators' instead (Kokoro-82M speech features, the face
     generator's controls) plus the test responses' gold speech in RAW/gold_speech as data/make_sample.py
-    writes it (~10 s more).
+    writes it (~10 s more). `mouth`: the face targets' `--mouth` ("replies": the demo's, with frame units
+    for the replies).
     """
     from empatheia_jax.data import prepare as prep
-    from empatheia_jax.data.targets import TARGET_KINDS, make_standin_targets
+    from empatheia_jax.data.targets import STANDIN_KINDS, make_standin_targets
 
     splits, n = {}, 0
     for split, count in counts:
@@ -336,7 +337,7 @@ def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)
             n += 1
         splits[split] = objs
     raw = make_raw(root / "raw", splits)
-    kinds = list(TARGET_KINDS)
+    kinds = list(STANDIN_KINDS)
     if real_targets:
         from converters.face_targets import export_face_targets
         from converters.styletts2_targets import export_speech_targets
@@ -347,7 +348,7 @@ def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)
         from empatheia_jax.generators.speech_synth import write_wav
 
         export_speech_targets(raw, raw / "targets", progress=False)
-        export_face_targets(raw, raw / "targets", progress=False)
+        export_face_targets(raw, raw / "targets", progress=False, mouth=mouth)
         kinds = []
         (raw / GOLD_SPEECH_DIR).mkdir()
         emotions = schema.EmotionMap.load("avamerg7")
@@ -387,9 +388,9 @@ def read_shard_split(out: Path, split: str) -> list[dict]:
     return recs
 
 
-def tiny_empatheia(tok, shards: Path | None = None, dims: tuple[int, int] | None = None):
+def tiny_empatheia(tok, shards: Path | None = None, dims: tuple[int, int] | None = None, **overrides):
     """A 2-layer d=32 Empatheia over the tokenizer `tok` with the feature dims of the tiny shards (or
-    `dims` = (audio_dim, video_dim))."""
+    `dims` = (audio_dim, video_dim)); `overrides`: other EmpatheiaConfig fields (e.g. cv_units)."""
     import json
 
     from flax import nnx
@@ -406,7 +407,7 @@ def tiny_empatheia(tok, shards: Path | None = None, dims: tuple[int, int] | None
                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id), rngs=nnx.Rngs(0))
     heads = dict(n_signal=4, lora=LoraConfig(rank=4, alpha=8.0), max_speech_len=TINY_ROWS,
                  max_video_len=TINY_ROWS, vae_d_model=16, vae_heads=2, vae_layers=1, cs_latent=8,
-                 sd_queries=2, sd_code_dim=8, sd_latent=4, fuse_dim=16)
+                 sd_queries=2, sd_code_dim=8, sd_latent=4, fuse_dim=16, **overrides)
     return Empatheia.from_llm(llm, tok, {"audio_dim": dims[0], "video_dim": dims[1], **heads},
                               rngs=nnx.Rngs(1))
 

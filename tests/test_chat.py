@@ -314,3 +314,51 @@ def test_encoder_from_manifest_rebuilds_the_shards_encoder(shards):
     tampered = {"name": "lite", "config": dict(manifest["encoder"]["config"], version=99)}
     with pytest.raises(ValueError, match="differs .* in \\['version'\\]"):
         chat.encoder_from_manifest(tampered)
+
+
+def test_unit_aligned_video_block_runs_after_the_reply_is_timed_by_its_speech(tmp_path_factory, shards,
+                                                                             media):
+    """With cv_units the video block reads the frame units of the reply's own content units laid on the
+    durations Kokoro speaks the predicted rows with (predicted S^s, speed 1: the bridge's voice): as many
+    frames as that audio lasts, and C^v equals a teacher-forced forward given exactly those units."""
+    from empatheia_jax.generators import face_render
+    from empatheia_jax.generators.kokoro_speech import KokoroSpeech
+
+    tok = load_smollm2_tokenizer(tmp_path_factory)  # a fresh one: from_llm extends it in place
+    model = tiny_empatheia(tok, shards, cv_units=KokoroSpeech.num_units)
+    r = chat.respond(model, tok, text="test1 line 2: I feel disgusted", audio=media / "diatest1utt2_7.wav",
+                     video=media / "diatest1utt2_7.mp4", history=_history(media), encoder="lite",
+                     max_new_tokens=5, compiler_options=FAST, speech_targets="kokoro",
+                     video_targets="face_render")
+    rows = min(r.speech_content_units, ROWS)
+    assert rows >= 3, r.reply
+    speaker = KokoroSpeech()
+    content, style = r.features["speech_content"], r.features["speech_style"]
+    frames = speaker.frame_units(content, style, rows, 1.0, KokoroSpeech.content_units(r.reply)[:rows])
+    audio = speaker.speak(content, style, rows, 1.0)
+    assert len(frames) == face_render.frame_count(len(audio), speaker.sample_rate)
+    assert any("video rows timed by" in n for n in r.notes)
+    # the reference: the whole forward with those frame units in the batch
+    enc = get_encoder("lite")
+    files = ["diatest1utt0_7", "diatest1utt2_7"]
+    aud = np.concatenate([enc.encode_audio(media / f"{f}.wav") for f in files])
+    vid = np.concatenate([enc.encode_video(media / f"{f}.mp4") for f in files])
+    n, length = len(r.input_ids), 256
+    batch = {"input_ids": np.zeros((1, length), np.int32), "attention_mask": np.zeros((1, length), np.int32),
+             "response_mask": np.zeros((1, length), np.int32),
+             "positions": np.arange(length, dtype=np.int32)[None], "aud_feats": aud[None],
+             "aud_mask": np.ones((1, len(aud)), np.int32), "vid_feats": vid[None],
+             "vid_mask": np.ones((1, len(vid)), np.int32), "video_units": np.zeros((1, ROWS), np.int32)}
+    batch["input_ids"][0, :n], batch["attention_mask"][0, :n] = r.input_ids, 1
+    batch["response_mask"][0, :n] = r.response_mask
+    batch["video_units"][0, : min(len(frames), ROWS)] = frames[:ROWS]
+    graphdef, state = nnx.split(model)
+    ref = _teacher_forced(graphdef, state, {k: jnp.asarray(v) for k, v in batch.items()})
+    np.testing.assert_allclose(r.features["video_content"], np.asarray(ref["video_content"][0]), rtol=1e-4,
+                               atol=1e-5)
+    np.testing.assert_allclose(r.features["speech_content"], np.asarray(ref["speech_content"][0]),
+                               rtol=1e-4, atol=1e-5)
+    # other frame units give another C^v: the block reads them
+    batch["video_units"][0, :] = 0
+    other = _teacher_forced(graphdef, state, {k: jnp.asarray(v) for k, v in batch.items()})
+    assert np.abs(np.asarray(other["video_content"][0]) - r.features["video_content"]).max() > 1e-3

@@ -405,6 +405,42 @@ def test_unit_aligned_cs_reads_speech_units_and_aligns_only_the_speech_block():
         EmpatheiaConfig(llm=LLM, **{**TINY, "cs_units": 7}, cs_speech=CFG.cs_speech)
 
 
+def test_unit_aligned_video_block_reads_video_units_per_frame():
+    """cv_units aligns the CS's video rows (frames) to the batch's video_units with the speech block's own
+    mechanism: a frame's output follows its unit (two frames told different units differ, the same frames
+    told the same units agree), C^s is untouched, a batch without them is refused, and `video_block` (the
+    inference path, run after speaking) gives what the whole forward gives."""
+    cfg = EmpatheiaConfig(llm=LLM, **TINY, cv_units=9)
+    assert cfg.cs_video.num_units == 9 and cfg.cs_speech.num_units == 0
+    assert EmpatheiaConfig.from_dict(cfg.to_dict()) == cfg
+    model = build(cfg=cfg)
+    batch = make_batch()
+    units = np.zeros((B, cfg.max_video_len), np.int32)
+    a = forward(model, {**batch, "video_units": units}, heads={"cs"})
+    units[:, 3] = 4
+    b = forward(model, {**batch, "video_units": units}, heads={"cs"})
+    va, vb = np.asarray(a["video_content"]), np.asarray(b["video_content"])
+    assert np.abs(va[:, 3] - vb[:, 3]).max() > 0.1  # the frame told another unit renders otherwise
+    np.testing.assert_array_equal(a["speech_content"], b["speech_content"])
+    with pytest.raises(ValueError, match="needs video_units"):
+        forward(model, batch, heads={"cs"})
+    with pytest.raises(ValueError, match="cs_video.num_units=0 but cs_units=0, cv_units=9"):
+        EmpatheiaConfig(llm=LLM, **{**TINY, "cv_units": 9}, cs_video=CFG.cs_video)
+    with pytest.raises(ValueError, match="cv_units=-1"):
+        EmpatheiaConfig(llm=LLM, **TINY, cv_units=-1)
+    alone = model.content_sync.video_block(b["r_t"], b["r_t_mask"], jnp.asarray(units))
+    np.testing.assert_allclose(np.asarray(alone.out), vb, rtol=1e-5, atol=1e-5)
+    # inference: a first pass without the video block, then C^v from the units known after speaking
+    first = model({k: jnp.asarray(v) for k, v in batch.items()}, heads={"cs"}, video=False)
+    assert "video_content" not in first
+    np.testing.assert_allclose(np.asarray(first["speech_content"]), b["speech_content"], rtol=1e-5, atol=1e-5)
+    second = model.video_content({k: jnp.asarray(v) for k, v in batch.items()}, jnp.asarray(units))
+    np.testing.assert_allclose(np.asarray(second), vb, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="video=False is for inference"):
+        model({k: jnp.asarray(v) for k, v in batch.items()}, heads={"cs"}, video=False, train=True,
+              rng=jax.random.key(0))
+
+
 def test_cs_conv_gives_both_content_blocks_a_row_convolution_and_no_style_block():
     """cs_conv is the row convolution's width in both CS blocks (content rows are sequences); the SD's few
     code queries have none. A stored config round-trips, and a wrong width names the field."""

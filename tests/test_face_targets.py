@@ -15,7 +15,8 @@ from converters import face_targets
 from data import make_sample
 from empatheia_jax.data.schema import Dialogue, dialogue_utterances, load_dialogues
 from empatheia_jax.data.targets import TargetReader
-from empatheia_jax.generators import face_render
+from empatheia_jax.generators import face_render, kokoro
+from empatheia_jax.generators.kokoro_speech import KokoroSpeech
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +113,8 @@ def test_phoneme_mouth_targets_need_no_media_and_follow_kokoro_speech(sample, tm
     dialogues = load_dialogues(text_only / "test.json")
     responses = {response_utterance_id(d, j): (d, t) for d in dialogues for j, t in enumerate(d.turns)}
     reader = TargetReader(tmp_path / "t")
-    assert counts == {"video_content": len(responses), "video_style": len(responses)}
+    assert counts == {"video_content": len(responses), "video_style": len(responses),
+                      "video_units": len(responses)}
     assert sorted(reader.keys("video_content")) == sorted(responses)
     assert "phonemes" in reader.meta["video_content"]["mouth"]
     syncs = []
@@ -125,6 +127,45 @@ def test_phoneme_mouth_targets_need_no_media_and_follow_kokoro_speech(sample, tm
         assert len(content) == -(-len(audio) * 25 // 24000), uid
         syncs.append(lip_sync(content[:, face_render.CONTENT_MOUTH], speech_envelope(audio, 24000)))
         assert face_render.decode_style(reader.get("video_style", uid))["emotion"] == style
+        # each frame's unit: the Kokoro id of the phoneme the frame's mouth was drawn from
+        units = reader.get("video_units", uid)
+        assert units.shape == (len(content), 1) and np.all(units == np.round(units))
+        ids = set(KokoroSpeech.content_units(turn.response).tolist())
+        assert set(units[:, 0].astype(int).tolist()) <= ids and units[0, 0] == units[-1, 0] == 0
+        shut = content[:, face_render.CONTENT_MOUTH] == 0.0
+        table = kokoro.vocab()
+        # (silent rows: pads, pauses, and the spaces, stress and length marks that borrow a silent side)
+        assert set(units[shut, 0].astype(int).tolist()) <= {0, *(table[c] for c in "pbm.,!?;:—… ˈˌː")}
     assert min(syncs) > 0.5, syncs
     with pytest.raises(ValueError, match="--mouth"):
         face_targets.export_face_targets(text_only, tmp_path / "t3", mouth="lips", progress=False)
+    # a speech-mouth export over the same folder has no units and removes the stale ones
+    counts = face_targets.export_face_targets(raw, tmp_path / "t", splits=["test"], progress=False)
+    assert "video_units" not in counts and "video_units" not in TargetReader(tmp_path / "t").kinds
+    assert not list((tmp_path / "t").glob("video_units-*"))
+
+
+def test_reply_mouth_times_the_listener_by_kokoro_and_the_speaker_by_the_wav(sample, tmp_path):
+    """`--mouth replies` (the demo's): a listener utterance's mouth and frame units are the phoneme mouth at
+    LISTENER_SPEED (the gold reply speech's timeline), a speaker utterance keeps its wav's envelope and has
+    no units."""
+    from empatheia_jax.generators import kokoro_voices
+
+    raw, speech_reader = sample
+    counts = face_targets.export_face_targets(raw, tmp_path / "t", splits=["test"], progress=False,
+                                              mouth="replies")
+    reader = TargetReader(tmp_path / "t")
+    jobs = face_targets.face_jobs(raw, ["test"])
+    listeners = [j for j in jobs if j.speed is not None]
+    speakers = [j for j in jobs if j.speed is None]
+    assert listeners and speakers and all(j.speed == kokoro_voices.LISTENER_SPEED for j in listeners)
+    assert counts["video_content"] == len(jobs) and counts["video_units"] == len(listeners)
+    assert reader.meta["video_units"]["mouth"] == face_targets.MOUTH_METHOD["replies"]
+    j = listeners[0]
+    content, _, units = face_targets.text_targets(j.text, j.profile, j.style, j.speed)
+    np.testing.assert_array_equal(reader.get("video_content", j.uid), content)
+    np.testing.assert_array_equal(reader.get("video_units", j.uid), units)
+    s = speakers[0]
+    assert ("video_units", s.uid) not in reader
+    gold = speech_reader.get("video_content", s.uid)
+    np.testing.assert_array_equal(reader.get("video_content", s.uid), gold)

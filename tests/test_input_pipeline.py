@@ -286,6 +286,34 @@ def test_speech_units_follow_the_reply_and_are_checked_against_its_target(tok):
         ip.build_example(rec, "ccl", tok, cfg)
 
 
+def test_video_units_are_the_records_stored_frame_units_and_are_refused_when_they_disagree(tok):
+    """A unit-aligned video block's batch: `video_units` are the record's stored per-frame ids (targets kind
+    video_units [T, 1]), int32, padded to max_video_len; a record without them, or with a count other than
+    its video_content rows, is refused naming the record."""
+    rec = make_record(0)
+    frames = np.array([0, 0, 12, 12, 44, 7, 7, 7, 0, 0], np.float32)
+    rec["targets"]["video_content"] = np.zeros((len(frames), 256), np.float32)
+    rec["targets"]["video_units"] = frames[:, None]
+    cfg = ip.PipelineConfig(video_units=True, max_video_len=8)
+    ex = ip.build_example(rec, "ccl", tok, cfg)
+    assert ex["video_units"].dtype == np.int32 and ex["video_units"].tolist() == [0, 0, 12, 12, 44, 7, 7, 7]
+    b = ip.collate([ex, ex], cfg, 3, audio_dim=D_A, video_dim=D_V, pad_id=0)
+    assert b["video_units"].shape == (3, 8) and b["video_units"][1].tolist() == ex["video_units"].tolist()
+    assert not b["video_units"][2].any()  # a filler row
+    assert "video_units" not in ip.collate([ip.build_example(rec, "ccl", tok)], ip.PipelineConfig(), 1,
+                                           audio_dim=D_A, video_dim=D_V, pad_id=0)
+    where = "test-00000-of-00001.array_record record 3"
+    short = {**rec, "targets": {**rec["targets"], "video_units": frames[:-1, None]}}
+    with pytest.raises(ValueError, match=f"{where}: 9 video_units but 10 video_content rows"):
+        ip.ExampleBuilder(tok, cfg, audio_dim=D_A, video_dim=D_V)(short, where=where)
+    none = {**rec, "targets": {k: v for k, v in rec["targets"].items() if k != "video_units"}}
+    with pytest.raises(ValueError, match=f"{where}: the video block is unit-aligned"):
+        ip.ExampleBuilder(tok, cfg, audio_dim=D_A, video_dim=D_V)(none, where=where)
+    half = {**rec, "targets": {**rec["targets"], "video_units": frames[:, None] + 0.5}}
+    with pytest.raises(ValueError, match="whole unit ids"):
+        ip.build_example(half, "ccl", tok, cfg)
+
+
 def test_k_vectors_per_placeholder(tok):
     ex = ip.build_example(make_record(2, k=2), "overall", tok)
     text = tok.decode(ex["input_ids"])
@@ -527,3 +555,34 @@ def test_make_global_batch_shards_the_batch_axis(paper_shards, tok):
     assert g["aud_feats"].shape == b["aud_feats"].shape
     assert g["aud_feats"].sharding.spec == PartitionSpec("data", None, None)
     np.testing.assert_array_equal(np.asarray(g["input_ids"]), b["input_ids"])
+
+
+def test_exported_frame_units_survive_into_the_batch(tmp_path, tok):
+    """End to end: face targets exported with the demo's reply mouth -> prepare -> the pipeline of a
+    unit-aligned video block: each batch row's video_units are the exported units of its reply, frame for
+    frame (0-padded past the clip), aligned with its video_content rows."""
+    from helpers import make_tiny_shards
+
+    from empatheia_jax.data.targets import TargetReader
+
+    shards = make_tiny_shards(tmp_path, counts=(("train", 2), ("test", 2)), real_targets=True,
+                              mouth="replies")
+    reader = TargetReader(tmp_path / "raw" / "targets")
+    records = ip.ShardReader.for_split(shards, "test")
+    pipe = ip.make_dataset(shards, "test", "ccl", tok, batch_size=4, max_len=512, shuffle=False, num_epochs=1,
+                           drop_remainder=False, window_batches=1, process_index=0, process_count=1,
+                           video_units=True, max_video_len=400)
+    seen = 0
+    for batch in pipe:
+        for b, i in enumerate(batch["record_index"]):
+            if i < 0:
+                continue
+            uid = records[int(i)]["response_utt_id"]
+            units = reader.get("video_units", uid)[:, 0].astype(np.int32)
+            n = len(units)
+            assert n == int(batch["video_content_mask"][b].sum()) and n <= 400
+            np.testing.assert_array_equal(batch["video_units"][b, :n], units)
+            assert not batch["video_units"][b, n:].any() and units.any()
+            np.testing.assert_array_equal(batch["video_content"][b, :n], reader.get("video_content", uid))
+            seen += 1
+    assert seen == len(records) >= 2

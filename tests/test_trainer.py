@@ -88,6 +88,7 @@ def tiny_config(tok, shards, **overrides):
         ({"model.empatheia.ce_chunk": -64}, "config.model.empatheia.ce_chunk=-64: must be an int >= 0"),
         ({"loss.ccl_scale": "std"}, "config.loss.ccl_scale='std': must be one of"),
         ({"model.empatheia.cs_conv": 4}, "config.model.empatheia.cs_conv=4: must be 0"),
+        ({"model.empatheia.cv_units": -1}, "config.model.empatheia.cv_units=-1: must be an int >= 0"),
         ({"checkpoint.keep_best": True, "checkpoint.best_metric": "eval/loss"},
          "config.checkpoint.best_metric='eval/loss': the stage's evaluation reports no such metric"),
     ],

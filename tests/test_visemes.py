@@ -102,3 +102,53 @@ def test_rows_without_articulation_take_their_neighbours():
     assert all(visemes.OPENINGS[c] == 0.0 for c in "pbm")
     assert min(visemes.OPENINGS[c] for c in "aɑɒæʌ") >= 0.9 > max(visemes.OPENINGS[c] for c in "eɛəoɔ")
     assert max(visemes.OPENINGS[c] for c in "iuɪʊ") < min(visemes.OPENINGS[c] for c in "eɛəoɔ")
+
+
+def test_frame_units_follow_the_mouth_track_frames(spoken):
+    """Each frame carries the Kokoro unit id (KokoroSpeech.content_units' id space) of the row at its centre:
+    as many frames as the mouth track, the bilabials' centre frames carry m/b/p, units in phoneme order."""
+    phonemes, frames, _ = spoken
+    units = visemes.frame_units(phonemes, frames)
+    track = visemes.mouth_track(phonemes, frames)
+    table = kokoro.vocab()
+    assert units.dtype == np.int32 and units.shape == track.shape
+    rows = _rows(phonemes)
+    row_ids = np.concatenate([[0], kokoro.token_ids(phonemes), [0]])
+    for i, c in enumerate(rows):
+        if c in "pbm":
+            assert units[_frame_at(frames, slice(i, i + 1))] == table[c], (i, c)
+    # the frame sequence of ids is the row sequence with rows repeated (or, for rows shorter than a frame,
+    # skipped): walking the frames never goes back in the phoneme order
+    row_of = [int(np.flatnonzero(row_ids == u)[0]) if u else None for u in units]
+    positions = []
+    j = 0
+    for u in units:
+        while row_ids[j] != u:
+            j += 1
+        positions.append(j)
+    assert positions == sorted(positions) and row_of[0] is None and units[0] == units[-1] == 0
+    assert {table[c] for c in "mɑbɔɪæp"} <= set(units.tolist())  # every vowel nucleus and bilabial seen
+    # a mouth that is shut carries a bilabial's id (or a pad's / a pause's: silent rows)
+    silent = {0, table["."], table["m"], table["b"], table["p"]}
+    assert all(int(u) in silent for u in units[track == 0.0])
+
+
+def test_frame_units_by_hand():
+    """Rows pad ɑ p ɑ pad held 1, 2, 1, 2, 1 frames (edges 0, 600, 1800, 2400, 3600, 4200 samples); video
+    frames [0, 960), [960, 1920), ... with centres 480 (pad), 1440 (ɑ), 2400 (the second ɑ starts there),
+    3360 (ɑ) and the clipped last frame's 4020 (pad); frame 2 is half p, the track shuts it: p."""
+    table = kokoro.vocab()
+    got = visemes.frame_units("ɑpɑ", np.array([1, 2, 1, 2, 1]))
+    assert got.tolist() == [0, table["ɑ"], table["p"], table["ɑ"], 0]
+    assert visemes.mouth_track("ɑpɑ", np.array([1, 2, 1, 2, 1]))[2] == 0.0
+    # a generic unit layout: edges 0, 600, 1200, 3000, 4200, 4800; centres 480, 1440, 2400, 3360, 4320
+    got = visemes.row_frame_units(np.array([0, 5, 7, 9, 0]), np.array([1, 1, 3, 2, 1]),
+                                  closed=np.zeros(5, bool))
+    assert got.tolist() == [0, 7, 7, 9, 0]
+    # the default closure comes from the ids: m 600..1200 covers 37.5 % of frame 0 (whose centre is the
+    # pad's), b 1200..2400 75 % of frame 1 (m 25 %)
+    m, b, a = table["m"], table["b"], table["ɑ"]
+    got = visemes.row_frame_units(np.array([0, m, b, a, 0]), np.array([1, 1, 2, 3, 1]))
+    assert got[:2].tolist() == [m, b]
+    with pytest.raises(ValueError, match="row units"):
+        visemes.row_frame_units(np.array([0, 1]), np.array([1, 1, 1]))

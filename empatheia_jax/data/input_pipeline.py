@@ -85,6 +85,11 @@ class PipelineConfig:
     speech_units: the speech generator's content units of a reply text, one id per content row
     (`generators.registry.content_units_fn`), for a unit-aligned Content Synchronizer: examples then carry
     `speech_units` [max_speech_len]. A function, not a name, because the generators sit above this layer.
+    video_units: examples carry `video_units` [max_video_len], the record's stored per-frame unit ids
+    (targets kind `video_units`, written with a phoneme mouth), for a unit-aligned video block
+    (`EmpatheiaConfig.cv_units`); a record without them, or with a count other than its video_content
+    rows, is refused by name. Stored, not computed from the text as speech units are: a frame's unit
+    depends on the durations the gold clip was timed with.
     """
 
     stage: str = "overall"
@@ -105,6 +110,7 @@ class PipelineConfig:
     window_batches: int = 8
     include_target: bool = True
     speech_units: Callable[[str], np.ndarray] | None = None
+    video_units: bool = False
 
     def __post_init__(self) -> None:
         self.template_spec()  # validates stage and flags
@@ -410,6 +416,8 @@ class ExampleBuilder:
         generator_targets = self._generator_targets(rec.get("targets") or {}, counters)
         if self.cfg.speech_units is not None:
             generator_targets["speech_units"] = self._speech_units(rec, where)
+        if self.cfg.video_units:
+            generator_targets["video_units"] = self._video_units(rec, where)
         dropped, text_cut = fit.start, fit.text_cut
         counters["examples"] += 1
         counters["dropped_utterances"] += dropped
@@ -591,6 +599,24 @@ class ExampleBuilder:
                              f"target {len(rows)} rows (phonemized differently from the exported targets?)")
         return units[: self.cfg.max_speech_len]
 
+    def _video_units(self, rec: Mapping[str, Any], where: str) -> np.ndarray:
+        """The record's stored per-frame unit ids [T] (int32), checked against its video_content rows: a
+        unit-aligned video block told nothing, or told another clip's timing, would render wrong mouths."""
+        targets = rec.get("targets") or {}
+        units, rows = targets.get("video_units"), targets.get("video_content")
+        if units is None:
+            raise ValueError(f"{where}: the video block is unit-aligned (cv_units) but the record has no "
+                             "video_units (export the video targets with converters.face_targets "
+                             "--mouth phonemes)")
+        units = np.asarray(units, np.float32).reshape(-1)
+        if rows is None or len(units) != len(rows):
+            got = "no" if rows is None else len(rows)
+            raise ValueError(f"{where}: {len(units)} video_units but {got} video_content rows (exported "
+                             "separately?); every frame needs its unit")
+        if not (np.all(units == np.round(units)) and np.all(units >= 0)):
+            raise ValueError(f"{where}: video_units must be whole unit ids >= 0")
+        return units[: self.cfg.max_video_len].astype(np.int32)
+
     @staticmethod
     def _content(
         targets: Mapping[str, Any], key: str, max_rows: int, dim: int, counters: PipelineCounters
@@ -677,6 +703,8 @@ def batch_spec(
     }
     if cfg.speech_units is not None:
         spec["speech_units"] = ((B, cfg.max_speech_len), i32)
+    if cfg.video_units:
+        spec["video_units"] = ((B, cfg.max_video_len), i32)
     return spec
 
 
@@ -722,6 +750,8 @@ def collate(
                 out[f"{feat}_mask"][b, :t] = 1
         if "speech_units" in out:
             out["speech_units"][b, : len(e["speech_units"])] = e["speech_units"]
+        if "video_units" in out:
+            out["video_units"][b, : len(e["video_units"])] = e["video_units"]
         out["speech_style"][b] = e["speech_style"]
         out["video_style"][b] = e["video_style"]
         out["style_mask"][b] = e["style_mask"]
@@ -1076,7 +1106,7 @@ def make_dataset(
     fingerprint = {
         "split": split,
         "num_records": len(reader),
-        "config": json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=_qualified_name),
+        "config": json.dumps(_fingerprint_fields(cfg), sort_keys=True, default=_qualified_name),
         "batch_size": batch_size,
         "seed": seed,
         "shuffle": shuffle,
@@ -1100,6 +1130,15 @@ def make_dataset(
         read_threads=read_threads,
         fingerprint=fingerprint,
     )
+
+
+def _fingerprint_fields(cfg: PipelineConfig) -> dict[str, Any]:
+    """The config as a fingerprint reads it: fields added later with their default left out, so an iterator
+    state saved before they existed still resumes (`video_units`)."""
+    fields = dataclasses.asdict(cfg)
+    if not fields["video_units"]:
+        del fields["video_units"]
+    return fields
 
 
 def _qualified_name(fn: Any) -> str:
@@ -1183,13 +1222,16 @@ def pipeline_config_fields(
 ) -> dict[str, Any]:
     """`PipelineConfig` fields (without stage/max_len) that agree with the model; `overrides` may set the
     others (max_aud, max_vid, buckets, chat_format) but not contradict the model. `speech_units`: the
-    speech generator's unit function for a unit-aligned CS (`generators.registry.units_for`).
+    speech generator's unit function for a unit-aligned CS (`generators.registry.units_for`);
+    `video_units` follows the model (`cv_units` > 0: the batch carries the stored frame units).
 
     `cfg` is an `EmpatheiaConfig` and `stage` a `stages.Stage`, typed Any: the data layer sits below both."""
     fields = {k: v for k, v in stage.pipeline_fields().items() if k != "stage"}
     fields.update({k: getattr(cfg, k) for k in _MODEL_FIELDS})
     if speech_units is not None:
         fields["speech_units"] = speech_units
+    if getattr(cfg, "cv_units", 0):
+        fields["video_units"] = True
     for k, v in (overrides or {}).items():
         if k in ("stage", "max_len", "include_target", "window_batches"):
             raise ValueError(f"pipeline_overrides may not set {k!r} (evaluate sets it)")

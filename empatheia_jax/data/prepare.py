@@ -56,7 +56,7 @@ from empatheia_jax.data.shard_format import (
 )
 from empatheia_jax.data.targets import (
     STAND_IN,
-    TARGET_KINDS,
+    STANDIN_KINDS,
     TargetReader,
     make_standin_targets,
     read_targets_meta,
@@ -509,7 +509,7 @@ def _make_missing_standins(
     valid = [d for ds in data.splits.values() for d in ds]  # skipped dialogues may lack media
     real = {k: v.get("source") for k, v in read_targets_meta(Path(targets)).items()
             if isinstance(v, dict) and v.get("source") != STAND_IN}
-    missing = [k for k in TARGET_KINDS if k not in real]
+    missing = [k for k in STANDIN_KINDS if k not in real]
     if real:
         log(f"targets already exported by a generator, kept: "
             f"{', '.join(f'{k} ({s})' for k, s in real.items())}")

@@ -39,7 +39,15 @@ TARGET_KINDS: dict[str, tuple[int, int]] = {
     "video_content": (2, 256),
     "speech_style": (1, 256),
     "video_style": (1, 256),
+    "video_units": (2, 1),
 }
+UNIT_KINDS = ("video_units",)
+"""Kinds that label rows instead of being regressed: `video_units` [T_frames, 1] holds, per video_content
+row, the speech generator's content-unit id of the frame (`visemes.frame_units`; integers stored exactly in
+float32), written next to video_content by `converters.face_targets --mouth phonemes` and read by a
+unit-aligned video block (`EmpatheiaConfig.cv_units`). No stand-in exists for them, no loss or baseline
+reads them as a target."""
+STANDIN_KINDS = tuple(k for k in TARGET_KINDS if k not in UNIT_KINDS)
 SOURCES = ("styletts2", "kokoro", "dreamtalk", "face_render", "stand-in")
 """Who made a target: StyleTTS2 (the user's checkpoint), Kokoro-82M (the embedded StyleTTS2-family model,
 empatheia_jax/generators/kokoro.py), DreamTalk (the user's checkpoint), the procedural face generator's
@@ -220,6 +228,22 @@ class TargetWriter:
             meta[self.kind] = entry
             _write_json_atomic(self.dir / META, meta)
         self._tmp_files = []
+
+
+def remove_kind(directory: str | os.PathLike, kind: str) -> bool:
+    """Remove `kind` from a target folder: meta.json first (readers then refuse it), then its files, under
+    the writers' lock. True when there was one. For a re-export that no longer makes the kind (video_units
+    after a speech-mouth export), so no stale tensor is read beside the new ones."""
+    d = Path(directory)
+    with _meta_lock(d):
+        meta = read_targets_meta(d)
+        if kind not in meta:
+            return False
+        del meta[kind]
+        _write_json_atomic(d / META, meta)
+        for f in d.glob(f"{kind}-*-of-*.safetensors"):
+            f.unlink()
+    return True
 
 
 class TargetReader:
@@ -537,17 +561,18 @@ def make_standin_targets(
     progress: bool = True,
     kinds: Iterable[str] | None = None,
 ) -> dict[str, int]:
-    """Compute stand-in targets of `kinds` (default all four) for every utterance of RAW; counts per kind.
+    """Compute stand-in targets of `kinds` (default the four `STANDIN_KINDS`) for every utterance of RAW;
+    counts per kind.
 
     Every utterance must have its media; failures are collected and raised together (nothing is
     committed then). Uses a process pool when ``workers > 1``.
     """
     from tqdm import tqdm
 
-    kinds = list(TARGET_KINDS if kinds is None else kinds)
-    unknown = sorted(set(kinds) - set(TARGET_KINDS))
+    kinds = list(STANDIN_KINDS if kinds is None else kinds)
+    unknown = sorted(set(kinds) - set(STANDIN_KINDS))
     if unknown:
-        raise ValueError(f"unknown target kind(s) {unknown}; expected some of {sorted(TARGET_KINDS)}")
+        raise ValueError(f"no stand-in for target kind(s) {unknown}; expected some of {list(STANDIN_KINDS)}")
     jobs = standin_jobs(raw, splits, dialogues)
     print(
         f"[targets] computing STAND-IN targets ({', '.join(kinds)}) for {len(jobs)} utterances of "

@@ -13,6 +13,7 @@ import numpy as np
 from empatheia_jax.data import input_pipeline as ip
 from empatheia_jax.data import templates as tpl
 from empatheia_jax.data.splits import check_split
+from empatheia_jax.data.targets import UNIT_KINDS
 from empatheia_jax.eval.metrics.names import ACC_NAME, LABELS
 from empatheia_jax.eval.metrics.text import (
     Means,
@@ -67,6 +68,8 @@ def baselines(
             if k == "emotion":
                 means.add("emotion_acc_text", correct, counted)
         for kind, x in (rec.get("targets") or {}).items():
+            if kind in UNIT_KINDS:  # row labels, not a target to predict
+                continue
             x = np.asarray(x, np.float64)
             if kind in mean_rows:
                 x = x[: limits[kind]]
@@ -102,6 +105,8 @@ def _fit(train: ip.ShardReader, limits: dict[str, int]
             if lab.get(k) is not None and int(lab[k]) >= 0:
                 counts[k][int(lab[k])] += 1
         for kind, x in (rec.get("targets") or {}).items():
+            if kind in UNIT_KINDS:
+                continue
             x = np.asarray(x, np.float64)
             if kind in limits:
                 x = x[: limits[kind]]

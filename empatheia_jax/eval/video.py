@@ -14,7 +14,9 @@ either side). What is compared (docs/design.md "Video out"):
 - **pipeline_tts**: the gold mouth track on the avatar of the majority train listener profile (the
   Pipeline baseline's fixed avatar).
 Rows (`video_metrics.video_rows`): SSIM, PSNR, CPBD, F-LMD / M-LMD (FaceMesh landmarks), lip sync
-(correlation of the mouth opening with the gold speech's envelope, SyncNet's weights being unobtainable),
+(correlation of the mouth opening with the gold speech's envelope, SyncNet's weights being unobtainable;
+the gold speech is the speech whose timing drew the gold clip: RAW/gold_speech's Kokoro reply for a
+clip with frame units, `video_units`, which only a phoneme mouth has, else the media wav),
 and `video_{age,gender,timbre,emotion}_acc`: the profile and expression recovered FROM THE FRAMES of each
 test record's rendered avatar (PROBE_FRAMES frames of it) by a `speech_metrics.LinearStyleProbe`, against the
 listener's labels and the expression the gold avatar shows (its video_style target: the listener's answer
@@ -46,6 +48,8 @@ from empatheia_jax.data import input_pipeline as ip
 from empatheia_jax.data.shard_format import target_source
 from empatheia_jax.eval.speech import predicted_emotions
 
+GOLD_SPEECH = "gold_speech"
+"""RAW's folder of the test replies' Kokoro gold speech (data/make_sample.py), as the speech rows read it."""
 VIDEO_METRICS = ("video_ssim", "video_psnr", "video_cpbd", "video_f_lmd", "video_m_lmd", "video_lip_sync",
                  "video_age_acc", "video_gender_acc", "video_timbre_acc", "video_emotion_acc",
                  "video_pinned_age_acc", "video_pinned_gender_acc", "video_pinned_timbre_acc",
@@ -85,6 +89,7 @@ class VideoEval:
             raise VideoEvalUnavailable(f"{shards_dir}: video targets are {sources}, not the face generator's "
                                        "controls, so there is no generator here to draw them with")
         media = Path(manifest.get("raw", "")) / "media"
+        gold_speech = Path(manifest.get("raw", "")) / GOLD_SPEECH
         self.examples, self.progress = int(examples), progress
         check_split(shards_dir, train_split)
         reader = ip.ShardReader.for_split(shards_dir, split)
@@ -101,7 +106,11 @@ class VideoEval:
                 # emotion (kokoro_voices.utterance_style) in current targets, always calm in older ones
                 self.labels[i] = {**{k: str(rec["listener_profile"][k]) for k in ("age", "gender", "timbre")},
                                   "emotion": decode_style(self.gold_controls[i][1])["emotion"]}
-            wav = media / f"{rec['response_utt_id']}.wav"
+            # the speech whose timing drew the gold clip: a clip with frame units was laid on Kokoro's
+            # timeline of the gold reply speech (face_targets --mouth replies/phonemes), any other follows
+            # the media wav
+            timed_by_kokoro = "video_units" in targets
+            wav = (gold_speech if timed_by_kokoro else media) / f"{rec['response_utt_id']}.wav"
             if len(self.items) < self.examples and i in self.labels:
                 if not wav.is_file():
                     raise VideoEvalUnavailable(f"{wav}: missing (lip sync reads the gold speech)")

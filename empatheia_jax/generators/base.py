@@ -73,6 +73,13 @@ class SpeechGenerator(Generator):
     def speak(self, content: np.ndarray, style: np.ndarray, rows: int, speed: float = 1.0) -> np.ndarray:
         """float32 audio at `sample_rate` from the first `rows` content rows and the style vector."""
 
+    def frame_units(self, content: np.ndarray, style: np.ndarray, rows: int, speed: float,
+                    row_units: np.ndarray, fps: int = 25) -> np.ndarray | None:
+        """The unit id per video frame (at `fps`) of the audio `speak(content, style, rows, speed)` gives:
+        `row_units` [rows] laid on the durations it speaks the rows with, what a unit-aligned video block
+        (`cv_units`) renders after the speech; None for a generator that cannot say when each row sounds."""
+        return None
+
 
 class VideoGenerator(Generator):
     modality = "video"

@@ -310,6 +310,15 @@ class Kokoro:
         feeds = {**self._feeds(content, style), "speed": self._speed(speed)}
         return np.asarray(self._session("durations").run(None, feeds)[0], np.float32).reshape(-1)
 
+    def capped_durations(self, content: np.ndarray, style: np.ndarray, speed: float,
+                         max_mean_frames: float) -> np.ndarray:
+        """The durations `synthesize(max_mean_frames=)` speaks with: the predicted ones, scaled down by one
+        factor when their mean exceeds the cap. `frames_of` them times that audio row by row, so a video
+        laid on it (a unit-aligned video block's frame units) is in sync with it by construction."""
+        pred = self.durations(content, style, speed)
+        mean = float(pred.mean())
+        return pred if mean <= max_mean_frames else pred * np.float32(max_mean_frames / mean)
+
     def synthesize(self, content: np.ndarray, style: np.ndarray, speed: float = 1.0,
                    durations: np.ndarray | None = None,
                    max_mean_frames: float | None = None) -> np.ndarray:
@@ -326,9 +335,7 @@ class Kokoro:
         rows = feeds[D_EN].shape[1]
         speed_in = self._speed(speed)
         if durations is None and max_mean_frames is not None:
-            pred = self.durations(content, style, speed)
-            mean = float(pred.mean())
-            durations = pred if mean <= max_mean_frames else pred * np.float32(max_mean_frames / mean)
+            durations = self.capped_durations(content, style, speed, max_mean_frames)
         if durations is None:
             feeds["speed"] = speed_in
             audio = self._session("synthesizer").run(None, feeds)[0]

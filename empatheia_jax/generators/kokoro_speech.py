@@ -13,6 +13,7 @@ from empatheia_jax.generators.kokoro import (
     CONTENT_DIM,
     SAMPLE_RATE,
     content_length,
+    frames_of,
     phonemize,
     shared,
     token_ids,
@@ -60,3 +61,12 @@ class KokoroSpeech(SpeechGenerator):
             raise GeneratorError(f"speech_content must be [rows, {CONTENT_DIM}], got {list(content.shape)}")
         return shared(self.threads).synthesize(content[:rows], style, speed,
                                                max_mean_frames=self.MAX_MEAN_FRAMES)
+
+    def frame_units(self, content: np.ndarray, style: np.ndarray, rows: int, speed: float,
+                    row_units: np.ndarray, fps: int = 25) -> np.ndarray:
+        """`visemes.row_frame_units` of `row_units` on the durations `speak` uses (the same cap)."""
+        from empatheia_jax.generators import visemes  # its face_render import is heavy for speech-only users
+
+        content = np.asarray(content, np.float32)[:rows]
+        durations = shared(self.threads).capped_durations(content, style, speed, self.MAX_MEAN_FRAMES)
+        return visemes.row_frame_units(np.asarray(row_units)[:rows], frames_of(durations), fps=fps)

@@ -23,6 +23,15 @@ at least `CLOSURE_SHARE` (0.3) by bilabial closures is shut (0.0). Kokoro's shor
 of 25 ms, so the 40-ms video frame holding a bilabial's centre always sees >= 12.5 ms (0.31) of it:
 every p, b, m closes the mouth at least once, which a plain mean would blur away. Light coarticulation
 smoothing (each open frame takes `coarticulation` of each neighbour) follows; shut frames stay shut.
+
+Frame units (`frame_units`): the same frames, each labelled with the Kokoro unit id (the id space of
+`KokoroSpeech.content_units`, `[0, *token_ids(phonemes), 0]`) of the content row covering the frame's
+centre. A unit-aligned video block (`EmpatheiaConfig.cv_units`) is told these ids the way the speech block
+is told the rows' ids: the mouth opening is a function of the phoneme at the frame, and a frame's phoneme
+is known once the durations are. A frame the track shuts for a bilabial carries that bilabial's id, the
+others the id of the row at their centre. Pads stay 0 (silence, the pad id) and pause punctuation keeps
+its own id (its rows are silent too, but a learnt table row per mark costs nothing and keeps the layout
+the speech block's). Both functions lay the frames on the rows with one piece of code (`_frame_layout`).
 """
 
 from __future__ import annotations
@@ -89,6 +98,62 @@ def row_openings(phonemes: str) -> tuple[np.ndarray, np.ndarray]:
     return np.array(value, np.float64), closed
 
 
+def _frame_layout(frames_per_row: np.ndarray, fps: int, sample_rate: int, frame_samples: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(row ends [T + 1], frame edges [n_frames + 1]), int64 on an exact time axis in units of
+    1 / (sample_rate * fps) s: row i spans ends[i]..ends[i + 1] (cumsum(frames) x frame_samples x fps),
+    video frame k spans edges[k]..edges[k + 1] (k x sample_rate, the last clipped to the audio's end);
+    n_frames = `face_render.frame_count` of the audio, as many frames as `FaceRenderer.render` draws."""
+    frames = np.asarray(frames_per_row)
+    whole = np.issubdtype(frames.dtype, np.number) and np.all(frames == np.round(frames))
+    if not (frames.ndim == 1 and whole and np.all(frames >= 1)):
+        raise ValueError("frames_per_row must be whole frames >= 1: pass kokoro.frames_of(durations)")
+    n_samples = int(frames.sum()) * frame_samples
+    n_frames = frame_count(n_samples, sample_rate, fps)
+    ends = np.concatenate([[0], np.cumsum(frames.astype(np.int64)) * frame_samples * fps])
+    edges = np.minimum(np.arange(n_frames + 1, dtype=np.int64) * sample_rate, ends[-1])
+    return ends, edges
+
+
+def row_frame_units(row_units: np.ndarray, frames_per_row: np.ndarray, closed: np.ndarray | None = None,
+                    fps: int = FRAME_RATE, sample_rate: int = kokoro.SAMPLE_RATE,
+                    frame_samples: int = kokoro.FRAME_SAMPLES) -> np.ndarray:
+    """int32 [n_frames]: `row_units[i]` of the content row whose span holds video frame k's centre
+    ((k + 0.5) / fps s; the last frame, which may outlast the audio, takes its clipped window's centre),
+    except that a frame `mouth_track` shuts (bilabial rows cover >= `CLOSURE_SHARE` of it) carries the
+    bilabial row covering most of it: a 25-ms p between two vowels may hold no frame centre, yet the track
+    shuts a frame for it, and the frame's unit must say why. n_frames is `mouth_track`'s.
+
+    `row_units` [T]: the rows' unit ids (`KokoroSpeech.content_units`, or a model's own units of its reply
+    at inference); `frames_per_row` [T]: `kokoro.frames_of(durations)`; `closed` [T] bool: the bilabial
+    rows (`row_openings`' second result), by default the rows whose id is p, b or m."""
+    units = np.asarray(row_units).reshape(-1)
+    frames = np.asarray(frames_per_row)
+    if frames.shape != units.shape:
+        raise ValueError(f"frames_per_row has shape {list(frames.shape)} for {len(units)} row units")
+    if closed is None:
+        table = kokoro.vocab()
+        closed = np.isin(units, [table[c] for c in BILABIALS if c in table])
+    ends, edges = _frame_layout(frames, fps, sample_rate, frame_samples)
+    centres = edges[:-1] + edges[1:]  # twice the centre: stays integer
+    row = np.minimum(np.searchsorted(2 * ends[1:], centres, side="right"), len(units) - 1)
+    # overlap [n_frames, T] of each frame with each bilabial row, on the same exact time axis
+    overlap = (np.minimum(edges[1:, None], ends[None, 1:]) - np.maximum(edges[:-1, None], ends[None, :-1]))
+    overlap = np.where(np.asarray(closed, bool)[None, :], np.maximum(overlap, 0), 0)
+    shut = overlap.sum(1) >= CLOSURE_SHARE * np.diff(edges)
+    row = np.where(shut, overlap.argmax(1), row)
+    return units[row].astype(np.int32)
+
+
+def frame_units(phonemes: str, frames_per_row: np.ndarray, fps: int = FRAME_RATE,
+                sample_rate: int = kokoro.SAMPLE_RATE, frame_samples: int = kokoro.FRAME_SAMPLES
+                ) -> np.ndarray:
+    """int32 [n_frames]: the Kokoro unit id per video frame of `phonemes` spoken with `frames_per_row`
+    (the module docstring's "Frame units"); frame for frame the frames of `mouth_track`."""
+    units = np.concatenate([[0], kokoro.token_ids(phonemes), [0]])
+    return row_frame_units(units, frames_per_row, row_openings(phonemes)[1], fps, sample_rate, frame_samples)
+
+
 def mouth_track(phonemes: str, frames_per_row: np.ndarray, fps: int = FRAME_RATE,
                 sample_rate: int = kokoro.SAMPLE_RATE, frame_samples: int = kokoro.FRAME_SAMPLES,
                 coarticulation: float = COARTICULATION) -> np.ndarray:
@@ -106,17 +171,10 @@ def mouth_track(phonemes: str, frames_per_row: np.ndarray, fps: int = FRAME_RATE
     if frames.shape != openings.shape:
         raise ValueError(f"frames_per_row has shape {list(frames.shape)}; {phonemes[:40]!r} has "
                          f"{len(openings)} content rows (kokoro.content_length)")
-    whole = np.issubdtype(frames.dtype, np.number) and np.all(frames == np.round(frames))
-    if not (whole and np.all(frames >= 1)):
-        raise ValueError("frames_per_row must be whole frames >= 1: pass kokoro.frames_of(durations)")
     if not 0 <= coarticulation <= 0.5:
         raise ValueError(f"coarticulation must be in [0, 0.5], got {coarticulation}")
-    # exact integer time axis in units of 1 / (sample_rate * fps) s: rows end at cumsum(frames) x
-    # frame_samples x fps, frame k ends at (k + 1) x sample_rate
-    n_samples = int(frames.sum()) * frame_samples
-    n_frames = frame_count(n_samples, sample_rate, fps)
-    ends = np.concatenate([[0], np.cumsum(frames.astype(np.int64)) * frame_samples * fps])
-    edges = np.minimum(np.arange(n_frames + 1, dtype=np.int64) * sample_rate, ends[-1])
+    ends, edges = _frame_layout(frames, fps, sample_rate, frame_samples)
+    n_frames = len(edges) - 1
     # integrals of the opening and of the closure indicator, piecewise linear in time: exact at the edges
     area = np.concatenate([[0.0], np.cumsum(openings * np.diff(ends))])
     shut = np.concatenate([[0.0], np.cumsum(closed * np.diff(ends))])

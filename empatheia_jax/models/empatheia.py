@@ -117,6 +117,10 @@ class EmpatheiaConfig:
     # Unit alignment of the CS's speech rows: the size of the speech generator's unit vocabulary (Kokoro:
     # its phoneme token ids), 0 = the paper's position-only queries. The batch then carries speech_units.
     cs_units: int = 0
+    # The same for the CS's video rows (25-fps frames): the batch then carries video_units, each frame's
+    # unit id on the timeline its gold clip was drawn with (`visemes.frame_units`); at inference the
+    # durations Kokoro spoke the reply with give them (`Empatheia.video_content`). 0 = position-only.
+    cv_units: int = 0
     # Width of the depthwise row convolution in every layer of both CS blocks (0 = none, the paper's block):
     # a content row depends on its neighbours (`VAEConfig.conv_kernel`, docs/design.md "Aligned Content
     # Synchronizer").
@@ -145,6 +149,9 @@ class EmpatheiaConfig:
                      "sd_queries", "sd_code_dim", "sd_latent", "fuse_dim"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
+        for name in ("cs_units", "cv_units"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)} must be >= 0 (0 = position-only queries)")
         if self.cs_conv < 0 or (self.cs_conv and self.cs_conv % 2 == 0):
             problems.append(f"cs_conv={self.cs_conv} must be 0 (none) or a positive odd width")
         if self.ce_chunk < 0:
@@ -189,7 +196,7 @@ class EmpatheiaConfig:
         conv = self.cs_conv
         wanted = {
             "cs_speech": (self.max_speech_len, self.cs_latent, self.speech_content_dim, self.cs_units, conv),
-            "cs_video": (self.max_video_len, self.cs_latent, self.video_content_dim, 0, conv),
+            "cs_video": (self.max_video_len, self.cs_latent, self.video_content_dim, self.cv_units, conv),
             **{name: (self.sd_queries, self.sd_latent, self.sd_code_dim, 0, 0) for name in SD_VAES},
         }
         for name, (q, latent, out, units, conv) in wanted.items():
@@ -203,8 +210,8 @@ class EmpatheiaConfig:
             if c.d_in != d:
                 problems.append(f"{name}.d_in={c.d_in} != llm.hidden_size={d}")
             if c.num_units != units:
-                problems.append(f"{name}.num_units={c.num_units} but cs_units={self.cs_units} (the block "
-                                f"should have {units})")
+                problems.append(f"{name}.num_units={c.num_units} but cs_units={self.cs_units}, cv_units="
+                                f"{self.cv_units} (the block should have {units})")
             if c.conv_kernel != conv:
                 problems.append(f"{name}.conv_kernel={c.conv_kernel} but cs_conv={self.cs_conv} (the block "
                                 f"should have {conv})")
@@ -369,7 +376,10 @@ class ContentSynchronizer(nnx.Module):
     With `cs_units` the speech block's rows are aligned to the reply's content units (`speech_units`
     [B, max_speech_len]: the speech generator's ids of the units its content rows stand for, Kokoro's
     phoneme tokens with the two pads), so row i is told which phoneme it renders instead of having to find
-    it in r^t by position (docs/design.md "Aligned Content Synchronizer")."""
+    it in r^t by position (docs/design.md "Aligned Content Synchronizer"). With `cv_units` the video
+    block's rows (25-fps frames) are aligned the same way to `video_units` [B, max_video_len], each
+    frame's unit on its clip's timeline; `video` runs that block alone, for inference, where the frame
+    units exist only after the speech block's rows have been spoken."""
 
     def __init__(self, cfg: EmpatheiaConfig, *, rngs: nnx.Rngs):
         self.speech = TransformerVAE(cfg.cs_speech, rngs=rngs)
@@ -377,11 +387,21 @@ class ContentSynchronizer(nnx.Module):
 
     def __call__(
         self, r_t: jax.Array, r_t_mask: jax.Array, *, sample: bool, rng: jax.Array | None,
-        speech_units: jax.Array | None = None,
+        speech_units: jax.Array | None = None, video_units: jax.Array | None = None,
     ) -> dict[str, VAEOutput]:
         speech, video = run_vaes([self.speech, self.video], [(r_t, r_t_mask)] * 2, sample=sample, rng=rng,
-                                 units=[speech_units, None])
+                                 units=[speech_units, video_units])
         return {"cs_speech": speech, "cs_video": video}
+
+    def speech_block(self, r_t: jax.Array, r_t_mask: jax.Array, speech_units: jax.Array | None
+                     ) -> VAEOutput:
+        """The speech block alone, deterministic (z = mu), as `__call__(sample=False)` gives "cs_speech"."""
+        return self.speech(r_t, r_t_mask, sample=False, units=speech_units)
+
+    def video_block(self, r_t: jax.Array, r_t_mask: jax.Array, video_units: jax.Array | None) -> VAEOutput:
+        """The video block alone, deterministic (z = mu): what `__call__(sample=False)` gives as
+        "cs_video" for the same units (run_vaes runs a unit-aligned block alone, so nothing is shared)."""
+        return self.video(r_t, r_t_mask, sample=False, units=video_units)
 
 
 class SignalStandardizer(nnx.Module):
@@ -567,6 +587,22 @@ class Empatheia(nnx.Module):
 
     # -- forward --------------------------------------------------------------------------------------------
 
+    def _backbone(self, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(hidden [B,T,d], attention mask [B,T] bool, r^t mask [B,T] bool) of a batch: the spliced inputs
+        through the LLM; r^t is the hidden state at the response tokens."""
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask")
+        mask = jnp.ones(ids.shape, bool) if mask is None else mask.astype(bool)
+        positions = batch.get("positions")
+        if positions is None:
+            positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
+        x = self.embed_inputs(ids, batch.get("aud_feats"), batch.get("aud_mask"), batch.get("vid_feats"),
+                              batch.get("vid_mask"))
+        hidden, _ = self.llm.decode(x, positions=positions, attention_mask=mask)
+        response = batch.get("response_mask")
+        r_t_mask = (jnp.zeros(ids.shape, bool) if response is None else response.astype(bool)) & mask
+        return hidden, mask, r_t_mask
+
     def __call__(
         self,
         batch: Mapping[str, jax.Array],
@@ -574,13 +610,17 @@ class Empatheia(nnx.Module):
         train: bool = False,
         rng: jax.Array | None = None,
         heads: frozenset[str] | set[str] | None = None,
+        video: bool = True,
     ) -> dict[str, Any]:
         """All model outputs for a pipeline batch (docs/design.md "Batch layout").
 
         Needs `input_ids`; `attention_mask` (default all 1), `positions` (default cumsum(mask) - 1),
         `response_mask`, and the feature keys are read when present. `heads` picks the optional heads to
         run (default: all the model has); a stage passes only what its losses read. train=True samples
-        the VAE latents (needs `rng`); train=False uses z = mu.
+        the VAE latents (needs `rng`); train=False uses z = mu. `video=False` leaves the CS's video block
+        out (no `video_content`; evaluation only): the first pass of inference with a unit-aligned video
+        block (`cv_units`), whose frame units exist once the reply's speech rows have been spoken; the
+        second pass is `video_content`.
 
         `rng` is one key (shape []) or one key per example (shape [B]). With per-example keys every draw
         of example b (VAE noise and dropout) comes from rng[b] alone: `cs_key, sd_key = split(rng[b])`, then
@@ -605,19 +645,11 @@ class Empatheia(nnx.Module):
             rng = as_key(rng)
             if rng.ndim == 1 and rng.shape[0] != ids.shape[0]:
                 raise ValueError(f"{rng.shape[0]} per-example keys for a batch of {ids.shape[0]} examples")
-        mask = batch.get("attention_mask")
-        mask = jnp.ones(ids.shape, bool) if mask is None else mask.astype(bool)
-        positions = batch.get("positions")
-        if positions is None:
-            positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
-        x = self.embed_inputs(ids, batch.get("aud_feats"), batch.get("aud_mask"), batch.get("vid_feats"),
-                              batch.get("vid_mask"))
-        hidden, _ = self.llm.decode(x, positions=positions, attention_mask=mask)
+        hidden, mask, r_t_mask = self._backbone(batch)
         out: dict[str, Any] = {"logits": self.llm.logits(hidden), "hidden": hidden}
         out.update(self.gather_signal_states(hidden, ids, mask))
-        response = batch.get("response_mask")
         out["r_t"] = hidden
-        out["r_t_mask"] = (jnp.zeros(ids.shape, bool) if response is None else response.astype(bool)) & mask
+        out["r_t_mask"] = r_t_mask
         vae: dict[str, VAEOutput] = {}
         keys = (None, None) if rng is None else tuple(split_keys(rng))
         sample = bool(train)
@@ -626,11 +658,21 @@ class Empatheia(nnx.Module):
             if cfg.cs_units and units is None:
                 raise ValueError("this model's Content Synchronizer is unit-aligned (cs_units="
                                  f"{cfg.cs_units}): the batch needs speech_units [B, {cfg.max_speech_len}]")
-            cs = self.content_sync(out["r_t"], out["r_t_mask"], sample=sample, rng=keys[0],
-                                   speech_units=units)
+            if not video:
+                if train:
+                    raise ValueError("video=False is for inference (train=False): training reads C^v")
+                cs = {"cs_speech": self.content_sync.speech_block(out["r_t"], out["r_t_mask"], units)}
+            else:
+                frame_units = batch.get("video_units") if cfg.cv_units else None
+                if cfg.cv_units and frame_units is None:
+                    raise ValueError("this model's video block is unit-aligned (cv_units="
+                                     f"{cfg.cv_units}): the batch needs video_units [B, {cfg.max_video_len}] "
+                                     "(at inference: video=False, speak the reply, then video_content)")
+                cs = self.content_sync(out["r_t"], out["r_t_mask"], sample=sample, rng=keys[0],
+                                       speech_units=units, video_units=frame_units)
+                out["video_content"] = cs["cs_video"].out
             vae.update(cs)
             out["speech_content"] = cs["cs_speech"].out
-            out["video_content"] = cs["cs_video"].out
         if "sd" in heads:
             sd = self.style_dis(out["r_s"], out["r_s_mask"], out["r_v"], out["r_v_mask"], sample=sample,
                                 rng=keys[1])
@@ -642,6 +684,18 @@ class Empatheia(nnx.Module):
             out["video_profile"] = vae["sd_video_profile"].out
         out["vae"] = vae
         return out
+
+    def video_content(self, batch: Mapping[str, jax.Array], video_units: jax.Array) -> jax.Array:
+        """C^v [B, max_video_len, d] (z = mu) of a batch whose frame units are known only after its speech
+        rows were spoken: the second inference pass of a unit-aligned video block (`cv_units`; the first is
+        `__call__(video=False)`). The backbone runs again over the same batch for r^t (one forward, cheap
+        next to speaking the reply), so the result is what `__call__` gives with `video_units` in the
+        batch."""
+        if not self.config.has_cs:
+            raise ValueError("this model has no Content Synchronizer")
+        hidden, _, r_t_mask = self._backbone(batch)
+        units = video_units if self.config.cv_units else None
+        return self.content_sync.video_block(hidden, r_t_mask, units).out
 
     # -- construction from a pretrained backbone ----------------------------------------------------------
 

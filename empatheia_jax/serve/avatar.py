@@ -27,7 +27,7 @@ from empatheia_jax.generators import registry
 from empatheia_jax.generators.base import GeneratorError
 from empatheia_jax.generators.kokoro_voices import to_pcm16
 from empatheia_jax.generators.speech_synth import listener_style, write_wav
-from empatheia_jax.serve.chat import read_outputs
+from empatheia_jax.serve.chat import pinned_style, read_outputs, reply_emotion
 
 SPEECH_GENERATOR = "kokoro"
 VIDEO_GENERATOR = "face_render"
@@ -51,26 +51,6 @@ def parse_listener(value: str, flag: str = "--listener") -> dict[str, str]:
         if part not in vocab:
             raise ValueError(f"{flag} {value!r}: {name} {part!r} is not one of {', '.join(vocab)}")
     return dict(zip((name for name, _ in vocabs), parts, strict=True))
-
-
-def reply_emotion(meta: dict[str, Any]) -> str | None:
-    """The emotion the reply answers, as a class of EMOTIONS_7: CoE step 2 when it names one (the reasoning
-    the reply was written from), else the SD classifier's; None when neither resolves."""
-    emap = schema.EmotionMap.load("avamerg7")
-    for word in (meta.get("emotion_text"), meta.get("emotion")):
-        if word and emap.class_name(word):
-            return emap.class_name(word)
-    return None
-
-
-def pinned_style(generator: str, listener: dict[str, str], meta: dict[str, Any]
-                 ) -> tuple[np.ndarray, float, str]:
-    """(style vector, speaking rate, note) of the pinned listener avatar for generator `generator`."""
-    emotion = reply_emotion(meta)
-    style = listener_style(emotion)
-    vector, rate = registry.generator_class(generator).avatar_style(listener, style)
-    who = "/".join(listener[k] for k in ("age", "gender", "timbre"))
-    return vector, rate, f"listener avatar {who} pinned, in the {style} style (reply emotion: {emotion})"
 
 
 def pinned_styles(generator: str, listeners: Mapping[int, Mapping[str, str]],

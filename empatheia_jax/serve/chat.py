@@ -45,6 +45,7 @@ from empatheia_jax.data import templates as tpl
 from empatheia_jax.data.targets import STAND_IN
 from empatheia_jax.generators import registry
 from empatheia_jax.generators.registry import content_rows
+from empatheia_jax.generators.speech_synth import listener_style
 from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
 from empatheia_jax.serve import forward
 from empatheia_jax.serve.generation import bucket, eos_token_ids, generate_tokens, left_pad
@@ -416,6 +417,7 @@ def respond(
     speech_targets: str = STAND_IN,
     video_targets: str = STAND_IN,
     asr_threads: int = 2,
+    listener: Mapping[str, str] | None = None,
 ) -> ChatResult:
     """The model's reply to `text` (the speaker's latest utterance; `audio`/`video` its media files) after
     `history` (`load_history` entries, oldest first). See the module docstring for the steps.
@@ -430,6 +432,9 @@ def respond(
     (`ChatResult.speech_content_units`), both which generator can render the features (recorded in OUT.json).
     An utterance with audio and no text (`text=""` for the latest) is transcribed first
     (`transcribe_utterances`, `asr_threads` CTranslate2 threads); one with neither is a `ChatInputError`.
+    A unit-aligned video block (`cv_units`) runs after the speech rows are known: its frame units are the
+    reply's content units on the durations its speech will be spoken with, in the pinned `listener` voice
+    when one is given (the same voice `serve.avatar.synthesize_reply` then speaks), else the predicted S^s.
     """
     if not isinstance(text, str):
         raise TypeError(f"text must be a string, got {type(text).__name__}")
@@ -455,13 +460,20 @@ def respond(
                                     pipeline_baseline=cfg.pipeline_baseline)
     response = _reply_mask(cfg, tokenizer, final, parsed["reply"], notes)
     units = _speech_units(cfg, parsed["reply"], speech_targets)
-    out = _run_heads(model, ids, mask, final, response, feats, pad, compiler_options, units)
+    batch = _heads_batch(cfg, ids, mask, final, response, feats, pad, units)
+    after_speech = cfg.has_cs and bool(cfg.cv_units)  # C^v needs the spoken reply's frame units
+    out = forward.model_outputs(model, batch, compiler_options=compiler_options,
+                                video=not after_speech) if cfg.heads else {}
     keep = mask[0].astype(bool)
     result = _assemble_result(
         cfg, out, parsed, raw=raw, forced=forced, notes=notes, prompt_length=len(prompt.ids),
         input_ids=np.concatenate([ids[0][keep], np.asarray(final, np.int32)]).astype(np.int32),
         response_mask=np.concatenate([np.zeros(int(keep.sum()), np.int32), response]),
         speech_targets=speech_targets, video_targets=video_targets)
+    if after_speech:
+        video, more = _video_after_speech(model, batch, out, result, listener, compiler_options)
+        result.features["video_content"] = np.asarray(video[0], np.float32)
+        result.notes.extend(more)
     result.input_transcripts = transcripts
     return result
 
@@ -594,13 +606,11 @@ def _speech_units(cfg: EmpatheiaConfig, reply: str, speech_targets: str) -> np.n
     return units
 
 
-def _run_heads(model: Empatheia, ids: np.ndarray, mask: np.ndarray, final: list[int], response: np.ndarray,
-               feats: tuple[np.ndarray, ...], pad: int, compiler_options: Mapping[str, Any] | None,
-               speech_units: np.ndarray | None = None) -> dict[str, Any]:
-    """The heads' outputs from ONE deterministic forward over [left padding | prompt | generated (+ forced)]
-    with the decode's own attention mask and positions, right-padded to a bucket (few compiled shapes);
-    {} for a model without heads."""
-    cfg = model.config
+def _heads_batch(cfg: EmpatheiaConfig, ids: np.ndarray, mask: np.ndarray, final: list[int],
+                 response: np.ndarray, feats: tuple[np.ndarray, ...], pad: int,
+                 speech_units: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The batch the heads read: [left padding | prompt | generated (+ forced)] with the decode's own
+    attention mask and positions, right-padded to a bucket (few compiled shapes)."""
     n_prompt = ids.shape[1]
     length = bucket(n_prompt + len(final))
     seq = np.full((1, length), pad, np.int32)
@@ -617,7 +627,67 @@ def _run_heads(model: Empatheia, ids: np.ndarray, mask: np.ndarray, final: list[
         batch["speech_units"] = speech_units
     if cfg.has_media:
         batch.update(zip(("aud_feats", "aud_mask", "vid_feats", "vid_mask"), feats, strict=True))
-    return forward.model_outputs(model, batch, compiler_options=compiler_options) if cfg.heads else {}
+    return batch
+
+
+def _video_after_speech(model: Empatheia, batch: Mapping[str, np.ndarray], out: Mapping[str, Any],
+                        result: ChatResult, listener: Mapping[str, str] | None,
+                        compiler_options: Mapping[str, Any] | None) -> tuple[np.ndarray, list[str]]:
+    """(C^v [1, max_video_len, d], notes) of a unit-aligned video block (`cv_units`): the reply's own
+    content units laid on the durations the speech generator speaks its predicted rows with, in the voice
+    the bridge will use (`serve.avatar.synthesize_reply`: the pinned `listener` avatar's vector and rate,
+    else the predicted S^s at speed 1), so the mouth is in sync with the audio by construction."""
+    cfg = model.config
+    source = result.speech_targets
+    rows = min(result.speech_content_units or 0, cfg.max_speech_len)
+    if listener is not None:
+        style, speed, _ = pinned_style(source, dict(listener), {"emotion_text": result.emotion_text,
+                                                                 "emotion": result.emotion})
+    elif "speech_style" in out:
+        style, speed = np.asarray(out["speech_style"][0], np.float32), 1.0
+    else:
+        raise ChatInputError("the model's video block is unit-aligned (cv_units) and needs the voice the "
+                             "reply is spoken in: this model has no Style Disentangler; pin one with "
+                             "--listener")
+    units = np.zeros((1, cfg.max_video_len), np.int32)
+    notes = []
+    row_units = registry.generator_class(source).content_units(result.reply) if result.reply.strip() else None
+    if rows >= 3 and row_units is not None:
+        speaker = registry.get(source)
+        frames = speaker.frame_units(np.asarray(out["speech_content"][0], np.float32), style, rows, speed,
+                                     np.asarray(row_units)[:rows], fps=25)
+        if frames is None:
+            raise ChatInputError(f"the model's video block is unit-aligned (cv_units) but {source} speech "
+                                 "cannot say when each content row sounds")
+        if len(frames) > cfg.max_video_len:
+            notes.append(f"the reply lasts {len(frames)} frames; the video block predicts "
+                         f"{cfg.max_video_len} (config.data.max_video_len)")
+        units[0, : min(len(frames), cfg.max_video_len)] = frames[: cfg.max_video_len]
+        notes.append(f"video rows timed by the {len(frames)} frames {source} speaks the reply's "
+                     f"{rows} content rows in")
+    else:
+        notes.append("no reply to speak: the video block renders pads (a closed mouth)")
+    return forward.video_outputs(model, batch, units, compiler_options=compiler_options), notes
+
+
+def reply_emotion(meta: Mapping[str, Any]) -> str | None:
+    """The emotion the reply answers, as a class of EMOTIONS_7: CoE step 2 when it names one (the reasoning
+    the reply was written from), else the SD classifier's; None when neither resolves."""
+    emap = schema.EmotionMap.load("avamerg7")
+    for word in (meta.get("emotion_text"), meta.get("emotion")):
+        if word and emap.class_name(word):
+            return emap.class_name(word)
+    return None
+
+
+def pinned_style(generator: str, listener: dict[str, str], meta: Mapping[str, Any]
+                 ) -> tuple[np.ndarray, float, str]:
+    """(style vector, speaking rate, note) of the pinned listener avatar for generator `generator`."""
+    emotion = reply_emotion(meta)
+    style = listener_style(emotion)
+    vector, rate = registry.generator_class(generator).avatar_style(listener, style)
+    who = "/".join(listener[k] for k in ("age", "gender", "timbre"))
+    return vector, rate, f"listener avatar {who} pinned, in the {style} style (reply emotion: {emotion})"
 
 
 def _sd_readout(cfg: EmpatheiaConfig, out: Mapping[str, Any], parsed: Mapping[str, Any],

@@ -42,9 +42,13 @@ def cached_jit(name: str, fn, options: Mapping[str, Any] | None, **static):
     return f
 
 
-def _outputs(graphdef, state, batch, heads):
-    out = nnx.merge(graphdef, state)(batch, train=False, heads=heads)
+def _outputs(graphdef, state, batch, heads, video=True):
+    out = nnx.merge(graphdef, state)(batch, train=False, heads=heads, video=video)
     return {k: out[k] for k in KEEP if k in out}
+
+
+def _video(graphdef, state, batch, video_units):
+    return nnx.merge(graphdef, state).video_content(batch, video_units)
 
 
 def _embed(graphdef, state, ids, aud_feats, aud_mask, vid_feats, vid_mask):
@@ -57,13 +61,32 @@ def model_outputs(
     *,
     heads: Iterable[str] | None = None,
     compiler_options: Mapping[str, Any] | None = None,
+    video: bool = True,
 ) -> dict[str, np.ndarray]:
-    """Deterministic (z = mu) forward of `batch`; the head outputs and signal masks as numpy (no logits)."""
+    """Deterministic (z = mu) forward of `batch`; the head outputs and signal masks as numpy (no logits).
+    `video=False` leaves the CS video block out (`Empatheia.__call__`): chat's first pass with `cv_units`."""
     heads = model.config.heads if heads is None else frozenset(heads)
     graphdef, state = nnx.split(model)
-    fn = cached_jit("outputs", lambda g, s, b, h=heads: _outputs(g, s, b, h), compiler_options, heads=heads)
+    fn = cached_jit("outputs", lambda g, s, b, h=heads, v=video: _outputs(g, s, b, h, v), compiler_options,
+                    heads=heads, video=video)
     out = fn(graphdef, state, {k: jnp.asarray(v) for k, v in batch.items()})
     return {k: np.asarray(v) for k, v in jax.device_get(out).items()}
+
+
+def video_outputs(
+    model: Empatheia,
+    batch: Mapping[str, np.ndarray],
+    video_units: np.ndarray,
+    *,
+    compiler_options: Mapping[str, Any] | None = None,
+) -> np.ndarray:
+    """`Empatheia.video_content` jitted: C^v [B, max_video_len, d] of a unit-aligned video block from the
+    frame units the reply's spoken durations gave."""
+    graphdef, state = nnx.split(model)
+    fn = cached_jit("video", _video, compiler_options)
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    out = fn(graphdef, state, batch, jnp.asarray(video_units, jnp.int32))
+    return np.asarray(jax.device_get(out))
 
 
 def embed_prompts(

@@ -118,7 +118,7 @@ def run_turn(
             no_repeat_ngram_size=no_repeat_ngram_size,
             max_len=replier.max_len + max_new_tokens + 2 * model.config.n_signal + 2,
             speech_targets=replier.speech_targets, video_targets=replier.video_targets,
-            compiler_options=replier.compiler_options,
+            compiler_options=replier.compiler_options, listener=listener,
         )
     except chat.PromptTooLongError as e:
         raise chat.ChatInputError(
