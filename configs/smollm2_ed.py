@@ -27,10 +27,12 @@ def get_config(arg: str | None = None):
     c.data.features_like = "work/shards"
     c.data.train_split = "train"
     c.data.eval_split = "dev"
-    # the CS's speech rows aligned to Kokoro's 178 phoneme token ids, so the avatar stages that init_from
-    # this run (configs/smollm2_ed_avatar.py) build the same model (docs/design.md "Aligned Content
-    # Synchronizer"); the coe stage itself does not train the CS
+    # the CS's speech rows aligned to Kokoro's 178 phoneme token ids and its video frames to the unit each
+    # frame shows (Kokoro's durations), so the avatar stages that init_from this run
+    # (configs/smollm2_ed_avatar.py) build the same model (docs/design.md "Aligned Content Synchronizer");
+    # the coe stage itself does not train the CS
     c.model.empatheia.cs_units = 178
+    c.model.empatheia.cv_units = 178
     c.data.max_len = 320  # ED turns with their CoE target: ~120-300 tokens; longer histories lose old turns
     c.train.batch_size = 8
     c.train.grad_accum = 1

@@ -108,10 +108,11 @@ done
 STAGES=${SAMPLE_STAGES:-sac}
 for stage in ${STAGES/#0/}; do
     echo "[ed_reference] stage $stage on the sample -> $RUN/$stage"
-    # the model of the ED stages: the CS's speech rows aligned to Kokoro's phonemes (configs/smollm2_ed.py)
+    # the model of the ED stages: the CS's rows aligned to Kokoro's phonemes (configs/smollm2_ed.py)
     "$PY" -m empatheia_jax.cli train --config configs/smollm2_demo.py --config.stage="$stage" \
         --config.init_from="$prev" --workdir "$RUN/$stage" --config.model.backbone="$WORK/smollm2" \
-        --config.data.shards="$WORK/shards" --config.model.empatheia.cs_units=178
+        --config.data.shards="$WORK/shards" --config.model.empatheia.cs_units=178 \
+        --config.model.empatheia.cv_units=178
     prev=$RUN/$stage
     WORKDIRS+=(--workdir "$RUN/$stage")
 done
