@@ -58,6 +58,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             # positions per chunk of the token loss's logits (0: all at once): memory for one more
             # output projection a step (models/llama.py `token_nll`, docs/benchmarks.md "chunked")
             "ce_chunk": 0,
+            # target-only logits: the token loss projects only its loss positions, at most ce_targets per
+            # row of a micro-batch on average (a batch with more projects every position: exact either
+            # way); 0 = every position (models/llama.py `target_nll`, docs/design.md "Target-only logits")
+            "ce_targets": 0,
         }
     )
 

@@ -60,7 +60,7 @@ SD_VAES = ("sd_speech_emotion", "sd_speech_profile", "sd_video_emotion", "sd_vid
 
 
 # EmpatheiaConfig / LlamaConfig fields that trade memory for compute and leave the function unchanged.
-EXECUTION_FIELDS = ("ce_chunk",)
+EXECUTION_FIELDS = ("ce_chunk", "ce_targets")
 LLM_EXECUTION_FIELDS = ("remat",)
 
 
@@ -136,6 +136,10 @@ class EmpatheiaConfig:
     # Sequence positions whose logits the token loss holds at once (`Llama.token_nll`); 0 = all T at once.
     # A memory/compute trade (one more output projection per step), not part of the model's function.
     ce_chunk: int = 0
+    # Target-only logits (`Llama.target_nll`): the token loss projects only the positions it reads, up to
+    # ce_targets x rows of the (micro-)batch at once; a batch with more takes the whole projection
+    # (exact either way). 0 = project every position. Also an execution field.
+    ce_targets: int = 0
 
     def __post_init__(self):
         problems = []
@@ -149,6 +153,8 @@ class EmpatheiaConfig:
             problems.append(f"cs_conv={self.cs_conv} must be 0 (none) or a positive odd width")
         if self.ce_chunk < 0:
             problems.append(f"ce_chunk={self.ce_chunk} must be >= 0 (0: the whole logits at once)")
+        if self.ce_targets < 0:
+            problems.append(f"ce_targets={self.ce_targets} must be >= 0 (0: every position's logits)")
         if problems:
             raise ValueError("invalid EmpatheiaConfig: " + "; ".join(problems))
         v = self.llm.vocab_size

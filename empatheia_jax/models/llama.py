@@ -497,21 +497,35 @@ class Llama(nnx.Module):
         for the price of one more output projection. chunk = 0 (or >= T) computes them whole.
         target_ids must be valid ids everywhere (masked positions: any valid id, e.g. 0).
         """
+        return _token_nll(self._head(), hidden.astype(self.config.compute_dtype), target_ids, chunk)
+
+    def target_nll(
+        self, hidden: jax.Array, target_ids: jax.Array, mask: jax.Array, *, max_targets: int, chunk: int = 0
+    ) -> jax.Array:
+        """-log p(target_ids) at the positions where `mask` is set, 0 elsewhere: float32 [B, T].
+
+        Projects only the masked positions: their hidden states are gathered (flat over the batch, in
+        order) into a static [max_targets, d] buffer, which goes through `token_nll` (chunked when chunk >
+        0), and the values are scattered back. A batch with more than `max_targets` masked positions takes
+        the whole projection instead (`lax.cond`, one branch runs), so the result never drops a token: in
+        both branches it is what `token_nll` gives at the masked positions.
+        """
         b, t, _ = hidden.shape
-        if chunk <= 0 or chunk >= t:
-            return optax.softmax_cross_entropy_with_integer_labels(self.logits(hidden), target_ids)
-        head = self._head()
-        pad = -t % chunk
-        h = jnp.pad(hidden.astype(self.config.compute_dtype), ((0, 0), (0, pad), (0, 0)))
-        ids = jnp.pad(target_ids, ((0, 0), (0, pad)))
-        n = (t + pad) // chunk
+        mask = mask.astype(bool)
+        ids = jnp.where(mask, target_ids, 0)  # unmasked ids may be out of range (padding)
+        hidden = hidden.astype(self.config.compute_dtype)
+        spec, w, extra = self._head()  # the weights go in as operands: both branches are pure functions
+        k = int(max_targets)
+        if k <= 0 or k >= b * t:
+            return jnp.where(mask, _token_nll((spec, w, extra), hidden, ids, chunk), 0.0)
 
-        @jax.checkpoint
-        def one(xs: tuple[jax.Array, jax.Array]) -> jax.Array:
-            return optax.softmax_cross_entropy_with_integer_labels(_project(xs[0], *head), xs[1])
+        def gathered(h, w, extra):
+            return gather_target_nll((spec, w, extra), h, ids, mask, k, chunk=chunk)
 
-        by_chunk = (h.reshape(b, n, chunk, -1).swapaxes(0, 1), ids.reshape(b, n, chunk).swapaxes(0, 1))
-        return jax.lax.map(one, by_chunk).swapaxes(0, 1).reshape(b, t + pad)[:, :t]
+        def whole(h, w, extra):
+            return jnp.where(mask, _token_nll((spec, w, extra), h, ids, chunk), 0.0)
+
+        return jax.lax.cond(jnp.sum(mask) <= k, gathered, whole, hidden, w, extra)
 
     def __call__(
         self,
@@ -527,6 +541,40 @@ class Llama(nnx.Module):
         )
         logits = self.logits(hidden)
         return logits if cache is None else (logits, new_cache)
+
+
+def _token_nll(head: tuple, hidden: jax.Array, target_ids: jax.Array, chunk: int) -> jax.Array:
+    """`Llama.token_nll` on the head `Llama._head()` gave (hidden already in the compute dtype)."""
+    b, t, _ = hidden.shape
+    if chunk <= 0 or chunk >= t:
+        return optax.softmax_cross_entropy_with_integer_labels(_project(hidden, *head), target_ids)
+    pad = -t % chunk
+    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    ids = jnp.pad(target_ids, ((0, 0), (0, pad)))
+    n = (t + pad) // chunk
+
+    @jax.checkpoint
+    def one(xs: tuple[jax.Array, jax.Array]) -> jax.Array:
+        return optax.softmax_cross_entropy_with_integer_labels(_project(xs[0], *head), xs[1])
+
+    by_chunk = (h.reshape(b, n, chunk, -1).swapaxes(0, 1), ids.reshape(b, n, chunk).swapaxes(0, 1))
+    return jax.lax.map(one, by_chunk).swapaxes(0, 1).reshape(b, t + pad)[:, :t]
+
+
+def gather_target_nll(
+    head: tuple, hidden: jax.Array, ids: jax.Array, mask: jax.Array, k: int, *, chunk: int = 0
+) -> jax.Array:
+    """`Llama.target_nll`'s gathered branch without its overflow check (head = `Llama._head()`): the
+    first `k` masked positions (row-major) are projected, any further ones score 0, i.e. are DROPPED.
+    Exact only when sum(mask) <= k; `target_nll` checks that and falls back to the whole projection."""
+    b, t, d = hidden.shape
+    flat_mask = mask.reshape(-1)
+    (idx,) = jnp.nonzero(flat_mask, size=k, fill_value=0)
+    valid = jnp.arange(k) < jnp.sum(flat_mask)
+    h = jnp.take(hidden.reshape(b * t, d), idx, axis=0)[None]  # [1, k, d]
+    nll = _token_nll(head, h, jnp.take(ids.reshape(-1), idx)[None], chunk)[0]
+    out = jnp.zeros((b * t,), jnp.float32).at[idx].add(jnp.where(valid, nll, 0.0))
+    return out.reshape(b, t)
 
 
 def init_added_rows(model: Llama) -> None:

@@ -250,6 +250,10 @@ def _validate_model(config: ml_collections.ConfigDict, bad: _Bad) -> None:
     ce_chunk = config.model.empatheia.get("ce_chunk", 0)
     if not isinstance(ce_chunk, int) or ce_chunk < 0:
         bad("model.empatheia.ce_chunk", ce_chunk, "must be an int >= 0 (positions a chunk; 0 = all at once)")
+    ce_targets = config.model.empatheia.get("ce_targets", 0)
+    if not isinstance(ce_targets, int) or isinstance(ce_targets, bool) or ce_targets < 0:
+        bad("model.empatheia.ce_targets", ce_targets,
+            "must be an int >= 0 (loss positions per row projected at once; 0 = every position)")
     if config.data.max_len < 16:
         bad("data.max_len", config.data.max_len, "must be >= 16")
 
