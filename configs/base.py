@@ -75,6 +75,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.max_speech_len = 256
     c.data.max_video_len = 256
     c.data.window_batches = 8
+    # sequence packing of the text stages (coe, pipeline): each step's examples are packed into rows of
+    # pack_len tokens (>= max_len), turns kept apart by segment-aware attention; 0 = one example per row
+    # (docs/design.md "Sequence packing")
+    c.data.pack_len = 0
     c.data.worker_count = 0
     c.data.read_threads = 1
     # text-only shards (stage coe on EmpatheticDialogues): the shards whose features/targets the model is

@@ -584,7 +584,8 @@ class Empatheia(nnx.Module):
         """All model outputs for a pipeline batch (docs/design.md "Batch layout").
 
         Needs `input_ids`; `attention_mask` (default all 1), `positions` (default cumsum(mask) - 1),
-        `response_mask`, and the feature keys are read when present. `heads` picks the optional heads to
+        `segment_ids` (packed text rows: attention stays inside each segment), `response_mask`, and the
+        feature keys are read when present. `heads` picks the optional heads to
         run (default: all the model has); a stage passes only what its losses read. train=True samples
         the VAE latents (needs `rng`); train=False uses z = mu.
 
@@ -618,7 +619,8 @@ class Empatheia(nnx.Module):
             positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
         x = self.embed_inputs(ids, batch.get("aud_feats"), batch.get("aud_mask"), batch.get("vid_feats"),
                               batch.get("vid_mask"))
-        hidden, _ = self.llm.decode(x, positions=positions, attention_mask=mask)
+        hidden, _ = self.llm.decode(x, positions=positions, attention_mask=mask,
+                                    segment_ids=batch.get("segment_ids"))
         out: dict[str, Any] = {"logits": self.llm.logits(hidden), "hidden": hidden}
         out.update(self.gather_signal_states(hidden, ids, mask))
         response = batch.get("response_mask")

@@ -424,11 +424,14 @@ class Llama(nnx.Module):
         positions: jax.Array | None = None,
         attention_mask: jax.Array | None = None,
         cache: KVCache | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Runs the layers over embeddings x [B, T, D]; returns final-normed hidden states and the cache.
 
         attention_mask [B, T] marks real tokens (1) vs padding (0). Without a cache the attention is causal
-        over the given T tokens; with one, the new tokens are written at `cache.index`.
+        over the given T tokens; with one, the new tokens are written at `cache.index`. segment_ids [B, T]
+        (packed rows, no cache): a query attends only to keys of its own segment, so the turns packed
+        into one row never see each other (their positions restart per turn: the caller's `positions`).
         """
         cfg = self.config
         b, t, _ = x.shape
@@ -448,6 +451,10 @@ class Llama(nnx.Module):
             query_slot = index + jnp.arange(t)
             key_slot = jnp.arange(cache.max_len)
         mask = key_valid[:, None, :] & (key_slot[None, None, :] <= query_slot[None, :, None])
+        if segment_ids is not None:
+            if cache is not None:
+                raise ValueError("segment_ids (packed rows) are for a forward without a KV cache")
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
         inv_freq = jnp.asarray(rope_inv_freq(cfg))  # a compile-time constant
         # activations split over the batch like the inputs (a no-op off a multi-device mesh)
         x = constrain(x.astype(cfg.compute_dtype), _HIDDEN)

@@ -256,6 +256,12 @@ def _validate_model(config: ml_collections.ConfigDict, bad: _Bad) -> None:
             "must be an int >= 0 (loss positions per row projected at once; 0 = every position)")
     if config.data.max_len < 16:
         bad("data.max_len", config.data.max_len, "must be >= 16")
+    pack_len = config.data.get("pack_len", 0)
+    if not isinstance(pack_len, int) or isinstance(pack_len, bool) or pack_len < 0:
+        bad("data.pack_len", pack_len, "must be an int >= 0 (packed row length; 0 = no packing)")
+    elif pack_len and pack_len < config.data.max_len:
+        bad("data.pack_len", pack_len,
+            f"must be 0 or >= data.max_len={config.data.max_len} (every example must fit a row)")
 
 
 def _validate_checkpoint(config: ml_collections.ConfigDict, bad: _Bad) -> None:
