@@ -116,3 +116,68 @@ def test_a_packed_batch_has_the_loss_and_gradients_of_its_turns_unpacked(ce_targ
     leaky = {k: v.copy() for k, v in packed.items()}
     leaky["segment_ids"] = np.where(leaky["segment_ids"] > 0, 1, 0).astype(np.int32)  # one segment per row
     assert not np.isclose(coe_loss(leaky, ce_targets=ce_targets)[0], ref[0], rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The trainer with data.pack_len
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from tests.helpers import saved_smollm2_tokenizer
+
+    return saved_smollm2_tokenizer(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    from tests.helpers import make_tiny_shards
+
+    return make_tiny_shards(tmp_path_factory.mktemp("packing_data"))
+
+
+def _tiny(tok, shards, stage="coe", **overrides):
+    from configs import tiny
+
+    c = tiny.get_config()
+    c.model.tokenizer, c.data.shards, c.stage = str(tok), str(shards), stage
+    c.schedule[stage].steps = 3
+    c.train.eval_every = 1000
+    for key, value in overrides.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+def _train_losses(cfg, workdir) -> list[float]:
+    import json
+
+    from empatheia_jax.train import trainer
+
+    trainer.train(cfg, workdir)
+    lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [line["train/total"] for line in lines if "train/total" in line]
+
+
+def test_a_packed_coe_run_trains_like_the_unpacked_one(tok, shards, tmp_path):
+    """data.pack_len in the real trainer (grad_accum 2: the rows are a multiple of 2): the coe stage's
+    logged losses equal the unpacked run's step for step; a stage with heads and a pack_len below max_len
+    are refused before anything is built."""
+    from empatheia_jax.train import config as config_lib
+    from empatheia_jax.train import trainer
+
+    ref = _train_losses(_tiny(tok, shards, **{"train.grad_accum": 2}), tmp_path / "ref")
+    got = _train_losses(_tiny(tok, shards, **{"train.grad_accum": 2, "data.pack_len": 512,
+                                              "model.empatheia.ce_targets": 64}), tmp_path / "packed")
+    assert len(ref) == 3 and np.isfinite(ref).all()
+    np.testing.assert_allclose(got, ref, rtol=1e-4)
+    with pytest.raises(config_lib.ConfigError, match="stage 'sac' reads per-example targets"):
+        trainer.train(_tiny(tok, shards, stage="sac", **{"data.pack_len": 512}), tmp_path / "sac")
+    with pytest.raises(config_lib.ConfigError, match="data.pack_len=128: must be 0 or >= data.max_len"):
+        trainer.train(_tiny(tok, shards, **{"data.pack_len": 128}), tmp_path / "short")
+    with pytest.raises(config_lib.ConfigError, match="model.empatheia.ce_targets=-1"):
+        trainer.train(_tiny(tok, shards, **{"model.empatheia.ce_targets": -1}), tmp_path / "neg")

@@ -61,7 +61,7 @@ SD_VAES = ("sd_speech_emotion", "sd_speech_profile", "sd_video_emotion", "sd_vid
 
 # EmpatheiaConfig / LlamaConfig fields that trade memory for compute and leave the function unchanged.
 EXECUTION_FIELDS = ("ce_chunk", "ce_targets")
-LLM_EXECUTION_FIELDS = ("remat",)
+LLM_EXECUTION_FIELDS = ("remat", "attention")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,7 @@ from empatheia_jax.sharding import constrain
 # ----------------------------------------------------------------------------------------------------------
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ATTENTION_IMPLEMENTATIONS = ("einsum", "auto", "xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,9 @@ class LlamaConfig:
     dtype: str = "float32"  # compute dtype; parameters stay `param_dtype`
     param_dtype: str = "float32"
     remat: str = "none"  # none | full | dots (save matmul outputs)
+    # einsum: our grouped einsum + float32 softmax; auto: jax.nn.dot_product_attention choosing its
+    # implementation (cuDNN where the platform, dtype and shapes allow, else XLA); xla / cudnn: forced
+    attention: str = "einsum"
 
     def __post_init__(self):
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, FrozenDict):
@@ -76,6 +80,8 @@ class LlamaConfig:
                 problems.append(f"{name}={getattr(self, name)!r} not in {sorted(_DTYPES)}")
         if self.remat not in ("none", "full", "dots"):
             problems.append(f"remat={self.remat!r} not in ['dots', 'full', 'none']")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            problems.append(f"attention={self.attention!r} not in {list(ATTENTION_IMPLEMENTATIONS)}")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in ("default", "llama3"):
             problems.append(f"rope_scaling.rope_type={rope_type!r} is not supported (default, llama3)")
@@ -291,6 +297,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
+        self.implementation = cfg.attention
         self.q_proj = _linear(cfg, d, h * hd, ("embed", "heads"), rngs)
         self.k_proj = _linear(cfg, d, kv * hd, ("embed", "kv_heads"), rngs)
         self.v_proj = _linear(cfg, d, kv * hd, ("embed", "kv_heads"), rngs)
@@ -310,6 +317,16 @@ class Attention(nnx.Module):
             new_kv = (k, v)
         else:
             new_kv = None
+        if self.implementation != "einsum":
+            # token-major K/V [B, S, kv_heads, head_dim] as dot_product_attention wants them (GQA native);
+            # the mask [B, T, S] broadcast over the heads; padding queries see a uniform row, as below
+            impl = None if self.implementation == "auto" else self.implementation
+            out = jax.nn.dot_product_attention(
+                q, k.transpose(0, 2, 1, 3).astype(q.dtype), v.transpose(0, 2, 1, 3).astype(q.dtype),
+                mask=mask[:, None, :, :], implementation=impl,
+            )
+            out = out.reshape(b, t, self.num_heads * self.head_dim).astype(x.dtype)
+            return self.o_proj(out), new_kv
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(b, t, self.num_kv_heads, groups, self.head_dim)
         scores = jnp.einsum("btkgd,bksd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)

@@ -16,7 +16,7 @@ from typing import Any
 
 import ml_collections
 
-from empatheia_jax.models.llama import _DTYPES
+from empatheia_jax.models.llama import _DTYPES, ATTENTION_IMPLEMENTATIONS
 from empatheia_jax.train.stages import Stage, StageSkipped, apply_ablations, get_stage
 
 NAN_POLICIES = ("skip", "stop")
@@ -234,6 +234,9 @@ def _validate_model(config: ml_collections.ConfigDict, bad: _Bad) -> None:
         bad("model.matmul_precision", precision, f"must be one of {MATMUL_PRECISIONS}")
     if "remat" in config.model.llm and config.model.llm.remat not in REMAT_POLICIES:
         bad("model.llm.remat", config.model.llm.remat, f"must be one of {REMAT_POLICIES}")
+    attention = config.model.llm.get("attention", "einsum")
+    if attention not in ATTENTION_IMPLEMENTATIONS:
+        bad("model.llm.attention", attention, f"must be one of {ATTENTION_IMPLEMENTATIONS}")
     if config.model.lora.rank < 1:
         bad("model.lora.rank", config.model.lora.rank, "must be >= 1")
     if config.model.empatheia.n_signal < 1:
