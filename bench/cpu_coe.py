@@ -158,6 +158,7 @@ class Variant:
             )
         total = float(metrics["total"])  # waits for the step
         dt = time.perf_counter() - t0
+        self.last_s = dt
         if timed:
             self.seconds += dt
             self.real += int(host["attention_mask"].sum())
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             v.losses.append(v.run(host, i, timed=i < args.steps))
         print(
             f"[cpu_coe] step {i} T={host['input_ids'].shape[1]} real={int(host['attention_mask'].sum())} "
-            + " ".join(f"{v.name.split()[0]}: loss {v.losses[-1]:.5f}" for v in variants),
+            + " | ".join(f"{v.name.split()[0]}: {v.last_s:.2f}s loss {v.losses[-1]:.5f}" for v in variants),
             flush=True,
         )
     base = variants[0]

@@ -164,15 +164,15 @@ def _train_losses(cfg, workdir) -> list[float]:
 
 
 def test_a_packed_coe_run_trains_like_the_unpacked_one(tok, shards, tmp_path):
-    """data.pack_len in the real trainer (grad_accum 2: the rows are a multiple of 2): the coe stage's
-    logged losses equal the unpacked run's step for step; a stage with heads and a pack_len below max_len
-    are refused before anything is built."""
+    """data.pack_len in the real trainer (conftest's 8 devices: the packed rows are padded to a multiple of
+    8, the row axis sharded over them): the coe stage's logged losses equal the unpacked run's step for
+    step; a stage with heads and a pack_len below max_len are refused before anything is built."""
     from empatheia_jax.train import config as config_lib
     from empatheia_jax.train import trainer
 
-    ref = _train_losses(_tiny(tok, shards, **{"train.grad_accum": 2}), tmp_path / "ref")
-    got = _train_losses(_tiny(tok, shards, **{"train.grad_accum": 2, "data.pack_len": 512,
-                                              "model.empatheia.ce_targets": 64}), tmp_path / "packed")
+    ref = _train_losses(_tiny(tok, shards), tmp_path / "ref")
+    got = _train_losses(_tiny(tok, shards, **{"data.pack_len": 512, "model.empatheia.ce_targets": 64}),
+                        tmp_path / "packed")
     assert len(ref) == 3 and np.isfinite(ref).all()
     np.testing.assert_allclose(got, ref, rtol=1e-4)
     with pytest.raises(config_lib.ConfigError, match="stage 'sac' reads per-example targets"):
