@@ -1,18 +1,21 @@
 """The reference model's coe step on the CPU (configs/smollm2_ed.py): real (non-pad) tokens/s of today's step
-beside the same step with target-only logits (`model.empatheia.ce_targets`), in ONE process, interleaved.
+beside the same step with target-only logits (`model.empatheia.ce_targets`) and with packing on top
+(`data.pack_len`), in ONE process, interleaved.
 
-    python bench/cpu_coe.py --backbone CONVERTED_SMOLLM2 [--shards ED_TEXT_SHARDS] [--steps 8]
-        [--ce-targets 128] [--curve 0] [--json OUT.jsonl]
+    python bench/cpu_coe.py --backbone CONVERTED_SMOLLM2 [--shards ED_TEXT_SHARDS] [--steps 10]
+        [--ce-targets 128] [--pack-len 512] [--pack-ce-targets 256] [--json OUT.jsonl]
 
 What is timed: the trainer's own jitted step (`trainer.jit_step`, stage coe, AdamW over LoRA, the
-non-finite guard) of configs/smollm2_ed.py (SmolLM2-135M float32, LoRA r16, batch 8, max_len 320) on the
-trainer's own train pipeline over text-only ED shards (`--shards`; made from the shipped csv with the
-importer's dev hold-out when not given). Each variant has its own copy of the weights and optimizer state
-and sees the SAME batches: step i runs batch i on every variant, the order alternating per step, so the
-machine's load (other processes) hits both alike and the ratio survives it. Every bucket length is
-compiled first (untimed). Printed per variant: real tokens/s = Σ attention_mask / Σ step time, padded
-positions/s, and the ratio to the baseline; the first step's loss of every variant (same weights, same
-batch: must agree) and, with --curve N, N more steps' losses of each (the loss curves must track).
+non-finite guard; packed batches through `trainer.pack_for_step`, as the trainer packs them) of
+configs/smollm2_ed.py (SmolLM2-135M float32, LoRA r16, batch 8, max_len 320) on the trainer's own train
+pipeline over text-only ED shards (`--shards`; made from the shipped csv with the importer's dev hold-out
+when not given). Each variant has its own copy of the weights and optimizer state and runs the SAME
+batches: step i runs batch i on every variant, the order alternating per step, so the machine's load
+(other processes) hits all alike and the ratio survives it. A step whose shape (bucket length; packed: row
+count) is new to a variant compiles; the figures count only the steps where no variant compiled. Printed:
+each step's time and loss per variant (`*` = compiled; the losses must agree: same weights, same examples
+per step), then per variant real tokens/s = Σ attention_mask / Σ step time, padded positions/s, the real
+fraction and the ratio to today's step.
 
 The coe step never reads the media features; text-only shards carry none, so the bench builds the model
 with 16-dim audio/video projections instead of `data.features_like`'s (unused weights).
@@ -110,8 +113,8 @@ class Variant:
         )
         self.step_fn = trainer.jit_step(self.stage, trainer.loss_weights(config), self.params, self.opt_state)
         self.key = jax.random.key(config.seed)
-        self.seconds = 0.0
-        self.real = self.positions = self.steps = 0
+        self.shapes: set[tuple[int, ...]] = set()
+        self.records: list[tuple[float, int, int, bool]] = []  # per step: seconds, real, positions, compiled
         self.losses: list[float] = []
 
     def host(self, host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -120,31 +123,17 @@ class Variant:
 
         return trainer.pack_for_step(self.config, host, self.pad_id, self.mesh)
 
-    def warm(self, host: dict[str, np.ndarray]) -> float:
-        """One untimed step on copies of the weights (compiles this shape; the state is left as it was)."""
-        import jax
-        import jax.numpy as jnp
-
-        from empatheia_jax.train import trainer
-
-        copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731  (the step donates its inputs)
-        with jax.set_mesh(self.mesh):
-            _, _, metrics = self.step_fn(
-                self.graphs,
-                copy(self.params),
-                self.frozen,
-                copy(self.opt_state),
-                trainer.step_batch(self.host(host), self.mesh, 1),
-                self.key,
-            )
-        return float(metrics["total"])
-
-    def run(self, host: dict[str, np.ndarray], step: int, *, timed: bool) -> float:
+    def run(self, host: dict[str, np.ndarray], step: int) -> float:
+        """One real step; records (seconds, real tokens, positions, compiled) for it. A step whose shape
+        this variant has not run before includes its compile."""
         import jax
 
         from empatheia_jax.train import trainer
 
         host = self.host(host)
+        shape = host["input_ids"].shape
+        compiled = shape not in self.shapes
+        self.shapes.add(shape)
         batch = trainer.step_batch(host, self.mesh, 1)
         t0 = time.perf_counter()
         with jax.set_mesh(self.mesh):
@@ -158,12 +147,10 @@ class Variant:
             )
         total = float(metrics["total"])  # waits for the step
         dt = time.perf_counter() - t0
-        self.last_s = dt
-        if timed:
-            self.seconds += dt
-            self.real += int(host["attention_mask"].sum())
-            self.positions += int(host["attention_mask"].size)
-            self.steps += 1
+        self.records.append(
+            (dt, int(host["attention_mask"].sum()), int(host["attention_mask"].size), compiled)
+        )
+        self.losses.append(total)
         return total
 
 
@@ -173,11 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         "--backbone", required=True, help="converted SmolLM2-135M folder (make demo's work/smollm2)"
     )
     p.add_argument("--shards", default=None, help="text-only ED shards (default: made from the shipped csv)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per variant")
+    p.add_argument("--steps", type=int, default=10, help="steps per variant (compiling ones are not timed)")
     p.add_argument("--ce-targets", type=int, default=128, help="model.empatheia.ce_targets of the new step")
     p.add_argument("--pack-len", type=int, default=512, help="data.pack_len of the packed variant (0: none)")
     p.add_argument("--pack-ce-targets", type=int, default=256, help="its ce_targets (per packed row)")
-    p.add_argument("--curve", type=int, default=0, help="further steps whose losses are printed (untimed)")
     p.add_argument("--json", default=None, help="append the result (one JSON line) to this file")
     args = p.parse_args(argv)
 
@@ -226,60 +212,62 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     it = iter(pipe)
-    batches = [trainer.agree_on_length(b, pipe.pad_id) for b in itertools.islice(it, args.steps + args.curve)]
+    batches = [trainer.agree_on_length(b, pipe.pad_id) for b in itertools.islice(it, args.steps)]
     lengths = sorted({b["input_ids"].shape[1] for b in batches})
     print(
         f"[cpu_coe] {len(batches)} batches of {batches[0]['input_ids'].shape[0]}, bucket lengths {lengths}; "
         f"devices {jax.devices()}, load {os.getloadavg()}",
         flush=True,
     )
-    # warm-up: one untimed step per distinct step shape of every variant, on copies of the weights (it
-    # compiles); the timed steps then start from equal weights and take the same batches.
-    first_loss = {}
-    for v in variants:
-        seen = set()
-        for host in batches:
-            shape = v.host(host)["input_ids"].shape
-            if shape in seen:
-                continue
-            seen.add(shape)
-            t0 = time.perf_counter()
-            loss = v.warm(host)
-            first_loss.setdefault(v.name, loss)
-            print(f"[cpu_coe] warm-up {v.name} {shape}: {time.perf_counter() - t0:.1f}s", flush=True)
+    # Every variant runs step i on batch i, the order alternating per step. A step whose shape is new to a
+    # variant compiles: the figures count only the steps where no variant compiled.
     for i, host in enumerate(batches):
-        order = variants if i % 2 == 0 else variants[::-1]
-        for v in order:
-            v.losses.append(v.run(host, i, timed=i < args.steps))
+        for v in variants if i % 2 == 0 else variants[::-1]:
+            v.run(host, i)
         print(
             f"[cpu_coe] step {i} T={host['input_ids'].shape[1]} real={int(host['attention_mask'].sum())} "
-            + " | ".join(f"{v.name.split()[0]}: {v.last_s:.2f}s loss {v.losses[-1]:.5f}" for v in variants),
+            + " | ".join(
+                f"{v.name.split()[0]}: {v.records[-1][0]:.2f}s{'*' if v.records[-1][3] else ''} "
+                f"loss {v.losses[-1]:.5f}"
+                for v in variants
+            ),
             flush=True,
         )
-    base = variants[0]
+    timed = [i for i in range(len(batches)) if not any(v.records[i][3] for v in variants)]
+    if not timed:
+        print("[cpu_coe] every step compiled in some variant: run more --steps")
+        return 1
     rows = []
     for v in variants:
-        row = {
-            "variant": v.name,
-            "steps": v.steps,
-            "step_s": v.seconds / v.steps,
-            "real_tokens_per_s": v.real / v.seconds,
-            "positions_per_s": v.positions / v.seconds,
-            "ratio": (v.real / v.seconds) / (base.real / base.seconds),
-            "first_loss": v.losses[0],
-            "losses": v.losses,
-        }
-        rows.append(row)
-        print(
-            f"RESULT {v.name}: {row['step_s']:.2f} s/step, {row['real_tokens_per_s']:.1f} real tokens/s, "
-            f"{row['positions_per_s']:.1f} positions/s, x{row['ratio']:.2f}, "
-            f"first loss {v.losses[0]:.6f}"
+        seconds = sum(v.records[i][0] for i in timed)
+        real = sum(v.records[i][1] for i in timed)
+        positions = sum(v.records[i][2] for i in timed)
+        rows.append(
+            {
+                "variant": v.name,
+                "steps": len(timed),
+                "step_s": seconds / len(timed),
+                "real_tokens_per_s": real / seconds,
+                "positions_per_s": positions / seconds,
+                "real_fraction": real / positions,
+                "losses": v.losses,
+            }
         )
+    for row in rows:
+        row["ratio"] = row["real_tokens_per_s"] / rows[0]["real_tokens_per_s"]
+        print(
+            f"RESULT {row['variant']}: {row['step_s']:.2f} s/step over steps {timed}, "
+            f"{row['real_tokens_per_s']:.1f} real tokens/s (x{row['ratio']:.2f}), "
+            f"{row['positions_per_s']:.1f} positions/s, real fraction {row['real_fraction']:.3f}"
+        )
+    print(
+        "[cpu_coe] losses equal across variants at every step: "
+        + str(all(np.allclose(v.losses, variants[0].losses, rtol=1e-4) for v in variants))
+    )
     result = {
         "bench": "cpu_coe",
         "load_after": os.getloadavg(),
         "rows": rows,
-        "real_fraction": base.real / base.positions,
     }
     if args.json:
         with open(args.json, "a") as f:
