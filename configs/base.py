@@ -25,7 +25,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.backbone = ""  # converted folder (converters.hf_to_flax); "" = random init from model.llm
     c.model.tokenizer = ""  # "" = the backbone folder's tokenizer
     # LlamaConfig fields: a random backbone's whole config, or overrides (dtype, remat) of a converted one.
-    c.model.llm = ml_collections.ConfigDict({"dtype": "bfloat16", "param_dtype": "float32", "remat": "none"})
+    # attention: einsum (ours) | auto | xla | cudnn (jax.nn.dot_product_attention; llama.py `Attention`)
+    c.model.llm = ml_collections.ConfigDict(
+        {"dtype": "bfloat16", "param_dtype": "float32", "remat": "none", "attention": "einsum"}
+    )
     # Precision of every float32 dot of the run (process-wide: jax_default_matmul_precision). "float32" is
     # true f32 everywhere (as torch's CUDA matmuls); jax's "default" is TF32 on NVIDIA GPUs and one bf16 pass
     # on TPU. Set by train and load_trained, so a run is served with the numerics it trained with (docs/
@@ -61,6 +64,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             # positions per chunk of the token loss's logits (0: all at once): memory for one more
             # output projection a step (models/llama.py `token_nll`, docs/benchmarks.md "chunked")
             "ce_chunk": 0,
+            # target-only logits: the token loss projects only its loss positions, at most ce_targets per
+            # row of a micro-batch on average (a batch with more projects every position: exact either
+            # way); 0 = every position (models/llama.py `target_nll`, docs/design.md "Target-only logits")
+            "ce_targets": 0,
         }
     )
 
@@ -74,6 +81,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.max_speech_len = 256
     c.data.max_video_len = 256
     c.data.window_batches = 8
+    # sequence packing of the text stages (coe, pipeline): each step's examples are packed into rows of
+    # pack_len tokens (>= max_len), turns kept apart by segment-aware attention; 0 = one example per row
+    # (docs/design.md "Sequence packing")
+    c.data.pack_len = 0
     c.data.worker_count = 0
     c.data.read_threads = 1
     # text-only shards (stage coe on EmpatheticDialogues): the shards whose features/targets the model is

@@ -34,6 +34,10 @@ def get_config(arg: str | None = None):
     c.model.empatheia.cs_units = 178
     c.model.empatheia.cv_units = 178
     c.data.max_len = 320  # ED turns with their CoE target: ~120-300 tokens; longer histories lose old turns
+    # target-only logits: the coe loss reads 26 % of a step's positions (68 a row on average, a batch's total
+    # far below 128 x 8); exact, and a batch with more projects every position (docs/benchmarks.md
+    # "The coe step on the CPU": 1.14x). Packing (data.pack_len) stays off: rows of 512 gained less (1.07x).
+    c.model.empatheia.ce_targets = 128
     c.train.batch_size = 8
     c.train.grad_accum = 1
     c.train.log_every = 20

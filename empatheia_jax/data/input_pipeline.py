@@ -760,6 +760,62 @@ def collate(
     return out
 
 
+# The keys of a packed text batch: [R, L] each; every per-example key (labels, targets, features) is dropped.
+PACKED_KEYS = ("input_ids", "target_ids", "loss_mask", "response_mask", "positions", "attention_mask",
+               "segment_ids")
+
+
+def pack_text_batch(
+    batch: Mapping[str, np.ndarray], length: int, *, pad_id: int, row_multiple: int = 1
+) -> dict[str, np.ndarray]:
+    """The examples of a collated text batch (one per row, right-padded) packed into rows of `length`.
+
+    First-fit decreasing by real length; the row count is what it needs, rounded up to `row_multiple`
+    (empty rows: every mask 0), so it varies by batch (one compile per row count). Each example keeps its
+    tokens, masks and positions (0.. per example, so positions restart at every turn) and gets
+    `segment_ids` 1, 2, ... within its row (0 on padding): `Llama.decode` lets a token attend only to its
+    own segment. The loss positions are the same tokens as unpacked, so the per-token mean (the count
+    `emp_tokens`) and its gradient are unchanged. Only the token keys (`PACKED_KEYS`, and `record_index` [B]
+    for logs) are kept: packing is
+    for the text stages (coe), whose loss reads nothing else; a batch with media rows (`aud_mask`/`vid_mask`)
+    or an example longer than `length` raises ValueError.
+    """
+    attn = np.asarray(batch["attention_mask"]).astype(bool)
+    for key in ("aud_mask", "vid_mask"):
+        if key in batch and np.asarray(batch[key]).any():
+            raise ValueError(f"pack_text_batch packs text-only batches; this one has {key} rows (media)")
+    n = attn.sum(1)
+    if not (attn == (np.arange(attn.shape[1]) < n[:, None])).all():
+        raise ValueError("pack_text_batch needs right-padded rows (attention_mask a prefix of ones)")
+    if n.max(initial=0) > length:
+        raise ValueError(f"an example of {int(n.max())} tokens does not fit a packed row of {length}")
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for b in sorted(np.flatnonzero(n), key=lambda b: (-n[b], b)):
+        r = next((i for i, f in enumerate(free) if f >= n[b]), None)
+        if r is None:
+            bins.append([])
+            free.append(length)
+            r = len(bins) - 1
+        bins[r].append(int(b))
+        free[r] -= int(n[b])
+    rows = max(-(-len(bins) // row_multiple), 1) * row_multiple
+    out = {k: np.zeros((rows, length), np.int32) for k in PACKED_KEYS}
+    out["input_ids"].fill(pad_id)
+    out["target_ids"].fill(pad_id)
+    for r, members in enumerate(bins):
+        at = 0
+        for segment, b in enumerate(members, start=1):
+            m = int(n[b])
+            for k in PACKED_KEYS[:-1]:
+                out[k][r, at:at + m] = batch[k][b, :m]
+            out["segment_ids"][r, at:at + m] = segment
+            at += m
+    if "record_index" in batch:  # per example [B], for the trainer's logs (the model never reads it)
+        out["record_index"] = np.asarray(batch["record_index"]).copy()
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # grain datasets
 # --------------------------------------------------------------------------------------------------

@@ -60,8 +60,8 @@ SD_VAES = ("sd_speech_emotion", "sd_speech_profile", "sd_video_emotion", "sd_vid
 
 
 # EmpatheiaConfig / LlamaConfig fields that trade memory for compute and leave the function unchanged.
-EXECUTION_FIELDS = ("ce_chunk",)
-LLM_EXECUTION_FIELDS = ("remat",)
+EXECUTION_FIELDS = ("ce_chunk", "ce_targets")
+LLM_EXECUTION_FIELDS = ("remat", "attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +140,10 @@ class EmpatheiaConfig:
     # Sequence positions whose logits the token loss holds at once (`Llama.token_nll`); 0 = all T at once.
     # A memory/compute trade (one more output projection per step), not part of the model's function.
     ce_chunk: int = 0
+    # Target-only logits (`Llama.target_nll`): the token loss projects only the positions it reads, up to
+    # ce_targets x rows of the (micro-)batch at once; a batch with more takes the whole projection
+    # (exact either way). 0 = project every position. Also an execution field.
+    ce_targets: int = 0
 
     def __post_init__(self):
         problems = []
@@ -156,6 +160,8 @@ class EmpatheiaConfig:
             problems.append(f"cs_conv={self.cs_conv} must be 0 (none) or a positive odd width")
         if self.ce_chunk < 0:
             problems.append(f"ce_chunk={self.ce_chunk} must be >= 0 (0: the whole logits at once)")
+        if self.ce_targets < 0:
+            problems.append(f"ce_targets={self.ce_targets} must be >= 0 (0: every position's logits)")
         if problems:
             raise ValueError("invalid EmpatheiaConfig: " + "; ".join(problems))
         v = self.llm.vocab_size
@@ -598,7 +604,8 @@ class Empatheia(nnx.Module):
             positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
         x = self.embed_inputs(ids, batch.get("aud_feats"), batch.get("aud_mask"), batch.get("vid_feats"),
                               batch.get("vid_mask"))
-        hidden, _ = self.llm.decode(x, positions=positions, attention_mask=mask)
+        hidden, _ = self.llm.decode(x, positions=positions, attention_mask=mask,
+                                    segment_ids=batch.get("segment_ids"))
         response = batch.get("response_mask")
         r_t_mask = (jnp.zeros(ids.shape, bool) if response is None else response.astype(bool)) & mask
         return hidden, mask, r_t_mask
@@ -615,7 +622,8 @@ class Empatheia(nnx.Module):
         """All model outputs for a pipeline batch (docs/design.md "Batch layout").
 
         Needs `input_ids`; `attention_mask` (default all 1), `positions` (default cumsum(mask) - 1),
-        `response_mask`, and the feature keys are read when present. `heads` picks the optional heads to
+        `segment_ids` (packed text rows: attention stays inside each segment), `response_mask`, and the
+        feature keys are read when present. `heads` picks the optional heads to
         run (default: all the model has); a stage passes only what its losses read. train=True samples
         the VAE latents (needs `rng`); train=False uses z = mu. `video=False` leaves the CS's video block
         out (no `video_content`; evaluation only): the first pass of inference with a unit-aligned video

@@ -29,6 +29,7 @@ from empatheia_jax.sharding import constrain
 # ----------------------------------------------------------------------------------------------------------
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ATTENTION_IMPLEMENTATIONS = ("einsum", "auto", "xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,9 @@ class LlamaConfig:
     dtype: str = "float32"  # compute dtype; parameters stay `param_dtype`
     param_dtype: str = "float32"
     remat: str = "none"  # none | full | dots (save matmul outputs)
+    # einsum: our grouped einsum + float32 softmax; auto: jax.nn.dot_product_attention choosing its
+    # implementation (cuDNN where the platform, dtype and shapes allow, else XLA); xla / cudnn: forced
+    attention: str = "einsum"
 
     def __post_init__(self):
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, FrozenDict):
@@ -76,6 +80,8 @@ class LlamaConfig:
                 problems.append(f"{name}={getattr(self, name)!r} not in {sorted(_DTYPES)}")
         if self.remat not in ("none", "full", "dots"):
             problems.append(f"remat={self.remat!r} not in ['dots', 'full', 'none']")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            problems.append(f"attention={self.attention!r} not in {list(ATTENTION_IMPLEMENTATIONS)}")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in ("default", "llama3"):
             problems.append(f"rope_scaling.rope_type={rope_type!r} is not supported (default, llama3)")
@@ -291,6 +297,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
+        self.implementation = cfg.attention
         self.q_proj = _linear(cfg, d, h * hd, ("embed", "heads"), rngs)
         self.k_proj = _linear(cfg, d, kv * hd, ("embed", "kv_heads"), rngs)
         self.v_proj = _linear(cfg, d, kv * hd, ("embed", "kv_heads"), rngs)
@@ -310,6 +317,16 @@ class Attention(nnx.Module):
             new_kv = (k, v)
         else:
             new_kv = None
+        if self.implementation != "einsum":
+            # token-major K/V [B, S, kv_heads, head_dim] as dot_product_attention wants them (GQA native);
+            # the mask [B, T, S] broadcast over the heads; padding queries see a uniform row, as below
+            impl = None if self.implementation == "auto" else self.implementation
+            out = jax.nn.dot_product_attention(
+                q, k.transpose(0, 2, 1, 3).astype(q.dtype), v.transpose(0, 2, 1, 3).astype(q.dtype),
+                mask=mask[:, None, :, :], implementation=impl,
+            )
+            out = out.reshape(b, t, self.num_heads * self.head_dim).astype(x.dtype)
+            return self.o_proj(out), new_kv
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(b, t, self.num_kv_heads, groups, self.head_dim)
         scores = jnp.einsum("btkgd,bksd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
@@ -424,11 +441,14 @@ class Llama(nnx.Module):
         positions: jax.Array | None = None,
         attention_mask: jax.Array | None = None,
         cache: KVCache | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Runs the layers over embeddings x [B, T, D]; returns final-normed hidden states and the cache.
 
         attention_mask [B, T] marks real tokens (1) vs padding (0). Without a cache the attention is causal
-        over the given T tokens; with one, the new tokens are written at `cache.index`.
+        over the given T tokens; with one, the new tokens are written at `cache.index`. segment_ids [B, T]
+        (packed rows, no cache): a query attends only to keys of its own segment, so the turns packed
+        into one row never see each other (their positions restart per turn: the caller's `positions`).
         """
         cfg = self.config
         b, t, _ = x.shape
@@ -448,6 +468,10 @@ class Llama(nnx.Module):
             query_slot = index + jnp.arange(t)
             key_slot = jnp.arange(cache.max_len)
         mask = key_valid[:, None, :] & (key_slot[None, None, :] <= query_slot[None, :, None])
+        if segment_ids is not None:
+            if cache is not None:
+                raise ValueError("segment_ids (packed rows) are for a forward without a KV cache")
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
         inv_freq = jnp.asarray(rope_inv_freq(cfg))  # a compile-time constant
         # activations split over the batch like the inputs (a no-op off a multi-device mesh)
         x = constrain(x.astype(cfg.compute_dtype), _HIDDEN)
@@ -497,21 +521,35 @@ class Llama(nnx.Module):
         for the price of one more output projection. chunk = 0 (or >= T) computes them whole.
         target_ids must be valid ids everywhere (masked positions: any valid id, e.g. 0).
         """
+        return _token_nll(self._head(), hidden.astype(self.config.compute_dtype), target_ids, chunk)
+
+    def target_nll(
+        self, hidden: jax.Array, target_ids: jax.Array, mask: jax.Array, *, max_targets: int, chunk: int = 0
+    ) -> jax.Array:
+        """-log p(target_ids) at the positions where `mask` is set, 0 elsewhere: float32 [B, T].
+
+        Projects only the masked positions: their hidden states are gathered (flat over the batch, in
+        order) into a static [max_targets, d] buffer, which goes through `token_nll` (chunked when chunk >
+        0), and the values are scattered back. A batch with more than `max_targets` masked positions takes
+        the whole projection instead (`lax.cond`, one branch runs), so the result never drops a token: in
+        both branches it is what `token_nll` gives at the masked positions.
+        """
         b, t, _ = hidden.shape
-        if chunk <= 0 or chunk >= t:
-            return optax.softmax_cross_entropy_with_integer_labels(self.logits(hidden), target_ids)
-        head = self._head()
-        pad = -t % chunk
-        h = jnp.pad(hidden.astype(self.config.compute_dtype), ((0, 0), (0, pad), (0, 0)))
-        ids = jnp.pad(target_ids, ((0, 0), (0, pad)))
-        n = (t + pad) // chunk
+        mask = mask.astype(bool)
+        ids = jnp.where(mask, target_ids, 0)  # unmasked ids may be out of range (padding)
+        hidden = hidden.astype(self.config.compute_dtype)
+        spec, w, extra = self._head()  # the weights go in as operands: both branches are pure functions
+        k = int(max_targets)
+        if k <= 0 or k >= b * t:
+            return jnp.where(mask, _token_nll((spec, w, extra), hidden, ids, chunk), 0.0)
 
-        @jax.checkpoint
-        def one(xs: tuple[jax.Array, jax.Array]) -> jax.Array:
-            return optax.softmax_cross_entropy_with_integer_labels(_project(xs[0], *head), xs[1])
+        def gathered(h, w, extra):
+            return gather_target_nll((spec, w, extra), h, ids, mask, k, chunk=chunk)
 
-        by_chunk = (h.reshape(b, n, chunk, -1).swapaxes(0, 1), ids.reshape(b, n, chunk).swapaxes(0, 1))
-        return jax.lax.map(one, by_chunk).swapaxes(0, 1).reshape(b, t + pad)[:, :t]
+        def whole(h, w, extra):
+            return jnp.where(mask, _token_nll((spec, w, extra), h, ids, chunk), 0.0)
+
+        return jax.lax.cond(jnp.sum(mask) <= k, gathered, whole, hidden, w, extra)
 
     def __call__(
         self,
@@ -527,6 +565,40 @@ class Llama(nnx.Module):
         )
         logits = self.logits(hidden)
         return logits if cache is None else (logits, new_cache)
+
+
+def _token_nll(head: tuple, hidden: jax.Array, target_ids: jax.Array, chunk: int) -> jax.Array:
+    """`Llama.token_nll` on the head `Llama._head()` gave (hidden already in the compute dtype)."""
+    b, t, _ = hidden.shape
+    if chunk <= 0 or chunk >= t:
+        return optax.softmax_cross_entropy_with_integer_labels(_project(hidden, *head), target_ids)
+    pad = -t % chunk
+    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    ids = jnp.pad(target_ids, ((0, 0), (0, pad)))
+    n = (t + pad) // chunk
+
+    @jax.checkpoint
+    def one(xs: tuple[jax.Array, jax.Array]) -> jax.Array:
+        return optax.softmax_cross_entropy_with_integer_labels(_project(xs[0], *head), xs[1])
+
+    by_chunk = (h.reshape(b, n, chunk, -1).swapaxes(0, 1), ids.reshape(b, n, chunk).swapaxes(0, 1))
+    return jax.lax.map(one, by_chunk).swapaxes(0, 1).reshape(b, t + pad)[:, :t]
+
+
+def gather_target_nll(
+    head: tuple, hidden: jax.Array, ids: jax.Array, mask: jax.Array, k: int, *, chunk: int = 0
+) -> jax.Array:
+    """`Llama.target_nll`'s gathered branch without its overflow check (head = `Llama._head()`): the
+    first `k` masked positions (row-major) are projected, any further ones score 0, i.e. are DROPPED.
+    Exact only when sum(mask) <= k; `target_nll` checks that and falls back to the whole projection."""
+    b, t, d = hidden.shape
+    flat_mask = mask.reshape(-1)
+    (idx,) = jnp.nonzero(flat_mask, size=k, fill_value=0)
+    valid = jnp.arange(k) < jnp.sum(flat_mask)
+    h = jnp.take(hidden.reshape(b * t, d), idx, axis=0)[None]  # [1, k, d]
+    nll = _token_nll(head, h, jnp.take(ids.reshape(-1), idx)[None], chunk)[0]
+    out = jnp.zeros((b * t,), jnp.float32).at[idx].add(jnp.where(valid, nll, 0.0))
+    return out.reshape(b, t)
 
 
 def init_added_rows(model: Llama) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import ml_collections
 
-from empatheia_jax.models.llama import _DTYPES
+from empatheia_jax.models.llama import _DTYPES, ATTENTION_IMPLEMENTATIONS
 from empatheia_jax.train.stages import Stage, StageSkipped, apply_ablations, get_stage
 
 NAN_POLICIES = ("skip", "stop")
@@ -234,6 +234,9 @@ def _validate_model(config: ml_collections.ConfigDict, bad: _Bad) -> None:
         bad("model.matmul_precision", precision, f"must be one of {MATMUL_PRECISIONS}")
     if "remat" in config.model.llm and config.model.llm.remat not in REMAT_POLICIES:
         bad("model.llm.remat", config.model.llm.remat, f"must be one of {REMAT_POLICIES}")
+    attention = config.model.llm.get("attention", "einsum")
+    if attention not in ATTENTION_IMPLEMENTATIONS:
+        bad("model.llm.attention", attention, f"must be one of {ATTENTION_IMPLEMENTATIONS}")
     if config.model.lora.rank < 1:
         bad("model.lora.rank", config.model.lora.rank, "must be >= 1")
     if config.model.empatheia.n_signal < 1:
@@ -251,8 +254,18 @@ def _validate_model(config: ml_collections.ConfigDict, bad: _Bad) -> None:
     ce_chunk = config.model.empatheia.get("ce_chunk", 0)
     if not isinstance(ce_chunk, int) or ce_chunk < 0:
         bad("model.empatheia.ce_chunk", ce_chunk, "must be an int >= 0 (positions a chunk; 0 = all at once)")
+    ce_targets = config.model.empatheia.get("ce_targets", 0)
+    if not isinstance(ce_targets, int) or isinstance(ce_targets, bool) or ce_targets < 0:
+        bad("model.empatheia.ce_targets", ce_targets,
+            "must be an int >= 0 (loss positions per row projected at once; 0 = every position)")
     if config.data.max_len < 16:
         bad("data.max_len", config.data.max_len, "must be >= 16")
+    pack_len = config.data.get("pack_len", 0)
+    if not isinstance(pack_len, int) or isinstance(pack_len, bool) or pack_len < 0:
+        bad("data.pack_len", pack_len, "must be an int >= 0 (packed row length; 0 = no packing)")
+    elif pack_len and pack_len < config.data.max_len:
+        bad("data.pack_len", pack_len,
+            f"must be 0 or >= data.max_len={config.data.max_len} (every example must fit a row)")
 
 
 def _validate_checkpoint(config: ml_collections.ConfigDict, bad: _Bad) -> None:

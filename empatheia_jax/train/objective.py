@@ -25,8 +25,14 @@ def token_nll(
     model: Empatheia, outputs: Mapping[str, Any], target_ids: jax.Array, mask: jax.Array
 ) -> jax.Array:
     """-log p(target) at every position [B, T] (float32; any value where mask is 0), from the forward's
-    hidden states in chunks of `config.ce_chunk` positions, or from its whole logits when that is 0. Under
-    jit the whole logits of `__call__` are then never computed: nothing reads them."""
+    hidden states: with `config.ce_targets` > 0 only the masked positions are projected (at most
+    ce_targets x B at once, else all: `Llama.target_nll`); otherwise in chunks of `config.ce_chunk`
+    positions, or from the whole logits when both are 0. Under jit the whole logits of `__call__` are then
+    never computed unless the loss reads them: nothing else does."""
+    cfg = model.config
+    if cfg.ce_targets:
+        return model.llm.target_nll(outputs["hidden"], target_ids, mask,
+                                    max_targets=cfg.ce_targets * target_ids.shape[0], chunk=cfg.ce_chunk)
     if model.config.ce_chunk:
         ids = jnp.where(mask, target_ids, 0)  # padding ids may be out of range; they are masked anyway
         return model.llm.token_nll(outputs["hidden"], ids, chunk=model.config.ce_chunk)

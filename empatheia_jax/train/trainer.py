@@ -49,6 +49,7 @@ from empatheia_jax.data.input_pipeline import (
     InputPipeline,
     make_dataset,
     make_global_batch,
+    pack_text_batch,
     pipeline_config_fields,
 )
 from empatheia_jax.data.shard_format import load_manifest, target_source
@@ -851,12 +852,37 @@ class _Window:
         self.sums, self.steps, self.tokens, self.start = {}, 0, 0, time.perf_counter()
 
 
+def check_packing(config: ml_collections.ConfigDict, stage: stages.Stage) -> None:
+    """data.pack_len > 0 packs text rows, whose batches keep only the token keys: a stage whose losses
+    read a head (cs, sd: per-example targets and labels) cannot be packed, nor can several processes
+    (their row counts would differ)."""
+    if not config.data.get("pack_len", 0):
+        return
+    if stage.heads:
+        raise config_lib.ConfigError(
+            f"data.pack_len={config.data.pack_len}: stage {stage.name!r} reads per-example targets "
+            f"(heads {sorted(stage.heads)}); packing is for the text stages (coe, pipeline)")
+    if jax.process_count() > 1:
+        raise config_lib.ConfigError(f"data.pack_len={config.data.pack_len}: packing runs on one process")
+
+
+def pack_for_step(config: ml_collections.ConfigDict, batch: Mapping[str, np.ndarray], pad_id: int,
+                  mesh: Mesh) -> Mapping[str, np.ndarray]:
+    """The step batch packed into rows of data.pack_len (a multiple of grad_accum x the data-parallel
+    devices, so `step_batch` splits it); unchanged when pack_len is 0."""
+    if not config.data.get("pack_len", 0):
+        return batch
+    multiple = int(config.train.grad_accum) * int(mesh.shape["data"] * mesh.shape["fsdp"])
+    return pack_text_batch(batch, int(config.data.pack_len), pad_id=pad_id, row_multiple=multiple)
+
+
 def _build_run(config: ml_collections.ConfigDict, workdir: Path) -> _Run:
     """Everything that can fail on a bad config or missing data fails here, before a step is compiled."""
     initialize_distributed(config)
     config_lib.validate(config)
     config_lib.set_matmul_precision(config)
     stage = config_lib.resolve_stage(config)
+    check_packing(config, stage)
     schedule = config_lib.stage_schedule(config)
     manifest = model_manifest(config)
     check_splits(config, manifest)
@@ -1069,6 +1095,7 @@ def _run_step(
     if trace is not None:
         trace.write(json.dumps({"step": step, "record_index": host_batch["record_index"].tolist()}) + "\n")
         trace.flush()
+    host_batch = pack_for_step(run.config, host_batch, run.pipeline.pad_id, run.mesh)
     batch = step_batch(host_batch, run.mesh, run.config.train.grad_accum)
     t0 = time.perf_counter()
     with jax.set_mesh(run.mesh):  # traced for the mesh: activations keep the batch layout

@@ -1,0 +1,122 @@
+"""Target-only logits (`model.empatheia.ce_targets`, `Llama.target_nll`): the token losses project only the
+positions they read, and their value and gradients equal the whole-logits ones; a batch with more loss
+positions than the static bound falls back to the whole projection instead of dropping tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from empatheia_jax.models import trainable
+from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
+from empatheia_jax.models.llama import gather_target_nll
+from empatheia_jax.models.lora import set_lora_b
+from empatheia_jax.train import objective, stages
+from tests.helpers import FAST
+from tests.test_empatheia import CFG, make_batch
+
+
+@pytest.fixture(autouse=True)
+def _highest_precision():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def _build(cfg: EmpatheiaConfig, seed: int = 3) -> Empatheia:
+    model = Empatheia(cfg, rngs=nnx.Rngs(seed))
+    set_lora_b(model.llm, jax.random.key(seed + 100), std=0.05)
+    return model
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "stage_name"), compiler_options=FAST)
+def _loss_and_grads(graphdef, params, frozen, batch, rng, *, stage_name):
+    loss_fn = objective.make_loss_fn(stages.STAGES[stage_name])
+    return jax.value_and_grad(loss_fn, has_aux=True)(params, graphdef, frozen, batch, rng)
+
+
+def _run(cfg: EmpatheiaConfig, batch, stage_name: str):
+    stage = stages.STAGES[stage_name]
+    model = _build(cfg)
+    graphdef, params, frozen = nnx.split(model, trainable.trainable_filter(stage.trainable_groups), ...)
+    rng = jax.random.split(jax.random.key(1), batch["input_ids"].shape[0])
+    (total, metrics), grads = _loss_and_grads(graphdef, params, frozen, batch, rng, stage_name=stage_name)
+    flat = {"/".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
+    return float(total), {k: float(v) for k, v in metrics.items()}, flat
+
+
+def _assert_same(got, ref, what):
+    total, metrics, grads = got
+    ref_total, ref_metrics, ref_grads = ref
+    np.testing.assert_allclose(total, ref_total, rtol=1e-6, err_msg=what)
+    for k, v in ref_metrics.items():
+        np.testing.assert_allclose(metrics[k], v, rtol=1e-6, atol=1e-7, err_msg=f"{what} {k}")
+    assert grads.keys() == ref_grads.keys()
+    for k, g in ref_grads.items():
+        err, scale = np.abs(grads[k] - g).max(), np.abs(g).max()
+        assert err <= 1e-5 * scale + 1e-9, (what, k, err, scale)
+
+
+@pytest.mark.parametrize("stage_name", ["coe", "sac"])
+def test_target_only_logits_give_the_whole_logits_loss_and_gradients(stage_name):
+    """coe (L_emp, LoRA gradients) and sac (signal CE, the added rows' gradients through the LM head):
+    the gathered projection, the gathered projection chunked, and the overflow fallback all equal
+    ce_targets=0 in float32."""
+    batch = {k: jnp.asarray(v) for k, v in make_batch(2).items()}
+    rows, n_targets = batch["loss_mask"].shape[0], int(batch["loss_mask"].sum())
+    per_row = -(-n_targets // rows)  # the smallest bound that holds the batch: the gathered branch runs
+    ref = _run(CFG, batch, stage_name)
+    assert np.isfinite(ref[0]) and ref[1]["emp_tokens"] == n_targets
+    assert sum(np.abs(g).max() > 0 for g in ref[2].values()) > len(ref[2]) // 2
+    variants = {
+        "gathered": {"ce_targets": per_row},
+        "gathered, chunked": {"ce_targets": per_row, "ce_chunk": 5},
+        "overflow -> whole": {"ce_targets": per_row - 2},
+        "overflow -> whole, chunked": {"ce_targets": per_row - 2, "ce_chunk": 5},
+    }
+    for what, fields in variants.items():
+        _assert_same(_run(dataclasses.replace(CFG, **fields), batch, stage_name), ref, what)
+
+
+def test_the_bound_picks_the_branch_and_a_dropped_target_is_caught():
+    """sum(mask) <= bound runs the gathered branch, more runs the whole one (both equal the whole logits at
+    the loss positions, 0 elsewhere). The gathered branch alone with a bound one short DROPS the last
+    target: the loss the equality above compares then differs, so that test would fail."""
+    model = _build(CFG)
+    batch = make_batch(2)
+    mask = jnp.asarray(batch["loss_mask"]).astype(bool)
+    ids = jnp.where(mask, jnp.asarray(batch["target_ids"]), 0)
+    hidden = jax.random.normal(jax.random.key(0), mask.shape + (CFG.llm.hidden_size,))
+    n = int(mask.sum())
+    whole = np.where(mask, np.asarray(model.llm.token_nll(hidden, ids)), 0.0)
+    for bound in (n, n + 7, n - 1, 1):
+        got = np.asarray(model.llm.target_nll(hidden, ids, mask, max_targets=bound))
+        np.testing.assert_allclose(got, whole, rtol=1e-6, atol=1e-7, err_msg=str(bound))
+    head = model.llm._head()
+    exact = np.asarray(gather_target_nll(head, hidden, ids, mask, n))
+    np.testing.assert_allclose(exact, whole, rtol=1e-6, atol=1e-7)
+    dropped = np.asarray(gather_target_nll(head, hidden, ids, mask, n - 1))
+    loss = lambda nll: nll.sum() / n  # noqa: E731  (L_emp's mean over loss_mask)
+    assert not np.isclose(loss(dropped), loss(whole), rtol=1e-6, atol=1e-7)
+    last = np.argwhere(np.asarray(mask))[-1]
+    assert dropped[tuple(last)] == 0 and whole[tuple(last)] > 0
+
+
+def test_the_gathered_branch_really_runs_inside_the_step():
+    """The traced loss holds a `cond` whose gathered branch projects [1, bound, V] logits, not [B, T, V]."""
+    batch = {k: jnp.asarray(v) for k, v in make_batch(2).items()}
+    rows = batch["loss_mask"].shape[0]
+    cfg = dataclasses.replace(CFG, ce_targets=4)
+    stage = stages.STAGES["coe"]
+    model = _build(cfg)
+    graphdef, params, frozen = nnx.split(model, trainable.trainable_filter(stage.trainable_groups), ...)
+    rng = jax.random.split(jax.random.key(1), rows)
+    loss_fn = objective.make_loss_fn(stage)
+    jaxpr = str(jax.make_jaxpr(lambda p: loss_fn(p, graphdef, frozen, batch, rng))(params))
+    assert "cond[" in jaxpr
+    assert f"f32[1,{4 * rows},{cfg.llm.total_vocab}]" in jaxpr
