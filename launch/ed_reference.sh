@@ -25,10 +25,11 @@
 # finished coe stage to chain from instead of training one: a workdir or a PEFT export, e.g. the committed
 # reference model, `python -m empatheia_jax.reference`; the ED stages train the CS only, so its LoRA reaches
 # the new export unchanged, and a redesigned CS costs the ccl stage, not the hours of coe).
+# Exit status: 0 done; 3 a stage stopped early (SIGTERM: checkpointed; re-run the same command to resume).
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-    sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 RUN=$1
@@ -49,6 +50,24 @@ for need in "$WORK/smollm2/COMPLETE" "$WORK/shards/manifest.json"; do
     fi
 done
 COMMON=(--config.model.backbone="$WORK/smollm2" --config.data.features_like="$WORK/shards")
+
+# SIGTERM (a session's end, a scheduler) also reaches the trainer, which checkpoints and exits 0: wait for it
+# rather than dying first, then stop (`finished`) instead of exporting a partial stage or starting the next.
+trap 'echo "[ed_reference] SIGTERM: waiting for the trainer to checkpoint" >&2' TERM
+finished() {  # finished WORKDIR STAGE: exits 3 (re-run to resume) unless the stage reached its last step
+    if ! "$PY" - "$1" "$2" <<'EOF'
+import json, sys
+from pathlib import Path
+run, stage = Path(sys.argv[1]), sys.argv[2]
+steps = json.loads((run / "config.json").read_text())["schedule"][stage]["steps"]
+saved = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
+sys.exit(0 if saved and max(saved) >= steps else 1)
+EOF
+    then
+        echo "[ed_reference] $2 stopped before its last step (preempted): re-run the same command to resume" >&2
+        exit 3
+    fi
+}
 
 mkdir -p "$RUN/ed"
 if [[ ! -f "$RUN/ed/raw/dev.json" ]]; then
@@ -89,6 +108,7 @@ else
     echo "[ed_reference] stage coe on EmpatheticDialogues -> $RUN/coe"
     "$PY" -m empatheia_jax.cli train --config configs/smollm2_ed.py --workdir "$RUN/coe" \
         "${COMMON[@]}" --config.data.shards="$RUN/ed/shards" "$@"
+    finished "$RUN/coe" coe
     if [[ ${COE_EVAL:-1} != 0 ]]; then
         echo "[ed_reference] dev evaluation of the coe stage -> $RUN/report"
         "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/coe" --data "$RUN/ed/shards" --split dev \
@@ -102,6 +122,7 @@ for stage in ${ED_STAGES/#0/}; do
     echo "[ed_reference] stage $stage on the ED replies' targets -> $RUN/ed_$stage"
     "$PY" -m empatheia_jax.cli train --config configs/smollm2_ed_avatar.py --config.stage="$stage" \
         --config.init_from="$prev" --workdir "$RUN/ed_$stage" "${COMMON[@]}" --config.data.shards="$RUN/ed/shards"
+    finished "$RUN/ed_$stage" "$stage"
     prev=$RUN/ed_$stage
     WORKDIRS+=(--workdir "$RUN/ed_$stage")
 done
@@ -113,6 +134,7 @@ for stage in ${STAGES/#0/}; do
         --config.init_from="$prev" --workdir "$RUN/$stage" --config.model.backbone="$WORK/smollm2" \
         --config.data.shards="$WORK/shards" --config.model.empatheia.cs_units=178 \
         --config.model.empatheia.cv_units=178
+    finished "$RUN/$stage" "$stage"
     prev=$RUN/$stage
     WORKDIRS+=(--workdir "$RUN/$stage")
 done
