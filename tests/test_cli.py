@@ -133,6 +133,7 @@ def chat_inputs(media, tmp_path_factory) -> dict:
 REFERENCE = """
 import json, sys
 import numpy as np
+from empatheia_jax.data import input_pipeline as ip
 from empatheia_jax.eval import baselines, evaluate, report
 from empatheia_jax.eval import speech as speech_eval
 from empatheia_jax.eval import video as video_eval
@@ -156,6 +157,12 @@ columns = {"trained": evaluate.evaluate(
 columns["baseline"] = baselines.baselines(shards, "test", train_split=config.data.train_split,
                                           max_speech_len=model.config.max_speech_len,
                                           max_video_len=model.config.max_video_len)
+split_records = {}
+for part in (config.data.train_split, "test"):
+    reader = ip.ShardReader.for_split(shards, part)
+    split_records[part] = [reader[i] for i in range(len(reader))]
+train_part = config.data.train_split
+columns["bag_of_words"] = baselines.bag_of_words(split_records[train_part], split_records["test"])
 for rows in (speech, video):
     for name, values in rows.reference_columns().items():
         columns.setdefault(name, {}).update(values)
@@ -221,8 +228,8 @@ def test_eval_prints_the_table_and_its_json_equals_the_library(trained, shards, 
     # shards without recordings speak their gold targets: the very speech make_sample wrote (int16 rounding)
     assert reference[0]["gold_items"] > 0 and reference[0]["gold_gap"] <= 1 / 32768, reference[0]["gold_gap"]
     got, want = json.loads(out.read_text()), reference[0]["eval"]
-    assert list(got) == ["trained", "baseline", "mean_style", "pipeline_tts", "gold", "chance", "targets",
-                         "template", "shards", "split"]
+    assert list(got) == ["trained", "baseline", "bag_of_words", "mean_style", "pipeline_tts", "gold",
+                         "chance", "targets", "template", "shards", "split"]
     assert (got.pop("template"), got.pop("shards"), got.pop("split")) == ("overall", str(shards), "test")
     targets = got.pop("targets")
     assert targets == ("targets: speech_content=kokoro, video_content=face_render, speech_style=kokoro, "
