@@ -188,7 +188,9 @@ print(f"[demo] reference reply heard by Whisper tiny.en as: {js['speech_transcri
       f"reply: {js['reply']!r})")
 EOF_HEARD
 
-# The one command that opens the web page on the model trained above (printed, not run: it serves until Ctrl-C).
+# The commands that open the web page on the model trained above and on the reference model (printed, not
+# run: each serves until Ctrl-C).
 echo
-echo "[demo] talk with this model in a browser: run the line below, then open http://127.0.0.1:7860/"
-echo "  $PY -m empatheia_jax.cli serve --ckpt $RUN/overall"
+echo "[demo] talk with a model in a browser: run one of the lines below, then open http://127.0.0.1:7860/"
+echo "  $PY -m empatheia_jax.cli serve --ckpt $RUN/overall                  # the model trained above"
+echo "  $PY -m empatheia_jax.cli serve --ckpt $REF --backbone $WORK/smollm2  # the reference model"
