@@ -358,6 +358,10 @@ def test_baselines_equal_a_hand_computation(shards):
     engaged = mtext.reply_engagement([r["response"] for r in te], [mtext.speaker_turn(r) for r in te])
     assert {k: got[k] for k in engaged} == engaged and engaged["question_rate"] >= 0
     assert got["num_examples"] == 3
+    # evaluate's one-pass form gives the same column and the bag-of-words floor of the same records
+    both = eval_baselines.baseline_columns(shards, "test", max_speech_len=ROWS, max_video_len=ROWS)
+    assert both["baseline"] == got
+    assert both["bag_of_words"] == eval_baselines.bag_of_words(tr, te)
     chance = eval_baselines.chance_levels()
     assert chance["emotion_acc_cls"] == pytest.approx(1 / 7) and chance["gender_acc"] == 0.5
 

@@ -47,17 +47,42 @@ def baselines(
     vector. dist{1,2}_{corpus,reply}, question_rate, reuse_rate and duplicate_rate are those of the GOLD
     replies of `split`: a reference, not a predictor.
     """
+    column, _, _ = _baseline_pass(shards_dir, split, train_split, max_speech_len, max_video_len, max_examples)
+    return column
+
+
+def baseline_columns(
+    shards_dir: str | os.PathLike,
+    split: str = "test",
+    *,
+    train_split: str = "train",
+    max_speech_len: int = 256,
+    max_video_len: int = 256,
+) -> dict[str, dict[str, float]]:
+    """The `baselines` column and the `bag_of_words` column, from one read of each split (an eval's split
+    may be large, and every record is decoded from its shard)."""
+    column, train_texts, test_texts = _baseline_pass(
+        shards_dir, split, train_split, max_speech_len, max_video_len, None)
+    return {"baseline": column, "bag_of_words": bag_of_words(train_texts, test_texts)}
+
+
+def _baseline_pass(shards_dir, split, train_split, max_speech_len, max_video_len, max_examples
+                   ) -> tuple[dict[str, float], list[dict[str, Any]], list[dict[str, Any]]]:
+    """`baselines`' column, and the text and labels of every train and scored record (what `bag_of_words`
+    reads), from one pass over each split."""
     check_split(shards_dir, split)
     check_split(shards_dir, train_split)
     limits = {"speech_content": max_speech_len, "video_content": max_video_len}
-    majority, mean_rows, mean_style = _fit(ip.ShardReader.for_split(shards_dir, train_split), limits)
+    train = ip.ShardReader.for_split(shards_dir, train_split)
+    majority, mean_rows, mean_style, train_texts = _fit(train, limits)
 
     test = ip.ShardReader.for_split(shards_dir, split)
     means = Means()
-    replies, turns = [], []
+    replies, turns, test_texts = [], [], []
     n = len(test) if max_examples is None else min(len(test), max_examples)
     for i in range(n):
         rec = test[i]
+        test_texts.append(_text_and_labels(rec))
         replies.append(tpl.clean_text(rec.get("response")))
         turns.append(tpl.clean_text(speaker_turn(rec)))
         lab = rec.get("labels") or {}
@@ -85,21 +110,29 @@ def baselines(
     out.update(reply_text_metrics(replies))
     out.update(reply_engagement(replies, turns))
     out["num_examples"] = float(n)
-    return {k: out[k] for k in sorted(out, key=metric_order)}
+    return {k: out[k] for k in sorted(out, key=metric_order)}, train_texts, test_texts
+
+
+def _text_and_labels(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """What `bag_of_words` reads of a record: kept instead of the record, whose media may not fit in
+    memory."""
+    return {"history": rec.get("history"), "labels": rec.get("labels")}
 
 
 def _fit(train: ip.ShardReader, limits: dict[str, int]
-         ) -> tuple[dict[str, int], dict[str, np.ndarray], dict[str, np.ndarray]]:
+         ) -> tuple[dict[str, int], dict[str, np.ndarray], dict[str, np.ndarray], list[dict[str, Any]]]:
     """The predictors `baselines` scores, fitted on the train records in one pass (a split may be too large to
     hold): the majority class of each label, the mean content row at each row index, the mean style vector.
-    Returns (majority, mean_rows, mean_style)."""
+    Returns (majority, mean_rows, mean_style, the records' `_text_and_labels`)."""
     counts = {k: collections.Counter() for k in LABELS}
     row_sum: dict[str, np.ndarray] = {}
     row_n: dict[str, np.ndarray] = {}
     style_sum: dict[str, np.ndarray] = {}
     style_n: dict[str, int] = collections.Counter()
+    texts = []
     for i in range(len(train)):
         rec = train[i]
+        texts.append(_text_and_labels(rec))
         lab = rec.get("labels") or {}
         for k in LABELS:
             if lab.get(k) is not None and int(lab[k]) >= 0:
@@ -125,7 +158,7 @@ def _fit(train: ip.ShardReader, limits: dict[str, int]
         overall = s.sum(0) / max(n.sum(), 1)
         mean_rows[kind] = np.where(n[:, None] > 0, s / np.maximum(n, 1)[:, None], overall)
     mean_style = {kind: s / style_n[kind] for kind, s in style_sum.items()}
-    return majority, mean_rows, mean_style
+    return majority, mean_rows, mean_style, texts
 
 
 def dialogue_text(record: Mapping[str, Any]) -> str:

@@ -635,18 +635,13 @@ def reference_columns(
     where the shards have none), the speech/video references, chance."""
     columns: dict[str, dict[str, float]] = {}
     if train_split in (manifest.get("splits") or {}):
-        columns["baseline"] = eval_baselines.baselines(
+        columns.update(eval_baselines.baseline_columns(
             shards_dir,
             split,
             train_split=train_split,
             max_speech_len=model_cfg.max_speech_len,
             max_video_len=model_cfg.max_video_len,
-        )
-        texts = {}
-        for part in (train_split, split):  # the text and labels only: a split's media may not fit in memory
-            reader = ip.ShardReader.for_split(shards_dir, part)
-            texts[part] = [{k: reader[i].get(k) for k in ("history", "labels")} for i in range(len(reader))]
-        columns["bag_of_words"] = eval_baselines.bag_of_words(texts[train_split], texts[split])
+        ))
     else:  # e.g. one imported csv: the majority and mean predictors need a train split to be fitted on
         print(f"note: no baseline column: {shards_dir} has no split {train_split!r} "
               "(config.data.train_split) to fit it on", file=sys.stderr)

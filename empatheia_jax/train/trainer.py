@@ -967,7 +967,8 @@ def _init_from(run: _Run) -> None:
     fresh init (said in the log) and everything else is the source's. That is exact for a source stage that
     never trained those blocks (coe), and a warm start otherwise."""
     config, model = run.config, run.model
-    if is_export(config.init_from):
+    from_export = is_export(config.init_from)
+    if from_export:
         where, step, source_config, source_params = _export_params(Path(config.init_from), run)
     else:
         src_dir, step = resolve_checkpoint(checkpoints_of(config.init_from))
@@ -976,7 +977,7 @@ def _init_from(run: _Run) -> None:
     differ = {k for k in set(source) | set(current) if source.get(k) != current.get(k)}
     if differ and ("cs" not in run.stage.trainable_groups or not differ <= CS_DESIGN_FIELDS):
         _check_same("model", source, current, Path(config.init_from))  # raises, naming the fields
-    if not is_export(config.init_from):
+    if not from_export:
         # the source's own (abstract) model is the restore target when its CS blocks have other shapes
         target = model if not differ else nnx.eval_shape(
             lambda: Empatheia(EmpatheiaConfig.from_dict(source_config), rngs=nnx.Rngs(0)))
