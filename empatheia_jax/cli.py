@@ -122,6 +122,8 @@ flags.DEFINE_integer("port", 7860, "serve: the TCP port", lower_bound=0, upper_b
 flags.DEFINE_float("max_upload_mb", 20.0, "serve: the largest audio or video upload, MB", lower_bound=0.01)
 flags.DEFINE_float("max_media_seconds", 30.0, "serve: the longest audio or video upload, seconds",
                    lower_bound=0.1)
+flags.DEFINE_bool("warmup", True, "serve: compile the programs of every prompt length before serving, so no "
+                  "turn waits for a compile (start-up takes longer; --nowarmup skips it)")
 flags.DEFINE_integer("queue", 4, "serve: turns that may wait behind the running one (more get HTTP 503)",
                      lower_bound=0)
 flags.DEFINE_bool("verbose", False, "library logging (absl, orbax, jax, grain, transformers) at INFO")
@@ -455,11 +457,16 @@ def _serve() -> int:
     t0 = time.perf_counter()
     replier = _load_replier()
     load_seconds = time.perf_counter() - t0
+    generation = dict(max_new_tokens=FLAGS.max_new_tokens, repetition_penalty=FLAGS.repetition_penalty,
+                      no_repeat_ngram_size=FLAGS.no_repeat_ngram_size)
+    if FLAGS.warmup:
+        t0 = time.perf_counter()
+        warmed = replier.warm_up(**generation, progress=lambda b: print(
+            f"warm-up: compiled the programs of {b}-token prompts", flush=True))
+        print(f"warm-up: {len(warmed)} prompt lengths in {time.perf_counter() - t0:.1f} s", flush=True)
     limits = web.Limits(max_upload_bytes=int(FLAGS.max_upload_mb * 2**20),
                         max_media_seconds=FLAGS.max_media_seconds, queue=FLAGS.queue)
-    server = web.Server(web.replier_turn(replier, max_new_tokens=FLAGS.max_new_tokens,
-                                         repetition_penalty=FLAGS.repetition_penalty,
-                                         no_repeat_ngram_size=FLAGS.no_repeat_ngram_size),
+    server = web.Server(web.replier_turn(replier, **generation),
                         limits, info={"ckpt": str(FLAGS.ckpt), "load_seconds": load_seconds,
                                       "speech_targets": replier.speech_targets,
                                       "video_targets": replier.video_targets})

@@ -362,3 +362,39 @@ def test_unit_aligned_video_block_runs_after_the_reply_is_timed_by_its_speech(tm
     batch["video_units"][0, :] = 0
     other = _teacher_forced(graphdef, state, {k: jnp.asarray(v) for k, v in batch.items()})
     assert np.abs(np.asarray(other["video_content"][0]) - r.features["video_content"]).max() > 1e-3
+
+
+def test_warm_up_compiles_every_program_a_text_turn_needs(model, tok, tmp_path):
+    """After `Replier.warm_up` (what `empatheia serve` runs at start), text turns of any prompt length
+    within the budget, short or after a long history, compile nothing; the warm-up itself did compile."""
+    from jax._src import dispatch
+
+    from empatheia_jax.serve import turn
+    from empatheia_jax.serve.generation import bucket
+
+    compiles = []
+
+    def count(event, duration, **kwargs):
+        if event == dispatch.BACKEND_COMPILE_EVENT:
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        replier = turn.Replier(model=model, tokenizer=tok, max_len=200, encoder=get_encoder("lite"),
+                               compiler_options=FAST)
+        warmed = replier.warm_up(max_new_tokens=5)
+        assert warmed[-1] == bucket(200) and warmed == sorted(warmed) and len(warmed) >= 2, warmed
+        assert compiles, "the warm-up compiled nothing: the counter does not see compiles"
+        compiles.clear()
+        long_history = [{"role": "speaker" if i % 2 == 0 else "listener",
+                         "utterance": f"line {i}: I keep thinking about what happened at work today."}
+                        for i in range(8)]
+        lengths = []
+        for i, history in enumerate(([], long_history[:3], long_history)):
+            done = turn.run_turn(replier, text="I lost my keys again.", history=history,
+                                 out=tmp_path / f"t{i}", max_new_tokens=5)
+            lengths.append(done.result.prompt_length)
+        assert len({bucket(n) for n in lengths}) >= 2, (lengths, warmed)  # more than one prompt bucket
+        assert compiles == [], f"{len(compiles)} compile(s) during turns of prompt lengths {lengths}"
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)

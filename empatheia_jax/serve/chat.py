@@ -32,7 +32,7 @@ import inspect
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -476,6 +476,72 @@ def respond(
         result.notes.extend(more)
     result.input_transcripts = transcripts
     return result
+
+
+def warm_up(
+    model: Empatheia,
+    tokenizer: Any,
+    *,
+    max_len: int,
+    max_new_tokens: int = 160,
+    encoder: str | enc_lib.Encoder = "lite",
+    repetition_penalty: float = 1.0,
+    no_repeat_ngram_size: int = 0,
+    speech_targets: str = STAND_IN,
+    compiler_options: Mapping[str, Any] | None = None,
+    chat_format: str = "auto",
+    progress: Callable[[int], None] | None = None,
+) -> list[int]:
+    """Compiles, before anyone waits for them, the programs a text turn of `respond` can need: the decode
+    for every prompt bucket from the shortest prompt to `max_len` (the prompt budget), then the heads (and
+    a unit-aligned video block) for every sequence bucket that prompt plus up to `max_new_tokens` (and any
+    forced signal tokens) can reach. The calls are respond's own with dummy ids of each bucket's length, so
+    the shapes are those a real turn compiles; a turn with media also compiles its feature-row bucket. Greedy
+    decoding with these repetition controls, as a server runs them. Returns the prompt buckets; `progress`
+    is called with each once it is compiled."""
+    cfg = model.config
+    if isinstance(encoder, str):
+        encoder = enc_lib.get_encoder(encoder)
+    forced_room = 2 * cfg.n_signal + 2 if cfg.has_sd else 0
+    shortest = build_prompt(cfg, tokenizer, [{"role": "speaker", "utterance": "Hi."}], encoder=encoder,
+                            max_len=max_len + max_new_tokens + forced_room, chat_format=chat_format)
+    eos = eos_token_ids(model.llm, tokenizer)
+    pad = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else eos[0]
+    empty = ChatPrompt(ids=[], aud_feats=np.zeros((0, cfg.audio_dim), np.float32),
+                       vid_feats=np.zeros((0, cfg.video_dim), np.float32), notes=[])
+    feats = _feature_batch(cfg, empty)  # a text turn's (empty) feature rows
+    units = _speech_units(cfg, "", speech_targets)
+    after_speech = cfg.has_cs and bool(cfg.cv_units)
+    token = int(shortest.ids[-1])
+    warmed = []
+    for b in _powers_of_two(bucket(len(shortest.ids)), bucket(max_len)):
+        ids = [token] * b
+        prompt = dataclasses.replace(empty, ids=ids)
+        ids_np, mask = left_pad([ids], pad)
+        _generate(model, prompt, ids_np, feats, eos=eos, pad=pad, max_new_tokens=max_new_tokens,
+                  temperature=0.0, top_p=1.0, seed=0, repetition_penalty=repetition_penalty,
+                  no_repeat_ngram_size=no_repeat_ngram_size, compiler_options=compiler_options)
+        if cfg.heads:
+            for length in _powers_of_two(2 * b, bucket(b + max_new_tokens + forced_room)):
+                final = [token] * (length - b)
+                batch = _heads_batch(cfg, ids_np, mask, final, np.zeros(len(final), np.int32), feats, pad,
+                                     units)
+                forward.model_outputs(model, batch, compiler_options=compiler_options, video=not after_speech)
+                if after_speech:
+                    forward.video_outputs(model, batch, np.zeros((1, cfg.max_video_len), np.int32),
+                                          compiler_options=compiler_options)
+        warmed.append(b)
+        if progress is not None:
+            progress(b)
+    return warmed
+
+
+def _powers_of_two(low: int, high: int) -> list[int]:
+    """low, 2 low, ... up to high (both powers of two)."""
+    out = [low]
+    while out[-1] < high:
+        out.append(out[-1] * 2)
+    return out
 
 
 def transcribe_utterances(utterances: Sequence[Mapping[str, Any]], *, threads: int = 2

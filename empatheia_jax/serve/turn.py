@@ -46,6 +46,15 @@ class Replier:
             avatar.check_can_speak(self.speech_targets, self.video_targets, self.where,
                                    video=avatar.VIDEO_GENERATOR if render == "avatar" else None)
 
+    def warm_up(self, *, max_new_tokens: int = 160, repetition_penalty: float = 1.0,
+                no_repeat_ngram_size: int = 0, progress: Any = None) -> list[int]:
+        """`chat.warm_up` over this model's prompt budget, with the generation settings `run_turn` will be
+        given: a server compiles once at start, and no user's turn waits for a compile."""
+        return chat.warm_up(self.model, self.tokenizer, max_len=self.max_len, max_new_tokens=max_new_tokens,
+                            encoder=self.encoder, repetition_penalty=repetition_penalty,
+                            no_repeat_ngram_size=no_repeat_ngram_size, speech_targets=self.speech_targets,
+                            compiler_options=self.compiler_options, progress=progress)
+
 
 def replier_from_loaded(model: Any, tokenizer: Any, config: Any, meta: Mapping[str, Any], where: str,
                         compiler_options: Mapping[str, Any] | None = None) -> Replier:
