@@ -1,12 +1,16 @@
 """Turn latency of `empatheia serve`: p50/p95 of decode, speech, video and the client's wall time.
 
-    python bench/serve.py --ckpt work/run/overall [--turns 12] [--render avatar] [--json OUT]
+    python bench/serve.py --ckpt work/run/overall [--backbone DIR] [--turns 12] [--render avatar] [--json OUT]
+    python bench/serve.py --ckpt empatheia_jax/resources/reference --backbone work/smollm2   # the reference
     python bench/serve.py --tiny /tmp/bench_serve [--turns 12]   # trains the tests' tiny run (1 step) first
 
 Starts `empatheia serve` as a subprocess on a free loopback port, sends one warm-up turn (compilation), then
 --turns turns over HTTP (POST /api/turn with a pinned listener avatar; a new conversation every 4 turns, so
 the prompt stays the size of a short dialogue), one at a time, and reports the server's own timings and the
-client's wall time per turn.
+client's wall time per turn. Each part is also set against its own rate, to say which part bounds a turn
+and how far it is from its floor: decode tokens/s, the speech generator's real-time factor (compute seconds
+per second of audio), the face renderer's frames/s. The server warms up at start (every prompt length
+compiled) unless --nowarmup.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ def post(url: str, body: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ckpt")
+    ap.add_argument("--backbone", help="serve --backbone: the converted backbone of an export")
+    ap.add_argument("--nowarmup", action="store_true", help="serve --nowarmup: compile on the first turns")
     ap.add_argument("--tiny", type=Path, help="build and use the tests' tiny run under this folder")
     ap.add_argument("--turns", type=int, default=12)
     ap.add_argument("--render", default="avatar", choices=("text", "speech", "avatar"))
@@ -78,9 +84,11 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen([sys.executable, "-m", "empatheia_jax.cli", "serve", "--ckpt", str(ckpt),
-                                 "--port", str(port), "--max_new_tokens", str(args.max_new_tokens)], cwd=REPO,
-                                env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": tmp})
+        cmd = [sys.executable, "-m", "empatheia_jax.cli", "serve", "--ckpt", str(ckpt), "--port", str(port),
+               "--max_new_tokens", str(args.max_new_tokens)]
+        cmd += ["--backbone", args.backbone] if args.backbone else []
+        cmd += ["--nowarmup"] if args.nowarmup else []
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": tmp})
         try:
             while True:
                 try:
@@ -100,7 +108,9 @@ def main() -> None:
                 t = time.perf_counter()
                 r = post(url + "/api/turn", {"conversation": conv, "text": TEXTS[i % len(TEXTS)],
                                              "render": args.render, "listener": listener})
-                rows.append({**r["timings"], "wall": time.perf_counter() - t})
+                rows.append({**r["timings"], "wall": time.perf_counter() - t, "new_tokens": r["new_tokens"],
+                             "audio_seconds": r["speech_seconds"], "frames": r["frames"],
+                             "prompt_length": r["prompt_length"]})
                 conv = r["conversation"]
         finally:
             proc.terminate()
@@ -113,6 +123,14 @@ def main() -> None:
     print(f"{args.turns} turns, render={args.render}, max_new_tokens={args.max_new_tokens}:")
     for k in keys:
         print(f"  {k:7s} p50 {summary[k]['p50']:.3f} s   p95 {summary[k]['p95']:.3f} s")
+    rates = {"decode tokens/s": ("new_tokens", "decode"),
+             "speech real-time factor": ("speech", "audio_seconds"), "video frames/s": ("frames", "video")}
+    for name, (num, den) in rates.items():
+        if num in rows[0] and den in rows[0] and sum(r[den] for r in rows) > 0:
+            summary[name] = sum(r[num] for r in rows) / sum(r[den] for r in rows)
+            print(f"  {name}: {summary[name]:.2f}")
+    print(f"  prompt tokens {min(r['prompt_length'] for r in rows)}-{max(r['prompt_length'] for r in rows)}, "
+          f"new tokens p50 {np.percentile([r['new_tokens'] for r in rows], 50):.0f}")
     if args.json:
         out = {"startup": startup, "first_turn": first["timings"], "turns": rows, "summary": summary,
                "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count()}

@@ -251,6 +251,7 @@ def served(trained, cli_env, tmp_path_factory):
     proc.terminate()
     out, err = proc.communicate(timeout=60)
     assert "Traceback" not in err, err[-3000:]
+    assert "warm-up:" in out, out[-3000:]  # every prompt length compiled before the first turn
     assert not list(tmp.glob("empatheia-serve-*")), "serve left its session folders behind"
 
 

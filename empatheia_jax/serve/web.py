@@ -103,7 +103,7 @@ def replier_turn(replier: turn.Replier, **options: Any) -> TurnFn:
             "emotion_text": r.emotion_text,
             "profile": {k: r.profile.get(k, "") for k in ("age", "gender", "timbre")},
             "speaker_text": done.speaker_text, "input_transcripts": r.input_transcripts,
-            "prompt_length": r.prompt_length,
+            "prompt_length": r.prompt_length, "new_tokens": len(r.input_ids) - r.prompt_length,
             "notes": [*r.notes, *done.speech_notes, *done.video_notes], "timings": dict(done.timings),
             "speech_seconds": done.speech_seconds, "frames": done.frames,
             "files": {"audio": done.wav, "video": done.mp4},
