@@ -152,13 +152,14 @@ echo "[ed_reference] dev evaluation of the export (CoE prompt) -> $RUN/report_fi
 echo "[ed_reference] the avatar on dev replies: the CS's content spoken and heard (ccl template) -> $RUN/report_avatar"
 "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template ccl \
     --nogenerate --speech_examples "${SPEECH_EXAMPLES:-32}" --json "$RUN/report_avatar.json"
-# the figure the project's test re-measures in CI time: the first 64 dev records
+# the figure the project's test re-measures in CI time: the first CI_SUBSET dev records
+CI_SUBSET=32  # tests/test_reference_model.py SUBSET
 "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template coe \
-    --max_examples 64 --json "$RUN/report_final/subset64.json" --no_repeat_ngram_size 4 --score_emotions \
+    --max_examples $CI_SUBSET --json "$RUN/report_final/subset.json" --no_repeat_ngram_size 4 --score_emotions \
     ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
 echo "[ed_reference] model card -> $RUN/export"
 "$PY" -m empatheia_jax.eval.model_card "$RUN/export" --metrics "$RUN/report_final/metrics.json" \
     "${WORKDIRS[@]}" \
-    --subset_metrics "$RUN/report_final/subset64.json" --subset_examples 64 \
+    --subset_metrics "$RUN/report_final/subset.json" --subset_examples $CI_SUBSET \
     --command "${COE_FROM:+COE_FROM=$COE_FROM }bash launch/ed_reference.sh $RUN${*:+ $*}" --device "${DEVICE:-$(nproc)-core CPU}"
 echo "[ed_reference] done: $RUN/export (chat: empatheia chat --ckpt $RUN/export --text ...)"

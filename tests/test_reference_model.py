@@ -1,10 +1,10 @@
 """The committed reference model (`empatheia_jax/resources/reference`): it loads over the converted SmolLM2,
-and `empatheia eval` re-measures the figures its card records for the first 64 ED dev records.
+and `empatheia eval` re-measures the figures its card records for the first 32 ED dev records.
 
 The dev part is rebuilt here exactly as `launch/ed_reference.sh` built it (the shipped ED csv, the
 card's conversation-level hold-out, text-only shards), and the eval runs with the script's flags in a
-process without the suite's XLA flags: optimisation level 0 changes float bits, and on 64 records one flipped
-greedy choice is 1.6 points. The card's `ci_subset` figures must come back within 1 point.
+process without the suite's XLA flags: optimisation level 0 changes float bits, and on 32 records one flipped
+greedy choice is 3.1 points. The card's `ci_subset` figures must come back within 1 point, i.e. exactly.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from helpers import REPO, smollm2_checkpoint
 from empatheia_jax import reference
 
 CSV = REPO / "data" / "ed" / "empathetic_dialogues_validation.csv"
+SUBSET = 32  # launch/ed_reference.sh CI_SUBSET: 2 minutes of eval on 2 cores
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def _run(*args: str, timeout: int = 1200) -> subprocess.CompletedProcess:
 def test_the_card_describes_these_weights(card):
     meta = json.loads((reference.path() / "empatheia_config.json").read_text())
     assert card["model"]["step"] == meta["step"] and meta["stored_dtype"] == "bfloat16"
-    assert card["ci_subset"]["max_examples"] == 64 and card["eval"]["metrics"]["num_examples"] > 800
+    assert card["ci_subset"]["max_examples"] == SUBSET and card["eval"]["metrics"]["num_examples"] > 800
     assert any("CC BY-NC" in line for line in card["license"])
 
 
@@ -58,7 +59,7 @@ def test_the_card_names_the_sha256_of_every_weight_file(card):
     assert card["weights"] == got
 
 
-def test_it_scores_its_card_on_the_first_64_dev_records(card, tmp_path):
+def test_it_scores_its_card_on_the_first_32_dev_records(card, tmp_path):
     # The dev part as launch/ed_reference.sh made it (its HOLDOUT default), then the script's subset eval.
     _run("data.import_ed", "--csv", str(CSV), "--out", str(tmp_path / "raw"), "--split", "train",
          "--holdout", "dev:0.15")
@@ -66,9 +67,9 @@ def test_it_scores_its_card_on_the_first_64_dev_records(card, tmp_path):
     out = tmp_path / "subset.json"
     _run("empatheia_jax.cli", "eval", "--ckpt", str(reference.path()), "--backbone",
          str(smollm2_checkpoint()), "--data", str(tmp_path / "shards"), "--split", "dev", "--template", "coe",
-         "--max_examples", "64", "--no_repeat_ngram_size", "4", "--score_emotions", "--json", str(out))
+         "--max_examples", str(SUBSET), "--no_repeat_ngram_size", "4", "--score_emotions", "--json", str(out))
     got, want = json.loads(out.read_text())["trained"], card["ci_subset"]["metrics"]
-    assert got["num_examples"] == want["num_examples"] == 64
+    assert got["num_examples"] == want["num_examples"] == SUBSET
     for key in ("emotion32_acc_scored", "emotion_acc_scored", "emotion32_acc_text", "emotion_acc_text"):
         assert abs(got[key] - want[key]) <= 0.01, (key, got[key], want[key])
     assert abs(got["eval_loss"] - want["eval_loss"]) < 1e-3
