@@ -170,9 +170,11 @@ def _sound(root: Path) -> dict[str, Any] | None:
     if not (shards / MANIFEST).is_file() or verify_shards(shards):
         return None
     try:
-        return json.loads((root / SUMMARY).read_text())
+        summary = json.loads((root / SUMMARY).read_text())
     except (OSError, ValueError):
         return None
+    # the paths where the folder is now (a cache may be moved as a whole)
+    return {**summary, "transcripts": str(root / TRANSCRIPTS), "shards": str(shards)}
 
 
 def _transcribe(plan: _Plan, threads: int, progress: bool) -> list[dict[str, Any]]:
