@@ -223,17 +223,20 @@ def _eval() -> int:
     if FLAGS.data and FLAGS.shards:
         raise app.UsageError("eval takes --data or --shards, not both")
     shards, split, ed_json = _eval_data()
+    heard: tuple[str, dict[str, Any]] | None = None
+    if FLAGS.asr and shards:  # a given folder: transcribed before the model loads (a wrong one fails fast)
+        heard = _asr_shards(shards, split)
     model, tokenizer, config, meta = _load_trained()
     shards = _eval_shards(shards, split, ed_json, model.config, config)
     # --asr: the model reads the ASR shards; the baselines and the speech/video references, fitted on the
     # train split the ASR shards lack, read the original ones (the same records in the same order)
-    base, heard = shards, None
+    base, asr = shards, None
     if FLAGS.asr:
-        shards, heard = _asr_shards(shards, split)
+        shards, asr = heard or _asr_shards(shards, split)
     stage, why = _eval_template(model.config, meta)
     kwargs = _eval_kwargs(config, stage)
     manifest = splits.check_split(shards, split)
-    base_manifest = splits.check_split(base, split) if heard else manifest
+    base_manifest = splits.check_split(base, split) if asr else manifest
     # text-only data under a template that reads media: one line now, not a failure inside the pipeline
     shard_format.check_media_for_template(manifest, shards, split, stage=stage.name,
                                           needs_media=stage.template_spec(model.config.n_signal).has_media,
@@ -242,14 +245,14 @@ def _eval() -> int:
                                          speech_examples=FLAGS.speech_examples,
                                          video_examples=FLAGS.video_examples, gold_speech=FLAGS.gold_speech)
     columns, details, voters = _eval_columns(model, tokenizer, shards, split, stage, kwargs, speech, video)
-    if heard is not None:  # a property of the input, the same for every model column
+    if asr is not None:  # a property of the input, the same for every model column
         for name in ("trained", "untrained"):
             if name in columns:
-                columns[name].update({k: float(heard[k]) for k in ASR_ROWS if heard.get(k) is not None})
+                columns[name].update({k: float(asr[k]) for k in ASR_ROWS if asr.get(k) is not None})
     columns.update(evaluate.reference_columns(model.config, base, split, base_manifest, speech=speech,
                                               video=video, train_split=config.data.train_split))
     _eval_outputs(columns, details, voters, manifest=manifest, stage=stage.name, why=why, meta=meta,
-                  shards=shards, split=split, asr=heard)
+                  shards=shards, split=split, asr=asr)
     return 0
 
 

@@ -430,6 +430,12 @@ def test_eval_asr_reads_the_transcribed_shards_and_reports_the_input_wer(trained
     assert "| input_wer" in p.stdout and f"data: {asr_shards} split test" in p.stdout
     assert_user_error(cli(cli_env, "eval", "--ckpt", trained[0], "--asr", "--data", ed_csv),
                       f"--data {ed_csv}: --asr transcribes speech and a csv has no audio")
+    moved = tmp_path / "moved_shards"  # shards whose raw folder moved: named before the model loads
+    shutil.copytree(shards, moved)
+    manifest = json.loads((moved / "manifest.json").read_text())
+    (moved / "manifest.json").write_text(json.dumps({**manifest, "raw": str(tmp_path / "gone")}))
+    assert_user_error(cli(cli_env, "eval", "--ckpt", trained[0], "--asr", "--shards", moved),
+                      f"records the raw folder {tmp_path / 'gone'}, which does not exist")
 
 
 def test_chat_writes_features_equal_to_respond(trained, reference, chat_inputs, cli_env, tmp_path):

@@ -130,7 +130,10 @@ class _Plan:
             self._add(d)
 
     def _add(self, d: schema.Dialogue) -> None:
-        hist = {uid: text for t in d.turns for uid, _, text in schema.turn_utterances(d, t)}
+        hist: dict[str, str] = {}  # utt_id -> typed text; the first occurrence wins, as in preparation
+        for t in d.turns:
+            for uid, _, text in schema.turn_utterances(d, t):
+                hist.setdefault(uid, text)
         if self.media_mode == "optional" and not any(
                 (self.media_dir / f"{uid}{ext}").is_file()
                 for uid, _, _ in schema.dialogue_utterances(d) for ext in schema.MEDIA_EXTENSIONS):
@@ -147,7 +150,8 @@ class _Plan:
 
 
 def _key(plan: _Plan, manifest: dict[str, Any]) -> str:
-    """The sha256 of everything the transcripts and the preparation depend on (module docstring)."""
+    """16 hex digits of the sha256 of everything the transcripts and the preparation depend on (module
+    docstring)."""
     h = hashlib.sha256()
 
     def part(x: Any) -> None:
