@@ -5,6 +5,7 @@
     empatheia eval  --ckpt work/run/overall --split test [--untrained] [--json metrics.json]
     empatheia eval  --ckpt work/run/coe --data data/ed/empathetic_dialogues_validation.csv [--template coe]
                     # an ED-format csv: imported, prepared text-only (cached), evaluated
+    empatheia eval  --ckpt work/run/overall --asr  # history texts = Whisper's transcripts of the speech
     empatheia chat  --ckpt work/run/overall --text "..." [--audio a.wav] [--video v.mp4] [--history h.json]
                     [--out reply]      # writes reply.npz (features, emotion, profile) and reply.json
                     # without --text, the utterance is Whisper tiny.en's transcript of --audio
@@ -61,9 +62,13 @@ flags.DEFINE_string("shards", None, "eval: shards folder (default: the run's dat
 flags.DEFINE_string("data", None, "eval: what to evaluate on: a shards folder (as --shards) or an "
                     "EmpatheticDialogues-format csv, imported and prepared text-only (cached in "
                     "--data_cache); a csv's split is named from its file (validation -> valid) or --split")
-flags.DEFINE_string("data_cache", None, "eval: folder for the shards prepared from a --data csv, reused by a "
-                    "later run on the same file (default: $XDG_CACHE_HOME or ~/.cache, then "
-                    "empatheia_jax/eval_data)")
+flags.DEFINE_string("data_cache", None, "eval: folder for the shards prepared from a --data csv or for "
+                    "--asr, reused by a later run on the same input (default: $XDG_CACHE_HOME or "
+                    "~/.cache, then empatheia_jax/eval_data)")
+flags.DEFINE_bool("asr", False, "eval: evaluate as if the speaker's words were known only from their speech: "
+                  "the split is prepared again (cached in --data_cache) with every history utterance's text "
+                  "replaced by Whisper tiny.en's transcript of its .wav (rows input_wer, asr_utterances); "
+                  "needs shards prepared from AvaMERG media, not a csv")
 # stages.TEMPLATES, spelt out so that parsing the flags imports no jax
 TEMPLATE_NAMES = ("coe", "ccl", "sac", "overall", "pipeline")
 flags.DEFINE_enum("template", None, list(TEMPLATE_NAMES), "eval: the stage whose prompt and loss formula "
@@ -218,23 +223,36 @@ def _eval() -> int:
     if FLAGS.data and FLAGS.shards:
         raise app.UsageError("eval takes --data or --shards, not both")
     shards, split, ed_json = _eval_data()
+    heard: tuple[str, dict[str, Any]] | None = None
+    if FLAGS.asr and shards:  # a given folder: transcribed before the model loads (a wrong one fails fast)
+        heard = _asr_shards(shards, split)
     model, tokenizer, config, meta = _load_trained()
     shards = _eval_shards(shards, split, ed_json, model.config, config)
+    # --asr: the model reads the ASR shards; the baselines and the speech/video references, fitted on the
+    # train split the ASR shards lack, read the original ones (the same records in the same order)
+    base, asr = shards, None
+    if FLAGS.asr:
+        shards, asr = heard or _asr_shards(shards, split)
     stage, why = _eval_template(model.config, meta)
     kwargs = _eval_kwargs(config, stage)
     manifest = splits.check_split(shards, split)
+    base_manifest = splits.check_split(base, split) if asr else manifest
     # text-only data under a template that reads media: one line now, not a failure inside the pipeline
     shard_format.check_media_for_template(manifest, shards, split, stage=stage.name,
                                           needs_media=stage.template_spec(model.config.n_signal).has_media,
                                           hint="--template coe (the CoE prompt reads text only)")
-    speech, video = evaluate.media_evals(shards, split, stage, train_split=config.data.train_split,
+    speech, video = evaluate.media_evals(base, split, stage, train_split=config.data.train_split,
                                          speech_examples=FLAGS.speech_examples,
                                          video_examples=FLAGS.video_examples, gold_speech=FLAGS.gold_speech)
     columns, details, voters = _eval_columns(model, tokenizer, shards, split, stage, kwargs, speech, video)
-    columns.update(evaluate.reference_columns(model.config, shards, split, manifest, speech=speech,
+    if asr is not None:  # a property of the input, the same for every model column
+        for name in ("trained", "untrained"):
+            if name in columns:
+                columns[name].update({k: float(asr[k]) for k in ASR_ROWS if asr.get(k) is not None})
+    columns.update(evaluate.reference_columns(model.config, base, split, base_manifest, speech=speech,
                                               video=video, train_split=config.data.train_split))
     _eval_outputs(columns, details, voters, manifest=manifest, stage=stage.name, why=why, meta=meta,
-                  shards=shards, split=split)
+                  shards=shards, split=split, asr=asr)
     return 0
 
 
@@ -249,6 +267,10 @@ def _eval_data() -> tuple[str | None, str, str | None]:
             shards = str(data)
         elif data.is_file():
             from empatheia_jax.data.ed import split_from_filename
+
+            if FLAGS.asr:
+                raise DataError(f"--data {data}: --asr transcribes speech and a csv has no audio; give a "
+                                "shards folder prepared from AvaMERG media (--data DIR or --shards)")
 
             split = FLAGS.split if FLAGS["split"].present else split_from_filename(str(data))
             ed_json = _import_ed_csv(data, split)
@@ -334,7 +356,7 @@ def _eval_columns(model: Any, tokenizer: Any, shards: str, split: str, stage: st
 
 def _eval_outputs(columns: _Columns, details: dict[str, Any] | None, voters: _Voters, *,
                   manifest: dict[str, Any], stage: str, why: str, meta: dict[str, Any], shards: str,
-                  split: str) -> None:
+                  split: str, asr: dict[str, Any] | None = None) -> None:
     """Prints the table with what it was computed on (targets, template, data: the numbers mean nothing
     without them), then writes --json and --report, which record the same."""
     from empatheia_jax.eval import speech as speech_eval
@@ -344,6 +366,8 @@ def _eval_outputs(columns: _Columns, details: dict[str, Any] | None, voters: _Vo
     print(targets)
     print(f"template: {stage}; data: {shards} split {split}")
     extra = {"targets": targets, "template": stage, "shards": str(shards), "split": split}
+    if asr is not None:
+        extra["asr"] = asr
     if _voting():
         extra["voters"] = list(voters)
     if FLAGS.json:
@@ -352,6 +376,8 @@ def _eval_outputs(columns: _Columns, details: dict[str, Any] | None, voters: _Vo
     if FLAGS.report:
         notes = [f"checkpoint: {FLAGS.ckpt} (step {meta.get('step', '?')})",
                  f"template: {stage} ({why})", f"data: {shards} split {split}", targets]
+        if asr is not None:
+            notes.append(_asr_line(asr))
         if _voting():
             notes.append(f"emotion voting over {len(voters)} voters: {', '.join(voters)}")
         per_class = eval_report.per_class_report(details, splits.emotion_map_of(manifest))
@@ -382,6 +408,30 @@ def _voters(model: Any, tokenizer: Any, shards: str, split: str, kwargs: dict[st
         out[f"ckpt{i}:{stage or 'overall'}"] = evaluate.generate_predictions(other, tok, shards, split,
                                                                              template=stage, **gen)
     return out
+
+
+ASR_ROWS = ("input_wer", "asr_utterances")  # the --asr rows of a model column (eval/metrics/names.py)
+
+
+def _asr_shards(shards: str, split: str) -> tuple[str, dict[str, Any]]:
+    """(the ASR shards of `split`, their summary): prepared under --data_cache, or reused from there; one
+    stderr line says what Whisper heard and where the shards are."""
+    from empatheia_jax.data.asr_shards import cached_asr_shards
+
+    out, reused, summary = cached_asr_shards(shards, split, _data_cache(), progress=sys.stderr.isatty(),
+                                             command=f"empatheia eval --asr ({shards} split {split})")
+    print(_asr_line({**summary, "reused": reused}), file=sys.stderr)
+    return str(out), summary
+
+
+def _asr_line(summary: dict[str, Any]) -> str:
+    wer = summary.get("input_wer")
+    wer = "-" if wer is None else f"{wer:.4f}"
+    how = " (reused)" if summary.get("reused") else ""
+    return (f"asr: {summary['asr_utterances']} history utterances heard by {summary['recogniser']}, "
+            f"input WER {wer} against the typed text ({summary['asr_empty']} heard as "
+            f"nothing, {summary['asr_typed']} without speech left typed); shards {summary['shards']}{how}, "
+            f"transcripts {summary['transcripts']}")
 
 
 def _prepare_cached(ed_json: str, split: str, emotion_map: str) -> tuple[str, bool]:
@@ -520,6 +570,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input, not a bug: one `error:` line and exit 2. Imported only when an
     exception is being matched (the modules import jax)."""
     from empatheia_jax.data.asr import AsrAssetError
+    from empatheia_jax.data.asr_shards import AsrShardsError
     from empatheia_jax.data.shard_format import ShardRecordError
     from empatheia_jax.data.splits import ShardsError
     from empatheia_jax.eval.speech import SpeechEvalUnavailable
@@ -534,7 +585,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (
         ConfigError, CheckpointError, ShardsError, ShardRecordError, ChatInputError,
         EncoderManifestError, ExportError, GeneratorError, KokoroAssetError, SpeechEvalUnavailable,
-        DataError, TemplateError, AsrAssetError,
+        DataError, TemplateError, AsrAssetError, AsrShardsError,
         FileNotFoundError, NotADirectoryError, IsADirectoryError,
         PermissionError,
     )

@@ -309,6 +309,18 @@ def make_raw(root: Path, splits: dict[str, list[dict]], skip_media=frozenset()) 
     return root
 
 
+def write_gold_speech(path: Path, text: str, profile: dict, style: str = "empathetic") -> Path:
+    """Kokoro-82M's gold speech of `text` in the voice of `profile` (age/gender/timbre) as a wav at `path`:
+    real speech that Whisper tiny.en hears nearly word for word (~2 s per sentence on 2 cores)."""
+    import soundfile as sf
+
+    from empatheia_jax.generators.kokoro import SAMPLE_RATE
+    from empatheia_jax.generators.kokoro_voices import gold_speech
+
+    sf.write(path, gold_speech(text, profile, style)[0], SAMPLE_RATE)
+    return path
+
+
 TINY_EMOTIONS = ("sad", "joyful", "angry", "terrified", "surprised", "disgusted")
 TINY_PROFILES = ((1, "young", "female", "high"), (3, "child", "male", "mid"), (5, "elderly", "female", "low"),
                  (7, "middle-aged", "male", "mid"))

@@ -10,6 +10,8 @@
 - `eval --data FILE.csv` imports an EmpatheticDialogues csv, prepares it text-only and scores the coe
   checkpoint on the CoE prompt (the stage it was trained for), equal to `evaluate.evaluate(template="coe")` on
   the same dialogues; `--template` overrides the stage.
+- `eval --asr` scores the model on the split prepared again with Whisper's transcripts as history texts and
+  reports the input WER; a csv (no audio) is refused by name.
 
 One training run (stage coe, 1 step of the `tiny` config) is shared by the module. Error cases that fail
 before the model is loaded cost ~1-3 s each; the few that need the loaded model (unreadable media, prompt
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import make_tiny_shards, saved_smollm2_tokenizer
+from helpers import make_tiny_shards, read_shard_split, saved_smollm2_tokenizer
 from test_text_only import ED_UIDS, write_ed_csv
 
 REPO = Path(__file__).resolve().parents[1]
@@ -394,6 +396,46 @@ def test_eval_data_errors_are_one_line(trained, shards, ed_csv, cli_env, tmp_pat
     for name in (str(tmp_path / "cache"), "split 'test'", "4 of 4 records are text-only",
                  "the overall template", "--template coe"):
         assert name in line[0], (name, line[0])
+
+
+def test_eval_asr_reads_the_transcribed_shards_and_reports_the_input_wer(trained, shards, ed_csv, cli_env,
+                                                                          tmp_path):
+    """`eval --asr` on the run's own shards: the test split is prepared again under --data_cache with
+    Whisper's transcripts as history texts (the tiny shards' speech is tones, in which Whisper hears nothing:
+    each becomes "..."), the model is scored on those shards, the trained column carries input_wer /
+    asr_utterances from the cache's summary, the baselines still come from the original shards' train split;
+    a csv is refused by name."""
+    out, cache = tmp_path / "metrics.json", tmp_path / "cache"
+    p = ok(cli(cli_env, "eval", "--ckpt", trained[0], "--asr", "--data_cache", cache, "--nogenerate",
+               "--speech_examples", 0, "--video_examples", 0, "--json", out))
+    assert_quiet(p.stderr)
+    got = json.loads(out.read_text())
+    asr_shards = Path(got["shards"])
+    assert asr_shards.name == "shards" and asr_shards.parent.parent == cache
+    summary = json.loads((asr_shards.parent / "summary.json").read_text())
+    assert got["asr"] == summary and summary["asr_utterances"] == 4  # test0 (1 turn), test1 (2 turns)
+    assert got["trained"]["asr_utterances"] == 4.0
+    assert got["trained"]["input_wer"] == summary["input_wer"] > 0  # tones are not the typed words
+    heard = {r["utt_id"]: r for r in map(json.loads, Path(summary["transcripts"]).read_text().splitlines())}
+    for rec in read_shard_split(asr_shards, "test"):
+        for h in rec["history"]:
+            want = heard[h["utt_id"]]["transcript"] or "..."
+            assert h["utterance"] == want, (h, heard[h["utt_id"]])
+    assert "baseline" in got and "input_wer" not in got["baseline"]  # fitted on the original train split
+    line = [x for x in stderr_lines(p.stderr) if x.startswith("asr: ")]
+    wer = summary["input_wer"]
+    assert line == [f"asr: 4 history utterances heard by Whisper tiny.en, input WER {wer:.4f} "
+                    f"against the typed text ({summary['asr_empty']} heard as nothing, 0 without speech left "
+                    f"typed); shards {asr_shards}, transcripts {asr_shards.parent / 'transcripts.jsonl'}"]
+    assert "| input_wer" in p.stdout and f"data: {asr_shards} split test" in p.stdout
+    assert_user_error(cli(cli_env, "eval", "--ckpt", trained[0], "--asr", "--data", ed_csv),
+                      f"--data {ed_csv}: --asr transcribes speech and a csv has no audio")
+    moved = tmp_path / "moved_shards"  # shards whose raw folder moved: named before the model loads
+    shutil.copytree(shards, moved)
+    manifest = json.loads((moved / "manifest.json").read_text())
+    (moved / "manifest.json").write_text(json.dumps({**manifest, "raw": str(tmp_path / "gone")}))
+    assert_user_error(cli(cli_env, "eval", "--ckpt", trained[0], "--asr", "--shards", moved),
+                      f"records the raw folder {tmp_path / 'gone'}, which does not exist")
 
 
 def test_chat_writes_features_equal_to_respond(trained, reference, chat_inputs, cli_env, tmp_path):

@@ -30,7 +30,7 @@ import json
 import math
 import os
 from abc import ABC
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,49 @@ def get_encoder(name: str, **kwargs: Any) -> Encoder:
         return a_cls(**_route_kwargs(name, [a_cls], kwargs)[0])
     a_kw, v_kw = _route_kwargs(name, [a_cls, v_cls], kwargs)
     return CombinedEncoder(name, a_cls(**a_kw), v_cls(**v_kw))
+
+
+# Config keys stored under another name than the constructor argument they come from.
+_CONFIG_RENAMES = {"hubert": {"path": "hubert_path", "layer": "hubert_layer"},
+                   "clip": {"path": "clip_path", "frames": "clip_frames"}}
+
+
+def _part_kwargs(part: Mapping[str, Any]) -> dict[str, Any]:
+    cls = _REGISTRY.get(part.get("name"))
+    if cls is None:
+        return {}
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    renames = _CONFIG_RENAMES.get(part["name"], {})
+    return {renames.get(k, k): v for k, v in part.items() if renames.get(k, k) in accepted}
+
+
+def kwargs_from_config(entry: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(name, constructor keyword arguments) of the encoder a manifest's ``{"name", "config"}`` entry
+    describes, so `get_encoder(name, **kwargs)` builds it again.
+
+    Why here: chat rebuilds the training encoder to read new media, and a re-preparation of the same data
+    (`data.asr_shards`) must encode exactly as the first one did; both read the same stored config.
+    """
+    name, stored = entry["name"], dict(entry.get("config") or {})
+    parts = [stored[k] for k in ("audio", "video") if isinstance(stored.get(k), Mapping)] or [stored]
+    kwargs: dict[str, Any] = {}
+    for part in parts:
+        kwargs.update(_part_kwargs({"name": part.get("name", name), **part}))
+    return name, kwargs
+
+
+def config_diff(a: Any, b: Any, where: str = "") -> list[str]:
+    """The dotted keys where two encoder configs differ, `path` entries excepted (weights may move)."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            if k == "path":
+                continue
+            out += config_diff(a.get(k), b.get(k), f"{where}.{k}" if where else str(k))
+        return out
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return [] if list(a) == list(b) else [where]
+    return [] if a == b else [where]
 
 
 def _route_kwargs(name: str, classes: list[type], kwargs: dict[str, Any]) -> list[dict[str, Any]]:

@@ -28,7 +28,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
 import re
@@ -183,20 +182,6 @@ def validate_history(
     return out
 
 
-_CONFIG_RENAMES = {"hubert": {"path": "hubert_path", "layer": "hubert_layer"},
-                   "clip": {"path": "clip_path", "frames": "clip_frames"}}
-
-
-def _part_kwargs(part: Mapping[str, Any]) -> dict[str, Any]:
-    name = part.get("name")
-    cls = enc_lib._REGISTRY.get(name)  # noqa: SLF001 - the registry is this package's own
-    if cls is None:
-        return {}
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
-    renames = _CONFIG_RENAMES.get(name, {})
-    return {renames.get(k, k): v for k, v in part.items() if renames.get(k, k) in accepted}
-
-
 def encoder_from_manifest(source: str | os.PathLike | Mapping[str, Any], **overrides: Any) -> enc_lib.Encoder:
     """The encoder that prepared a shard folder, rebuilt from its manifest's {"name", "config"} entry.
 
@@ -211,34 +196,18 @@ def encoder_from_manifest(source: str | os.PathLike | Mapping[str, Any], **overr
     entry = source.get("encoder", source) if isinstance(source, Mapping) else source
     if not isinstance(entry, Mapping) or "name" not in entry:
         raise EncoderManifestError(f"not a manifest encoder entry: {entry!r}")
-    name, stored = entry["name"], dict(entry.get("config") or {})
-    parts = [stored[k] for k in ("audio", "video") if isinstance(stored.get(k), Mapping)] or [stored]
-    kwargs: dict[str, Any] = {}
-    for part in parts:
-        kwargs.update(_part_kwargs({"name": part.get("name", name), **part}))
+    stored = dict(entry.get("config") or {})
+    name, kwargs = enc_lib.kwargs_from_config(entry)
     kwargs.update(overrides)
     try:
         encoder = enc_lib.get_encoder(name, **kwargs)
     except (KeyError, ValueError) as e:  # an unknown encoder name, or a one-modality one
         raise EncoderManifestError(f"cannot rebuild encoder {name!r} from the manifest entry: {e}") from e
-    diff = _config_diff(stored, encoder.config()) if stored else []
+    diff = enc_lib.config_diff(stored, encoder.config()) if stored else []
     if diff:
         raise EncoderManifestError(f"encoder {name!r} rebuilt from the manifest differs from the one that "
                                    f"prepared the shards in {diff}; features would not match training")
     return encoder
-
-
-def _config_diff(a: Any, b: Any, where: str = "") -> list[str]:
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        out = []
-        for k in sorted(set(a) | set(b)):
-            if k == "path":
-                continue
-            out += _config_diff(a.get(k), b.get(k), f"{where}.{k}" if where else str(k))
-        return out
-    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
-        return [] if list(a) == list(b) else [where]
-    return [] if a == b else [where]
 
 
 def _encode(encoder: enc_lib.Encoder, kind: str, path: str | os.PathLike, expected_dim: int) -> np.ndarray:

@@ -27,11 +27,17 @@ FEATURE_METRICS = ("speech_content_l2", "video_content_l2", "speech_style_l2", "
                    "speech_content_cos", "video_content_cos", "speech_style_cos", "video_style_cos")
 
 
-COUNT_METRICS = ("num_examples", "num_generated", "skipped_examples")
+COUNT_METRICS = ("num_examples", "num_generated", "skipped_examples", "asr_utterances")
+
+
+INPUT_METRICS = ("input_wer",)
+"""`eval --asr`: Whisper tiny.en's WER on the history utterances the model read, against their typed text (a
+property of the input, not of the model: no better direction), with the count of utterances heard
+(`asr_utterances`, a count)."""
 
 
 METRICS = (*TEXT_METRICS[:6], *CLASS_METRICS, *FEATURE_METRICS, *speech_eval.SPEECH_METRICS,
-           *video_eval.VIDEO_METRICS, *TEXT_METRICS[6:], *LOSS_METRICS, *COUNT_METRICS)
+           *video_eval.VIDEO_METRICS, *TEXT_METRICS[6:], *LOSS_METRICS, *INPUT_METRICS, *COUNT_METRICS)
 
 
 HIGHER_IS_BETTER = frozenset({*CLASS_METRICS, *(set(TEXT_METRICS) - {"repetition_rate", "reply_words",
