@@ -56,7 +56,13 @@ from typing import Any
 from empatheia_jax.data import asr, schema
 from empatheia_jax.data import encoders as enc_lib
 from empatheia_jax.data.prepare import InvalidInputError, prepare
-from empatheia_jax.data.shard_format import MANIFEST, MANIFEST_FORMAT, load_manifest, verify_shards
+from empatheia_jax.data.shard_format import (
+    MANIFEST,
+    MANIFEST_FORMAT,
+    load_manifest,
+    sha256_file,
+    verify_shards,
+)
 
 INAUDIBLE = "..."  # the text of an utterance in which Whisper heard no word
 VERSION = "asr-shards/1"  # bump when what this module writes changes: old cache folders are not reused
@@ -71,14 +77,6 @@ class AsrShardsError(ValueError):
 
 def _default_log(message: str) -> None:
     print(f"[asr] {message}", file=sys.stderr)
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -164,7 +162,7 @@ def _key(plan: _Plan, manifest: dict[str, Any]) -> str:
     for uid, (_, _, wav) in plan.utts.items():  # the media the preparation reads
         part(uid)
         for path in (wav, wav.with_suffix(".mp4")):
-            part(_sha256_file(path) if path.is_file() else "absent")
+            part(sha256_file(path) if path.is_file() else "absent")
     return h.hexdigest()[:16]
 
 
