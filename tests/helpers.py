@@ -3,7 +3,8 @@ and `require` / `skip_or_fail` (a missing dependency skips on a developer box an
 
 Cache: converting the SmolLM2 GGUF takes ~30 s on 2 cores, so the converted folder is kept across test
 sessions under `$EMPATHEIA_JAX_CACHE` (default `~/.cache/empatheia_jax`), in a sub-folder
-`smollm2-{converted_key()}`: the GGUF's size and mtime (a new wheel gives a new key) plus a hash of the
+`smollm2-{converted_key()}`: the GGUF's size and content hash (a reinstalled wheel, as in every fresh
+clone's `.venv`, keeps its key; a different wheel gets a new one) plus a hash of the
 converter's own code (`CONVERTER_SOURCES`, the files whose code decides what `convert` writes) and of the
 versions of the packages that dequantize the GGUF (`CONVERTER_PACKAGES`). A converter change is therefore
 re-tested on the real model instead of being served the folder the old code wrote. A folder without its
@@ -40,9 +41,19 @@ def cache_root() -> Path:
 
 
 def gguf_key() -> str:
-    """Identifies the GGUF file: size + mtime (cheap; a reinstalled or different wheel changes it)."""
-    st = gguf_path().stat()
-    return f"{st.st_size}-{st.st_mtime_ns}"
+    """Identifies the GGUF by size and content, not mtime: each fresh clone installs the wheel anew (a new
+    mtime), and an mtime key left one more ~0.5 GB converted folder in the shared cache per clone, until
+    the disk filled. Hashing the 98 MB file costs ~0.2 s, once per (path, size, mtime)."""
+    p = gguf_path()
+    st = p.stat()
+    return _content_key(str(p), st.st_size, st.st_mtime_ns)
+
+
+@functools.cache
+def _content_key(path: str, size: int, mtime_ns: int) -> str:
+    from empatheia_jax.data.shard_format import sha256_file
+
+    return f"{size}-{sha256_file(path)[:16]}"
 
 
 REPO = Path(__file__).resolve().parents[1]

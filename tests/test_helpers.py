@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -89,6 +90,22 @@ def test_a_package_upgrade_changes_the_cache_key(monkeypatch):
     original = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda pkg: versions.get(pkg) or original(pkg))
     assert helpers.converted_key() != real
+
+
+def test_a_reinstalled_gguf_keeps_its_cache_key(tmp_path, monkeypatch):
+    """A fresh clone's `.venv` holds the same wheel with a new mtime: it must reuse the converted folder."""
+    copy = tmp_path / helpers.GGUF_NAME
+    shutil.copyfile(helpers.gguf_path(), copy)
+    monkeypatch.setattr(helpers, "gguf_path", lambda: copy)
+    key = helpers.gguf_key()
+    os.utime(copy, ns=(1, 1))
+    assert helpers.gguf_key() == key
+    with open(copy, "r+b") as f:  # one byte of the weights changed: another GGUF, another key
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    assert helpers.gguf_key() != key
 
 
 def test_the_gguf_identity_is_part_of_the_cache_key(monkeypatch):
