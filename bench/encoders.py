@@ -7,7 +7,7 @@ noise): neither encoder's cost depends on what is said. Video clips are the proc
 so the timing includes decoding, as in shard preparation. Each encoder encodes one clip first (loading the
 weights, compiling the jitted forward) outside the timing, then `--clips` clips, timed together.
 
-    python bench/encoders.py                                  # lite vs whisper_tiny_en, 20 clips of 5 s
+    python bench/encoders.py                  # lite vs whisper_tiny_en vs whisper_base, 20 clips of 5 s
     python bench/encoders.py --encoders whisper_tiny_en+lite --clips 10 --seconds 5
     python bench/encoders.py --video                          # lite vs facemesh video at 128 and 256 px
 """
@@ -75,7 +75,8 @@ def bench_video(names: list[str], clips: int, seconds: float, sizes: list[int]) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--encoders", default=None,
-                    help="comma-separated (default lite,whisper_tiny_en+lite; --video: lite,lite+facemesh)")
+                    help="comma-separated (default lite,whisper_tiny_en+lite,whisper_base+lite; "
+                         "--video: lite,lite+facemesh)")
     ap.add_argument("--clips", type=int, default=20)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--video", action="store_true", help="time encode_video on rendered faces instead")
@@ -88,7 +89,7 @@ def main() -> None:
         bench_video(names, args.clips, args.seconds, [int(s) for s in args.sizes.split(",")])
         return
     clips = [voice(i, args.seconds) for i in range(args.clips + 1)]
-    for name in (args.encoders or "lite,whisper_tiny_en+lite").split(","):
+    for name in (args.encoders or "lite,whisper_tiny_en+lite,whisper_base+lite").split(","):
         t0 = time.perf_counter()
         enc = get_encoder(name)
         enc.encode_audio((clips[0], SR))

@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from empatheia_jax.assets import sha256_file  # noqa: E402
 from empatheia_jax.data import input_pipeline as ip  # noqa: E402
 from empatheia_jax.data import shard_format  # noqa: E402
 
@@ -101,7 +102,7 @@ def write_split(
             w.write(shard_format.encode_shard_record(r))
         w.close()
         shards.append(
-            {"path": name, "records": len(part), "sha256": shard_format.sha256_file(os.path.join(out, name))}
+            {"path": name, "records": len(part), "sha256": sha256_file(os.path.join(out, name))}
         )
     manifest = {
         "format": shard_format.MANIFEST_FORMAT,

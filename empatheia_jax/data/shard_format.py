@@ -14,7 +14,6 @@ Shard folder::
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -23,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from empatheia_jax.assets import sha256_file
 from empatheia_jax.data import schema
 from empatheia_jax.data.targets import TARGET_KINDS
 
@@ -203,14 +203,6 @@ def decode_shard_record(data: bytes, *, shard: str | os.PathLike, index: int) ->
 
 def shard_filename(split: str, i: int, n: int) -> str:
     return f"{split}-{i:05d}-of-{n:05d}.array_record"
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
-    return h.hexdigest()
 
 
 def load_manifest(directory: str | os.PathLike) -> dict[str, Any]:

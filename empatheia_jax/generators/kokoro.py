@@ -29,16 +29,14 @@ target therefore has `content_length(phonemes) = len(ids) + 2` rows.
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import json
 import logging
-import os
-import tempfile
 import threading
 from pathlib import Path
 
 import numpy as np
+
+from empatheia_jax.assets import atomic_write, cache_root, join_parts, package_dir
 
 SAMPLE_RATE = 24000
 FRAME_SAMPLES = 600
@@ -75,67 +73,25 @@ class KokoroAssetError(RuntimeError):
     """A wheel file of Kokoro is missing or corrupt; the message names the wheel and the file."""
 
 
-def cache_root() -> Path:
-    """Where built artefacts (joined model, graph cuts, espeak voices) live: $EMPATHEIA_CACHE or ~/.cache."""
-    env = os.environ.get("EMPATHEIA_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "empatheia_jax"
-
-
 def package_file(package: str, name: str) -> Path:
     """Path of `name` inside an installed package, or KokoroAssetError naming the wheel and the file."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        wheel = package.replace("_", "-")
+    wheel = package.replace("_", "-")
+    folder = package_dir(package)
+    if folder is None:
         raise KokoroAssetError(f"wheel {wheel} is not installed (needed for {name}); {PIP_HINT}")
-    path = Path(next(iter(spec.submodule_search_locations))) / name
+    path = folder / name
     if not path.is_file():
-        wheel = package.replace("_", "-")
         raise KokoroAssetError(f"wheel {wheel}: file {path} is missing; reinstall it ({PIP_HINT})")
     return path
 
 
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def join_model(parts: list[Path] | None = None, out: Path | None = None) -> Path:
-    """The joined, sha256-checked `kokoro-v1.0.int8.onnx` (built once into the cache).
-
-    A wrong digest names every part with its size, so a truncated wheel file can be spotted; nothing is
-    written then. A cached copy is trusted by size only when its folder is keyed on the digest.
-    """
+    """The joined, sha256-checked `kokoro-v1.0.int8.onnx` (built once into the cache; `assets.join_parts`)."""
     out = out or cache_root() / f"kokoro-{MODEL_SHA256[:12]}" / MODEL_NAME
     if out.is_file() and out.stat().st_size == MODEL_BYTES:
         return out
     parts = parts or [package_file(p, "part.bin") for p in PART_PACKAGES]
-    h = hashlib.sha256()
-    for p in parts:
-        with open(p, "rb") as f:
-            for block in iter(lambda f=f: f.read(1 << 22), b""):
-                h.update(block)
-    if h.hexdigest() != MODEL_SHA256:
-        listing = ", ".join(f"{p} ({p.stat().st_size} bytes)" for p in parts)
-        raise KokoroAssetError(
-            f"Kokoro model parts join to sha256 {h.hexdigest()}, expected {MODEL_SHA256} "
-            f"({MODEL_BYTES} bytes); "
-            f"a part is corrupt or from another version: {listing}. Reinstall the wheels: {PIP_HINT}"
-        )
-
-    def write(tmp: str) -> None:
-        with open(tmp, "wb") as f:
-            for p in parts:
-                f.write(p.read_bytes())
-
-    _atomic_write(out, write)
-    return out
+    return join_parts(parts, out, MODEL_SHA256, MODEL_BYTES, KokoroAssetError, "Kokoro model", PIP_HINT)
 
 
 def cut_model(name: str) -> Path:
@@ -148,7 +104,7 @@ def cut_model(name: str) -> Path:
         from onnx.utils import extract_model
 
         inputs, outputs = CUTS[name]
-        _atomic_write(out, lambda tmp: extract_model(str(model), tmp, inputs, outputs))
+        atomic_write(out, lambda tmp: extract_model(str(model), tmp, inputs, outputs))
     return out
 
 

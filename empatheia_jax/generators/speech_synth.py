@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from empatheia_jax.assets import cache_root
 from empatheia_jax.data.schema import AGES, EMOTIONS_7, GENDERS, TIMBRES
 
 SAMPLE_RATE = 16000
@@ -146,11 +147,6 @@ def _all_voice_files() -> dict[str, str]:
     return {voice_name(a, g, t): _voice_file(a, g, t) for a in AGES for g in GENDERS for t in TIMBRES}
 
 
-def _cache_root() -> Path:
-    env = os.environ.get("EMPATHEIA_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "empatheia_jax"
-
-
 def espeak_data_dir() -> Path:
     """Our espeak-ng data folder (wheel data + deterministic voice variants), built once, atomically."""
     import espeakng_loader
@@ -158,7 +154,7 @@ def espeak_data_dir() -> Path:
     src = Path(espeakng_loader.get_data_path())
     voices = _all_voice_files()
     key = hashlib.sha256((str(src) + VOICE_VERSION + repr(sorted(voices.items()))).encode()).hexdigest()[:12]
-    dst = _cache_root() / f"espeak-ng-data-{key}"
+    dst = cache_root() / f"espeak-ng-data-{key}"
     if (dst / "COMPLETE").exists():
         return dst
     try:
