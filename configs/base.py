@@ -120,6 +120,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.optim.b1 = 0.9
     c.optim.b2 = 0.999
     c.optim.eps = 1e-8
+    # > 0: an exponential moving average of the trained parameters (train/ema.py, decay warmed up as
+    # min(ema_decay, (1+t)/(10+t))); the run's evaluation, its checkpoints' `ema` item and so export, eval,
+    # chat and the next stage's init_from use the average. 0 = off.
+    c.optim.ema_decay = 0.0
 
     # ccl_scale: "none" = eq 9 (every content dimension weighs 1), "balanced" = each dimension an equal share
     # of the mean predictor's loss, from the train targets' spread (losses.balanced_dim_weights)

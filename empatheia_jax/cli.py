@@ -69,6 +69,8 @@ flags.DEFINE_bool("asr", False, "eval: evaluate as if the speaker's words were k
                   "the split is prepared again (cached in --data_cache) with every history utterance's text "
                   "replaced by Whisper tiny.en's transcript of its .wav (rows input_wer, asr_utterances); "
                   "needs shards prepared from AvaMERG media, not a csv")
+flags.DEFINE_string("raw", None, "eval --asr: the AvaMERG folder the shards were prepared from, when it is "
+                    "no longer where their manifest says (default: the manifest's `raw`)")
 # stages.TEMPLATES, spelt out so that parsing the flags imports no jax
 TEMPLATE_NAMES = ("coe", "ccl", "sac", "overall", "pipeline")
 flags.DEFINE_enum("template", None, list(TEMPLATE_NAMES), "eval: the stage whose prompt and loss formula "
@@ -222,6 +224,8 @@ def _eval() -> int:
         raise app.UsageError("eval needs --ckpt")
     if FLAGS.data and FLAGS.shards:
         raise app.UsageError("eval takes --data or --shards, not both")
+    if FLAGS.raw and not FLAGS.asr:
+        raise app.UsageError("--raw names the AvaMERG folder eval --asr transcribes; it needs --asr")
     shards, split, ed_json = _eval_data()
     heard: tuple[str, dict[str, Any]] | None = None
     if FLAGS.asr and shards:  # a given folder: transcribed before the model loads (a wrong one fails fast)
@@ -419,7 +423,8 @@ def _asr_shards(shards: str, split: str) -> tuple[str, dict[str, Any]]:
     from empatheia_jax.data.asr_shards import cached_asr_shards
 
     out, reused, summary = cached_asr_shards(shards, split, _data_cache(), progress=sys.stderr.isatty(),
-                                             command=f"empatheia eval --asr ({shards} split {split})")
+                                             command=f"empatheia eval --asr ({shards} split {split})",
+                                             raw=FLAGS.raw)
     print(_asr_line({**summary, "reused": reused}), file=sys.stderr)
     return str(out), summary
 

@@ -19,6 +19,17 @@ mkdir -p "$WORK"
 # only warnings there (Python's last-resort handler).
 V=()
 if [[ -n "${VERBOSE:-}" ]]; then V=(--verbose); fi
+# ENCODER picks the input encoder of step 4 (data/encoders.py): `lite` (default: no weights, ~1 min for the
+# sample) or the pretrained ones that ship with the install, e.g. `ENCODER=whisper_tiny_en+facemesh make
+# demo` (~9 min more for the sample's 626 utterances on 2 cores: Whisper runs a 30-s window per clip;
+# docs/benchmarks.md "lite vs the pretrained encoders"). Another encoder gets its own shards and run folders
+# beside the default ones, so both can be compared.
+ENCODER=${ENCODER:-lite}
+if [[ $ENCODER == lite ]]; then
+    SHARDS=$WORK/shards RUN=$WORK/run
+else
+    SHARDS=$WORK/shards-${ENCODER//+/-} RUN=$WORK/run-${ENCODER//+/-}
+fi
 
 step() { printf '\n==== [%s] %s ====\n' "$1" "$2"; }
 
@@ -93,9 +104,9 @@ else
 fi
 
 # ---------------------------------------------------------------------------------------------------
-step 4 "prepare shards: validate, lite features, generator targets (Kokoro speech features, the face generator's controls)"
-if [[ -f "$WORK/shards/manifest.json" ]]; then
-    echo "already prepared: $WORK/shards"
+step 4 "prepare shards: validate, $ENCODER features, generator targets (Kokoro speech features, the face generator's controls)"
+if [[ -f "$SHARDS/manifest.json" ]]; then
+    echo "already prepared: $SHARDS"
 else
     # Speech targets are Kokoro-82M's own t_en ++ d_en and the style vector each voice is made of; video targets
     # are the controls the procedural face generator (a stand-in for DreamTalk) drew each video from. prepare
@@ -104,17 +115,16 @@ else
     # the listener's speed), so lip sync is measured against the speech a reply is spoken with.
     "$PY" -m converters.styletts2_targets --backend kokoro --raw "$WORK/sample" --out "$WORK/targets" --workers 2
     "$PY" -m converters.face_targets --raw "$WORK/sample" --out "$WORK/targets" --workers 2 --mouth replies
-    "$PY" -m data.prepare --raw "$WORK/sample" --out "$WORK/shards" --encoder lite \
+    "$PY" -m data.prepare --raw "$WORK/sample" --out "$SHARDS" --encoder "$ENCODER" \
         --targets "$WORK/targets" --make-standin-targets --split-by conversation --workers 2 ${V[@]+"${V[@]}"}
 fi
-"$PY" -c "import json,sys; m=json.load(open(sys.argv[1])); t=m['targets']; print('records per split:', {k: v['records'] for k, v in m['splits'].items()}, '| real targets:', t.get('real_kinds'), '| stand-in targets:', t.get('stand_in_kinds'))" "$WORK/shards/manifest.json"
+"$PY" -c "import json,sys; m=json.load(open(sys.argv[1])); t=m['targets']; print('records per split:', {k: v['records'] for k, v in m['splits'].items()}, '| real targets:', t.get('real_kinds'), '| stand-in targets:', t.get('stand_in_kinds'))" "$SHARDS/manifest.json"
 
 
 # ---------------------------------------------------------------------------------------------------
 step 5 "train the four stages (CoE -> CCL -> SAC -> overall), each starting from the previous one"
-RUN="$WORK/run"
 bash launch/local.sh configs/smollm2_demo.py "$RUN" \
-    --config.model.backbone="$WORK/smollm2" --config.data.shards="$WORK/shards" ${V[@]+"${V[@]}"}
+    --config.model.backbone="$WORK/smollm2" --config.data.shards="$SHARDS" ${V[@]+"${V[@]}"}
 
 # ---------------------------------------------------------------------------------------------------
 step 6 "evaluate on the held-out test split: trained vs untrained vs baselines, with speech and video rows"

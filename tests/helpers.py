@@ -2,7 +2,8 @@
 and `require` / `skip_or_fail` (a missing dependency skips on a developer box and fails under CI).
 
 Cache: converting the SmolLM2 GGUF takes ~30 s on 2 cores, so the converted folder is kept across test
-sessions under `$EMPATHEIA_JAX_CACHE` (default `~/.cache/empatheia_jax`), in a sub-folder
+sessions in the project's cache folder (`assets.cache_root()`: `$EMPATHEIA_CACHE`, default
+`~/.cache/empatheia_jax`, where the joined Kokoro and Whisper models live too), in a sub-folder
 `smollm2-{converted_key()}`: the GGUF's size and content hash (a reinstalled wheel, as in every fresh
 clone's `.venv`, keeps its key; a different wheel gets a new one) plus a hash of the
 converter's own code (`CONVERTER_SOURCES`, the files whose code decides what `convert` writes) and of the
@@ -35,7 +36,9 @@ def gguf_path() -> Path:
 
 
 def cache_root() -> Path:
-    root = Path(os.environ.get("EMPATHEIA_JAX_CACHE", Path.home() / ".cache" / "empatheia_jax"))
+    from empatheia_jax.assets import cache_root as project_cache
+
+    root = project_cache()
     root.mkdir(parents=True, exist_ok=True)
     return root
 

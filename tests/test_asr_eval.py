@@ -6,7 +6,8 @@ every history utterance's text replaced by Whisper tiny.en's transcript of its s
   is replaced by what the speech says), everything else equals the original shards (features, replies,
   labels), and `input_wer` is jiwer's WER of the normalised transcripts against the typed texts.
 - A second call reuses the cached folder without transcribing; a folder that fails `verify_shards` is rebuilt.
-- A missing speech file, a moved raw folder or targets folder and text-only shards are errors naming them.
+- A missing speech file, a moved raw folder or targets folder and text-only shards are errors naming them;
+  `raw=` (`eval --raw`) gives a moved raw folder's new place.
 
 ~25 s on 2 cores: Kokoro speaks four sentences (~2 s each after loading), Whisper loads and hears them
 twice (the rebuild), the lite encoder prepares two 5-record folders.
@@ -127,6 +128,21 @@ def test_second_call_reuses_the_cache_and_a_broken_folder_is_rebuilt(prepared):
     assert not reused and out2 == out and summary == prepared["summary"]
     assert [r["uid"] for r in read_shard_split(out, "test")] == [r["uid"] for r in read_shard_split(
         prepared["shards"], "test")]
+
+
+def test_a_moved_raw_folder_is_given_with_raw(prepared, tmp_path):
+    """Shards moved with their raw folder (another machine): `raw=` names its new place; the same speech
+    gives the same cache key, so the transcripts made before are reused; a wrong `raw=` is named."""
+    moved = tmp_path / "moved_raw"
+    shutil.copytree(prepared["raw"], moved)
+    shards = _shards_copy(prepared, tmp_path, raw=str(tmp_path / "gone"))
+    with pytest.raises(AsrShardsError, match="give its new place with --raw"):
+        cached_asr_shards(shards, "test", prepared["root"] / "cache", progress=False, log=lambda _: None)
+    out, reused, summary = cached_asr_shards(shards, "test", prepared["root"] / "cache", progress=False,
+                                             log=lambda _: None, raw=moved)
+    assert reused and out == prepared["out"] and summary["input_wer"] == prepared["summary"]["input_wer"]
+    with pytest.raises(AsrShardsError, match=re.escape(f"--raw {tmp_path / 'nope'} is not a folder")):
+        cached_asr_shards(shards, "test", prepared["root"] / "cache", raw=tmp_path / "nope")
 
 
 def _shards_copy(prepared: dict, tmp_path: Path, **manifest: object) -> Path:

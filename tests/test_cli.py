@@ -385,6 +385,7 @@ def test_eval_data_errors_are_one_line(trained, shards, ed_csv, cli_env, tmp_pat
                       "no dialogue to evaluate")
     assert_user_error(cli(cli_env, "eval", "--ckpt", ckpt, "--data", ed_csv, "--shards", shards),
                       "--data or --shards, not both")
+    assert_user_error(cli(cli_env, "eval", "--ckpt", ckpt, "--raw", tmp_path), "--raw", "it needs --asr")
     assert_user_error(cli(cli_env, "eval", "--ckpt", ckpt, "--data", shards, "--split", "nosuch"),
                       f"{shards} has no split 'nosuch'")
     assert_user_error(cli(cli_env, "eval", "--ckpt", ckpt, "--template", "bogus"), "--template")

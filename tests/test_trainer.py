@@ -76,6 +76,7 @@ def tiny_config(tok, shards, **overrides):
     [
         ({"stage": "warmup"}, "config.stage='warmup': unknown stage"),
         ({"optim.lr": -1.0}, "config.optim.lr=-1.0: must be > 0"),
+        ({"optim.ema_decay": 1.0}, "config.optim.ema_decay=1.0: must be in"),
         ({"mesh.data": 3, "mesh.fsdp": 1}, "does not divide the 8 devices"),
         ({"train.batch_size": 6, "train.grad_accum": 4}, "must be a multiple of train.grad_accum=4"),
         ({"train.nan_policy": "ignore"}, "config.train.nan_policy='ignore'"),

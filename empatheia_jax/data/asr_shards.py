@@ -89,17 +89,24 @@ class _Plan:
     """What one split needs: the raw split objects (skipped dialogues removed), the history utterances to
     transcribe (utt_id -> (conversation id, typed text, wav)) and the count of those left typed."""
 
-    def __init__(self, manifest: dict[str, Any], shards: Path, split: str):
+    def __init__(self, manifest: dict[str, Any], shards: Path, split: str, raw: Path | None = None):
         self.media_mode = manifest.get("media", "required")
         if self.media_mode == "none":
             raise AsrShardsError(f"{shards} was prepared text-only (manifest media: none): it has no speech "
                                  "to transcribe; --asr needs shards prepared from AvaMERG media")
         if manifest.get("encoder") is None:
             raise AsrShardsError(f"{shards / MANIFEST} names no encoder; cannot prepare its media again")
-        raw = Path(str(manifest.get("raw")))
-        if not raw.is_dir():
-            raise AsrShardsError(f"{shards / MANIFEST} records the raw folder {raw}, which does not exist "
-                                 "(moved or deleted?): --asr transcribes the speech files there")
+        if raw is not None:  # the shards moved to another machine, or the raw folder did
+            if not Path(raw).is_dir():
+                raise AsrShardsError(f"--raw {raw} is not a folder (the AvaMERG folder {shards} was prepared "
+                                     "from)")
+            raw = Path(raw)
+        else:
+            raw = Path(str(manifest.get("raw")))
+            if not raw.is_dir():
+                raise AsrShardsError(f"{shards / MANIFEST} records the raw folder {raw}, which does not "
+                                     "exist (moved or deleted?): --asr transcribes the speech files there; "
+                                     "give its new place with --raw")
         self.raw, self.split = raw, split
         self.split_json = Path(schema.split_json_path(raw, split))
         if not self.split_json.is_file():
@@ -235,6 +242,7 @@ def cached_asr_shards(
     progress: bool = True,
     command: str | None = None,
     log: Callable[[str], None] | None = None,
+    raw: str | os.PathLike | None = None,
 ) -> tuple[Path, bool, dict[str, Any]]:
     """(shards folder, reused, summary) of split `split` of `shards_dir` prepared again with every history
     utterance's text replaced by Whisper tiny.en's transcript of its .wav; see the module docstring.
@@ -242,6 +250,8 @@ def cached_asr_shards(
     The summary holds `input_wer` / `input_cer` (transcripts vs typed texts), `asr_utterances` (transcribed),
     `asr_empty` (heard no word: written as `INAUDIBLE`), `asr_typed` (left typed: text-only dialogues),
     `asr_scored` (in the WER), `recogniser`, `raw`, and `transcripts` / `shards` (paths).
+    `raw` replaces the raw folder the manifest records (shards moved to another machine): the split file
+    there must still be the one the shards were prepared from (the record count is checked).
     Errors that name a file or folder are `AsrShardsError`.
     """
     log = log or _default_log
@@ -253,7 +263,7 @@ def cached_asr_shards(
     if split not in (manifest.get("splits") or {}):
         known = sorted(manifest.get("splits") or {})
         raise AsrShardsError(f"{shards} has no split {split!r}; its manifest lists {known}")
-    plan = _Plan(manifest, shards, split)
+    plan = _Plan(manifest, shards, split, None if raw is None else Path(raw))
     targets = manifest.get("targets")
     targets_dir = Path(targets["dir"]) if isinstance(targets, dict) and targets.get("dir") else None
     if targets_dir is not None and not targets_dir.is_dir():

@@ -35,6 +35,7 @@ from empatheia_jax.train.checkpoint import (
     checkpoints_of,
     read_meta,
     resolve_checkpoint,
+    weights_item,
 )
 from empatheia_jax.train.trainer import build_model, model_manifest, saved_state
 from empatheia_jax.weights.checkpoint_io import load_checkpoint, load_tokenizer
@@ -75,6 +76,7 @@ def load_trained(
     """(model, tokenizer, config, meta) from a training workdir, its checkpoints folder, one step folder, or
     an export folder (`empatheia_jax.weights.export_empatheia`, recognised by its `empatheia_config.json`).
 
+    A run that kept a parameter EMA gives the averaged weights (`weights_item`).
     restore=False gives the run's model untrained (same config and backbone, fresh heads, LoRA B = 0): the
     "untrained" column of `empatheia eval`. `backbone` replaces the converted-backbone folder the run or
     export recorded (it moved, or the export came from another machine: the committed reference model).
@@ -110,7 +112,8 @@ def load_trained(
     else:  # every parameter is in the checkpoint
         model = Empatheia(cfg, rngs=nnx.Rngs(config.seed + 1))
     with TrainCheckpointer(directory, create=False, async_save=False) as ckpt:
-        restored = ckpt.restore(step, params=saved_state(model, meta["include_backbone"]))
+        restored = ckpt.restore(step, params=saved_state(model, meta["include_backbone"]),
+                                item=weights_item(meta))
     nnx.update(model, restored.params)
     return model, tokenizer, config, meta
 

@@ -11,6 +11,7 @@ named, kept, checked and read back:
 ```
 DIR/<step>/params/      orbax StandardSave: nnx.to_pure_dict(params), keys as strings ("layers.0.kernel")
 DIR/<step>/opt_state/   same for the optimizer state (absent when saved with opt_state=None)
+DIR/<step>/ema/         the averaged weights, params' keys (only a run with optim.ema_decay > 0, train/ema.py)
 DIR/<step>/data/        JSON: the grain iterator state (absent when saved with data_state=None)
 DIR/<step>/meta/        JSON: the trainer's dict (resolved config, stage, counters) + {"step": step}
 DIR/<step>/metrics/     JSON: the metrics passed to save ({} when none), what best-step tracking reads
@@ -75,7 +76,7 @@ __all__ = [
     "resolve_checkpoint",
 ]
 
-ARRAY_ITEMS = ("params", "opt_state")
+ARRAY_ITEMS = ("params", "opt_state", "ema")
 JSON_ITEMS = ("data", "meta")
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
@@ -305,6 +306,7 @@ class TrainCheckpointer:
         meta: dict,
         metrics: dict[str, float] | None = None,
         force: bool = False,
+        ema: Any = None,
     ) -> bool:
         """Starts writing `step` (in the background when async) and returns whether a save happened.
 
@@ -315,7 +317,9 @@ class TrainCheckpointer:
         Returns once the arrays are copied to host memory: the caller may then donate or overwrite
         params/opt_state (the jitted step does). A save started while another is in flight first waits for
         it. `params`/`opt_state` are nnx.State (or nested dicts) of arrays; opt_state=None and
-        data_state=None leave those items out. Multi-process: every process calls save with the same step.
+        data_state=None leave those items out. `ema` (params' structure: the averaged weights of a run that
+        keeps a parameter EMA, train/ema.py) is written as the `ema` item when given. Multi-process: every
+        process calls save with the same step.
         """
         step = int(step)
         if meta.get("step", step) != step:
@@ -329,6 +333,8 @@ class TrainCheckpointer:
         }
         if opt_state is not None:
             items["opt_state"] = ocp.args.StandardSave(_saveable(opt_state))
+        if ema is not None:
+            items["ema"] = ocp.args.StandardSave(_saveable(ema))
         if data_state is not None:
             items["data"] = ocp.args.JsonSave(_json_copy(data_state, "data_state"))
         metrics = {str(k): float(v) for k, v in (metrics or {}).items()}
@@ -361,19 +367,23 @@ class TrainCheckpointer:
 
     # -- restoring -------------------------------------------------------------------------------------
 
-    def restore(self, step: int | None = None, *, params: Any, opt_state: Any = None) -> Restored:
+    def restore(self, step: int | None = None, *, params: Any, opt_state: Any = None,
+                item: str = "params") -> Restored:
         """Reads `step` (None = latest) into the structure, shardings and dtypes of the targets.
 
         `params` / `opt_state` are live nnx.State trees of jax.Arrays (possibly sharded over a mesh) or
         trees of jax.ShapeDtypeStruct with `.sharding`; the targets themselves are not modified.
-        opt_state=None skips the optimizer state. Raises CheckpointError when the directory has no such
-        step, when the stored keys/shapes differ from a target, or when a file is missing or corrupt.
+        opt_state=None skips the optimizer state. item="ema" reads the `ema` item (the averaged weights)
+        into the `params` target instead of the `params` item. Raises CheckpointError when the directory has
+        no such step, when the stored keys/shapes differ from a target, or when a file is missing or corrupt.
         """
         self.wait_until_finished()
         step = _pick_step(self.directory, self.all_steps(), step)
         step_dir = self.directory / str(step)
 
-        wanted = {"params": params} if opt_state is None else {"params": params, "opt_state": opt_state}
+        if item not in ("params", "ema"):
+            raise ValueError(f"item must be 'params' or 'ema', got {item!r}")
+        wanted = {item: params} if opt_state is None else {item: params, "opt_state": opt_state}
         flats = {name: {k: _abstract(v) for k, v in _pure_flat(t).items()} for name, t in wanted.items()}
         self._check_items(step_dir, flats)
         args = {name: ocp.args.StandardRestore(_nested_str(flat)) for name, flat in flats.items()}
@@ -384,7 +394,7 @@ class TrainCheckpointer:
             raise _damaged(step_dir, flats, e) from e
         return Restored(
             step=step,
-            params=_rebuild(params, out["params"]),
+            params=_rebuild(params, out[item]),
             opt_state=None if opt_state is None else _rebuild(opt_state, out["opt_state"]),
             data_state=out["data"] if "data" in args else None,
             meta=dict(out["meta"]),
@@ -441,6 +451,12 @@ def read_meta(directory: str | os.PathLike, step: int | None = None) -> tuple[in
     except Exception as e:
         raise CheckpointError(f"cannot read {meta_dir}: {e}") from e
     return int(step), dict(meta)
+
+
+def weights_item(meta: Mapping[str, Any]) -> str:
+    """The item that holds a run's trained weights, given a step's meta: its parameter EMA when the run
+    kept one (optim.ema_decay > 0, train/ema.py), else the parameters themselves."""
+    return "ema" if meta.get("ema") else "params"
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, int]:

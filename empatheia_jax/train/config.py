@@ -141,6 +141,8 @@ def _validate_optim(config: ml_collections.ConfigDict, bad: _Bad) -> None:
         bad("optim.eps", o.eps, "must be > 0")
     if not 0 <= o.end_lr_ratio <= 1:
         bad("optim.end_lr_ratio", o.end_lr_ratio, "must be in [0, 1]")
+    if not 0 <= o.get("ema_decay", 0.0) < 1:
+        bad("optim.ema_decay", o.ema_decay, "must be in [0, 1) (0 = no EMA)")
     for name in ("alpha", "beta", "kl"):
         if config.loss[name] < 0:
             bad(f"loss.{name}", config.loss[name], "must be >= 0")

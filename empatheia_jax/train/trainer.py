@@ -64,7 +64,7 @@ from empatheia_jax.models.lora import LoraConfig
 from empatheia_jax.models.trainable import groups as all_groups
 from empatheia_jax.models.trainable import trainable_filter
 from empatheia_jax.train import config as config_lib
-from empatheia_jax.train import losses, objective, sd_warmup, stages
+from empatheia_jax.train import ema, losses, objective, sd_warmup, stages
 from empatheia_jax.train.checkpoint import (
     CHECKPOINT_DIR,
     CheckpointError,
@@ -73,6 +73,7 @@ from empatheia_jax.train.checkpoint import (
     checkpoints_of,
     read_meta,
     resolve_checkpoint,
+    weights_item,
 )
 from empatheia_jax.weights.checkpoint_io import load_checkpoint, load_tokenizer
 from empatheia_jax.weights.export_empatheia import (
@@ -283,7 +284,8 @@ def saved_state(model: Empatheia, include_backbone: bool) -> nnx.State:
 def make_tx(
     config: ml_collections.ConfigDict, schedule: config_lib.Schedule
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW, linear warmup then cosine decay, global-norm clipping; no decay on vectors (norms, biases)."""
+    """AdamW, linear warmup then cosine decay, global-norm clipping; no decay on vectors (norms, biases);
+    with optim.ema_decay > 0 the parameter EMA last (train/ema.py)."""
     o = config.optim
     decay_steps = max(schedule.steps, schedule.warmup_steps + 1)
     lr = optax.warmup_cosine_decay_schedule(
@@ -298,6 +300,8 @@ def make_tx(
         mask=lambda params: jax.tree.map(lambda p: jnp.ndim(p) >= 2, params),
     )
     tx = optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw) if o.clip_norm > 0 else adamw
+    if o.get("ema_decay", 0.0) > 0:
+        tx = optax.chain(tx, ema.ema_params(o.ema_decay))
     return tx, lr
 
 
@@ -930,6 +934,8 @@ def _checkpoint_meta(
         # {kind: {source, dim, ...}} of the shards' generator targets: the bridge to a generator needs the
         # source (Kokoro features drive Kokoro; stand-ins drive nothing).
         "targets": (manifest.get("targets") or {}).get("kinds", {}),
+        # the checkpoints' `ema` item holds the weights to use (optim.ema_decay > 0): serve/load.py, init_from
+        "ema": config.optim.get("ema_decay", 0.0) > 0,
     }
 
 
@@ -972,7 +978,8 @@ def _init_from(run: _Run) -> None:
         where, step, source_config, source_params = _export_params(Path(config.init_from), run)
     else:
         src_dir, step = resolve_checkpoint(checkpoints_of(config.init_from))
-        where, source_config = src_dir, read_meta(src_dir, step)[1]["model_config"]
+        source_meta = read_meta(src_dir, step)[1]
+        where, source_config = src_dir, source_meta["model_config"]
     source, current = _function_of(source_config), _function_of(model.config)
     differ = {k for k in set(source) | set(current) if source.get(k) != current.get(k)}
     if differ and ("cs" not in run.stage.trainable_groups or not differ <= CS_DESIGN_FIELDS):
@@ -982,7 +989,8 @@ def _init_from(run: _Run) -> None:
         target = model if not differ else nnx.eval_shape(
             lambda: Empatheia(EmpatheiaConfig.from_dict(source_config), rngs=nnx.Rngs(0)))
         with TrainCheckpointer(where, create=False, async_save=False) as src:
-            source_params = src.restore(step, params=saved_state(target, run.include_backbone)).params
+            source_params = src.restore(step, params=saved_state(target, run.include_backbone),
+                                        item=weights_item(source_meta)).params
         if not differ:
             nnx.update(model, source_params)
             log.info("initialised from %s step %d", where, step)
@@ -1203,11 +1211,20 @@ def _final_eval(run: _Run, p: _Progress, writer: MetricsWriter) -> dict[str, flo
 
 
 def _evaluate(run: _Run, p: _Progress) -> dict[str, float]:
-    """`evaluate_loss` of the current weights (merged back from the step's arrays first)."""
+    """`evaluate_loss` of the weights the run publishes: the current ones (merged back from the step's
+    arrays first), or their EMA when the run keeps one (swapped in for the evaluation, then back)."""
     stages.merge_after_step(run.model, run.optimizer, p.params, p.opt_state)
     config = run.config
-    metrics = evaluate_loss(config, run.stage, run.model, run.tokenizer, run.mesh,
-                            max_batches=config.train.eval_batches)
+    live = None
+    if run.meta["ema"]:
+        live = nnx.state(run.model)
+        nnx.update(run.model, ema.averaged(nnx.state(run.model), run.optimizer))
+    try:
+        metrics = evaluate_loss(config, run.stage, run.model, run.tokenizer, run.mesh,
+                                max_batches=config.train.eval_batches)
+    finally:
+        if live is not None:
+            nnx.update(run.model, live)
     return {f"eval/{k}": v for k, v in metrics.items()}
 
 
@@ -1216,10 +1233,12 @@ def _save(run: _Run, p: _Progress, step: int, metrics: Mapping[str, float] | Non
     """Checkpoints the current state, the data iterator's position with it (what a bit-identical resume
     needs)."""
     stages.merge_after_step(run.model, run.optimizer, p.params, p.opt_state)
+    params = saved_state(run.model, run.include_backbone)
     # save() returns once orbax holds host copies, so the next (donating) step cannot corrupt it.
     run.ckpt.save(
         step,
-        params=saved_state(run.model, run.include_backbone),
+        params=params,
+        ema=ema.averaged(params, run.optimizer) if run.meta["ema"] else None,
         opt_state=nnx.state(run.optimizer),
         data_state=gather_data_state(run.data_iter.get_state()),
         meta={**run.meta, "nonfinite_skipped": p.nonfinite_skipped},
