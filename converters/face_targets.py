@@ -83,10 +83,9 @@ def face_jobs(raw: str | Path, splits: list[str] | None = None, dialogues: Itera
     """Every distinct utterance as data/make_sample.py renders it: the utterances the speech exporter lists
     (`styletts2_targets.speech_jobs`) and the style they are drawn in."""
     from converters.styletts2_targets import speech_jobs
-    from empatheia_jax.generators.kokoro_voices import LISTENER_SPEED, utterance_style
+    from empatheia_jax.generators.kokoro_voices import utterance_delivery
 
-    return [FaceJob(j.uid, j.wav, j.text, j.profile, utterance_style(j.role, j.emotion),
-                    LISTENER_SPEED if j.role == "listener" else None)
+    return [FaceJob(j.uid, j.wav, j.text, j.profile, *utterance_delivery(j.role, j.emotion))
             for j in speech_jobs(raw, splits, dialogues, responses_only)]
 
 

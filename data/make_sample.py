@@ -339,14 +339,16 @@ def render_utterance(job: tuple[str, str, dict, str, str, int]) -> tuple[str, in
     return uid, len(wav), frames
 
 
-def speak_gold(job: tuple[str, str, dict, str, str]) -> tuple[str, dict]:
-    """Worker: write `{uid}.wav` of the gold speech (Kokoro, 24 kHz); returns (uid, voice recipe)."""
+def speak_gold(job: tuple[str, str, dict, str | None, str]) -> tuple[str, dict]:
+    """Worker: write `{uid}.wav` of the gold speech of a listener's reply (Kokoro, 24 kHz) to the dialogue's
+    emotion; returns (uid, voice recipe)."""
     from empatheia_jax.generators.kokoro import SAMPLE_RATE
-    from empatheia_jax.generators.kokoro_voices import LISTENER_SPEED, gold_speech
+    from empatheia_jax.generators.kokoro_voices import gold_speech, utterance_delivery
     from empatheia_jax.generators.speech_synth import write_wav
 
-    uid, text, profile, style, gold_dir = job
-    wav, v = gold_speech(text, profile, style, LISTENER_SPEED)  # every gold job is a listener's reply
+    uid, text, profile, emotion, gold_dir = job
+    style, speed = utterance_delivery("listener", emotion)
+    wav, v = gold_speech(text, profile, style, speed)
     write_wav(os.path.join(gold_dir, uid + ".wav"), wav, SAMPLE_RATE)
     return uid, {"style": style, **v.recipe, "samples": len(wav)}
 
@@ -453,10 +455,10 @@ def build_sample(out: str | os.PathLike, n: int, seed: int, *, ed_csv: str | os.
                 jobs.append((uid, text, profile, style, str(media), size))
                 uids.append(uid)
             if split in gold_speech:
-                listener, style = d.profile_of("listener").to_json(), utterance_style("listener", emotion)
+                listener = d.profile_of("listener").to_json()
                 for j, turn in enumerate(d.turns):
                     uid = response_utterance_id(d, j)
-                    gold_jobs.setdefault(uid, (uid, turn.response, listener, style, str(gold_dir)))
+                    gold_jobs.setdefault(uid, (uid, turn.response, listener, emotion, str(gold_dir)))
             info[d.conversation_id] = {"split": split, "emotion": emotion, "speaker_emotion": word,
                                        "text_masked": is_masked, "sentences_removed": removed,
                                        "utterances": uids}

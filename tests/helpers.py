@@ -370,7 +370,7 @@ def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)
         from data.make_sample import GOLD_SPEECH_DIR
         from empatheia_jax.data import schema
         from empatheia_jax.generators.kokoro import SAMPLE_RATE
-        from empatheia_jax.generators.kokoro_voices import LISTENER_SPEED, gold_speech, utterance_style
+        from empatheia_jax.generators.kokoro_voices import gold_speech, utterance_delivery
         from empatheia_jax.generators.speech_synth import write_wav
 
         export_speech_targets(raw, raw / "targets", progress=False)
@@ -383,7 +383,7 @@ def make_tiny_shards(root: Path, counts=(("train", 8), ("valid", 2), ("test", 2)
             emotion = emotions.class_name(d.turns[0].chain_of_empathy.speaker_emotion)
             for j, turn in enumerate(d.turns):
                 wav, _ = gold_speech(turn.response, d.profile_of("listener").to_json(),
-                                     utterance_style("listener", emotion), LISTENER_SPEED)
+                                     *utterance_delivery("listener", emotion))
                 uid = schema.response_utterance_id(d, j)
                 write_wav(raw / GOLD_SPEECH_DIR / f"{uid}.wav", wav, SAMPLE_RATE)
     if kinds:

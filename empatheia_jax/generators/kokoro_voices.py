@@ -132,6 +132,13 @@ style: the rate the bridge speaks the model's reply at (`serve.avatar`), since t
 (S^s) carries no rate. Only the pinned avatar (`chat --listener`) speaks at its style's rate."""
 
 
+def utterance_delivery(role: str, emotion: str | None) -> tuple[str, float | None]:
+    """(style, speed) an utterance's gold speech and mouth track are made with: `utterance_style`, and
+    `LISTENER_SPEED` for the listener (None: the speaker speaks at the style's own rate). The one owner of
+    the rule, for data/make_sample.py, converters/face_targets.py and the tests' gold speech."""
+    return utterance_style(role, emotion), (LISTENER_SPEED if role == "listener" else None)
+
+
 def gold_speech(text: str, profile: dict[str, Any], style: str, speed: float | None = None
                 ) -> tuple[np.ndarray, Voice]:
     """The gold speech of an utterance (int16, 24 kHz) and the voice it was spoken with.
