@@ -21,7 +21,8 @@
 # demo's lr 1e-3 on 64 sample dialogues undo the ED training: 41 % of dev replies repeat a 4-gram,
 # docs/benchmarks.md), COE_EVAL=0 to skip the coe stage's dev evaluation (a diagnostic: the card reports
 # the final model's), EVAL_FLAGS (extra `empatheia eval` flags), SPEECH_EXAMPLES (dev replies spoken and
-# heard by Whisper in the final evaluation, default 32), DEVICE (the card's device line), COE_FROM (a
+# heard by Whisper in the final evaluation, default 32), DEVICE (the card's device line), ED_CKPT_EVERY (the ED
+# stages' checkpoint interval in steps, default 50: minutes on a CPU, where a step takes 5-15 s), COE_FROM (a
 # finished coe stage to chain from instead of training one: a workdir or a PEFT export, e.g. the committed
 # reference model, `python -m empatheia_jax.reference`; the ED stages train the CS only, so its LoRA reaches
 # the new export unchanged, and a redesigned CS costs the ccl stage, not the hours of coe).
@@ -29,7 +30,7 @@
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-    sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 RUN=$1
@@ -121,7 +122,8 @@ ED_STAGES=${ED_STAGES:-ccl}
 for stage in ${ED_STAGES/#0/}; do
     echo "[ed_reference] stage $stage on the ED replies' targets -> $RUN/ed_$stage"
     "$PY" -m empatheia_jax.cli train --config configs/smollm2_ed_avatar.py --config.stage="$stage" \
-        --config.init_from="$prev" --workdir "$RUN/ed_$stage" "${COMMON[@]}" --config.data.shards="$RUN/ed/shards"
+        --config.init_from="$prev" --workdir "$RUN/ed_$stage" "${COMMON[@]}" --config.data.shards="$RUN/ed/shards" \
+        --config.checkpoint.every="${ED_CKPT_EVERY:-50}"
     finished "$RUN/ed_$stage" "$stage"
     prev=$RUN/ed_$stage
     WORKDIRS+=(--workdir "$RUN/ed_$stage")
