@@ -4,7 +4,8 @@
   module docstring writes down, recomputed here with numpy (warm-up of the decay included).
 - A tiny training run with the EMA: every checkpoint holds an `ema` item equal to that recurrence over the
   run's own saved parameters; `load_trained` (so eval, chat, export) and the run's own evaluation use it; a
-  run killed after step 2 and resumed ends with the same average, bit for bit, as the run that was not.
+  run killed after step 2 and resumed ends with the same average, bit for bit, as the run that was not; the
+  next stage's `init_from` starts from the average.
 """
 
 from __future__ import annotations
@@ -125,3 +126,9 @@ def test_a_run_with_ema_saves_evaluates_loads_and_resumes_the_average(tok, shard
     again = _saved(resumed, 3, "ema", target)
     for k in trained:
         np.testing.assert_array_equal(again[k], ema3[k], err_msg=k)
+    # the next stage starts from the average: ccl trains only the CS, so its adapters are the coe EMA's
+    ccl = tmp_path / "ccl"
+    trainer.train(tiny_config(tok, shards, stage="ccl", init_from=str(run), **{"schedule.ccl.steps": 2}), ccl)
+    chained = _flat(trainer.saved_state(serve_load.load_trained(ccl)[0], meta["include_backbone"]))
+    lora = [k for k in trained if "lora" in k]
+    assert lora and all(np.array_equal(chained[k], ema3[k]) for k in lora)
