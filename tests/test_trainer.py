@@ -77,6 +77,7 @@ def tiny_config(tok, shards, **overrides):
         ({"stage": "warmup"}, "config.stage='warmup': unknown stage"),
         ({"optim.lr": -1.0}, "config.optim.lr=-1.0: must be > 0"),
         ({"optim.ema_decay": 1.0}, "config.optim.ema_decay=1.0: must be in"),
+        ({"data.bucket_step": 5000}, "config.data.bucket_step=5000: must be an int in"),
         ({"mesh.data": 3, "mesh.fsdp": 1}, "does not divide the 8 devices"),
         ({"train.batch_size": 6, "train.grad_accum": 4}, "must be a multiple of train.grad_accum=4"),
         ({"train.nan_policy": "ignore"}, "config.train.nan_policy='ignore'"),
@@ -356,6 +357,21 @@ def test_example_keys_do_not_depend_on_the_micro_batch_split():
     b = jax.random.key_data(trainer.example_keys(key, (1, 4))).reshape(4, -1)
     np.testing.assert_array_equal(a, b)
     assert len({tuple(r) for r in np.asarray(a)}) == 4
+
+
+def test_bucket_step_pads_batches_to_its_multiples(built):
+    """data.bucket_step: the train pipeline pads each batch to the next multiple of the step (the tiny
+    shards' rows need 128 with the default buckets)."""
+    cfg, stage, model, _ = built
+    default = next(iter(trainer.make_train_pipeline(cfg, stage, model, cfg.model.tokenizer)))
+    finer = cfg.copy_and_resolve_references()
+    finer.data.bucket_step = 16
+    assert config_lib.bucket_lengths(finer) == (*range(16, finer.data.max_len, 16), finer.data.max_len)
+    batch = next(iter(trainer.make_train_pipeline(finer, stage, model, cfg.model.tokenizer)))
+    width, longest = batch["input_ids"].shape[1], int(batch["attention_mask"].sum(1).max())
+    assert width % 16 == 0 and longest <= width < longest + 16
+    assert width < default["input_ids"].shape[1]
+    np.testing.assert_array_equal(batch["input_ids"], default["input_ids"][:, :width])  # same rows, less pad
 
 
 def test_schedule_warms_up_then_decays(tok, shards):

@@ -262,12 +262,23 @@ def _validate_model(config: ml_collections.ConfigDict, bad: _Bad) -> None:
             "must be an int >= 0 (loss positions per row projected at once; 0 = every position)")
     if config.data.max_len < 16:
         bad("data.max_len", config.data.max_len, "must be >= 16")
+    step = config.data.get("bucket_step", 0)
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= config.data.max_len:
+        bad("data.bucket_step", step,
+            f"must be an int in [0, data.max_len={config.data.max_len}] (0 = power-of-two buckets)")
     pack_len = config.data.get("pack_len", 0)
     if not isinstance(pack_len, int) or isinstance(pack_len, bool) or pack_len < 0:
         bad("data.pack_len", pack_len, "must be an int >= 0 (packed row length; 0 = no packing)")
     elif pack_len and pack_len < config.data.max_len:
         bad("data.pack_len", pack_len,
             f"must be 0 or >= data.max_len={config.data.max_len} (every example must fit a row)")
+
+
+def bucket_lengths(config: ml_collections.ConfigDict) -> tuple[int, ...] | None:
+    """The padded lengths of `data.bucket_step` (every multiple up to max_len), None for the pipeline's
+    default (powers of two from 128)."""
+    step, max_len = int(config.data.get("bucket_step", 0)), int(config.data.max_len)
+    return None if step == 0 else (*range(step, max_len, step), max_len)
 
 
 def _validate_checkpoint(config: ml_collections.ConfigDict, bad: _Bad) -> None:

@@ -320,6 +320,7 @@ def pipeline_fields(
         # the model's dims: the shards' (checked), or its own on text-only shards under a text template
         feature_dims=(model.config.audio_dim, model.config.video_dim),
         max_len=int(config.data.max_len),
+        buckets=config_lib.bucket_lengths(config),
         worker_count=int(config.data.worker_count),
         read_threads=int(config.data.read_threads),
     )
