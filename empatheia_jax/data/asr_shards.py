@@ -53,16 +53,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from empatheia_jax.assets import sha256_file
+from empatheia_jax.assets import atomic_write, sha256_file
 from empatheia_jax.data import asr, schema
 from empatheia_jax.data import encoders as enc_lib
 from empatheia_jax.data.prepare import InvalidInputError, prepare
-from empatheia_jax.data.shard_format import (
-    MANIFEST,
-    MANIFEST_FORMAT,
-    load_manifest,
-    verify_shards,
-)
+from empatheia_jax.data.shard_format import MANIFEST, MANIFEST_FORMAT, load_manifest, verify_shards
 
 INAUDIBLE = "..."  # the text of an utterance in which Whisper heard no word
 VERSION = "asr-shards/1"  # bump when what this module writes changes: old cache folders are not reused
@@ -80,9 +75,8 @@ def _default_log(message: str) -> None:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)  # the same key holds the same content: concurrent writers agree
+    # the same key holds the same content: concurrent writers agree
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 class _Plan:

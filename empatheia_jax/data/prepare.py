@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from empatheia_jax.assets import sha256_file
+from empatheia_jax.assets import atomic_write, sha256_file
 from empatheia_jax.data import schema
 from empatheia_jax.data.encoders import Encoder, get_encoder
 from empatheia_jax.data.schema import STANDARD_SPLITS, discover_splits
@@ -471,11 +471,7 @@ def _clean_stale(out: Path, keep: set[Path]) -> None:
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2) + "\n"))
 
 
 def _check_options(*, split_by: str, records_per_shard: int, media: str, make_standin: bool) -> None:

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from empatheia_jax.assets import atomic_write
+
 # kind -> (rank, standard last dim). Rank 2 = one row per position, rank 1 = one vector per utterance.
 TARGET_KINDS: dict[str, tuple[int, int]] = {
     "speech_content": (2, 1024),
@@ -97,13 +99,14 @@ def read_targets_meta(directory: Path) -> dict[str, Any]:
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    atomic_write(path, write)
 
 
 class TargetWriter:
