@@ -96,13 +96,13 @@ def run_config(args: argparse.Namespace, shards: Path, pack_len: int = 0, **empa
 class Variant:
     """One step program with its own weights and optimizer state."""
 
-    def __init__(self, name: str, config, manifest: dict, mesh, pad_id: int | None = None):
+    def __init__(self, name: str, config, manifest: dict, mesh, pad_id: int | None = None, trim_to: int = 0):
         import jax
 
         from empatheia_jax.train import config as config_lib
         from empatheia_jax.train import stages, trainer
 
-        self.name, self.config, self.mesh, self.pad_id = name, config, mesh, pad_id
+        self.name, self.config, self.mesh, self.pad_id, self.trim_to = name, config, mesh, pad_id, trim_to
         self.stage = config_lib.resolve_stage(config)
         self.model, self.tokenizer = trainer.build_model(config, manifest, mesh)
         tx, _ = trainer.make_tx(config, config_lib.stage_schedule(config))
@@ -118,9 +118,15 @@ class Variant:
         self.losses: list[float] = []
 
     def host(self, host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The step's host batch: the pipeline's, or packed (data.pack_len) as the trainer packs it."""
+        """The step's host batch: the pipeline's, packed (data.pack_len) as the trainer packs it, or (trim_to)
+        cut to the next multiple of `trim_to` above its longest row: the batch `data.bucket_step` pads to."""
         from empatheia_jax.train import trainer
 
+        if self.trim_to:
+            width = host["input_ids"].shape[1]
+            longest = int(np.max(np.nonzero(host["attention_mask"].any(0))[0])) + 1
+            keep = min(width, -(-longest // self.trim_to) * self.trim_to)
+            return {k: v[:, :keep] if v.ndim >= 2 and v.shape[1] == width else v for k, v in host.items()}
         return trainer.pack_for_step(self.config, host, self.pad_id, self.mesh)
 
     def run(self, host: dict[str, np.ndarray], step: int) -> float:
@@ -164,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ce-targets", type=int, default=128, help="model.empatheia.ce_targets of the new step")
     p.add_argument("--pack-len", type=int, default=512, help="data.pack_len of the packed variant (0: none)")
     p.add_argument("--pack-ce-targets", type=int, default=256, help="its ce_targets (per packed row)")
+    p.add_argument("--bucket-step", type=int, default=0,
+                   help="also time today's step on each batch cut to a multiple of this (data.bucket_step)")
     p.add_argument("--json", default=None, help="append the result (one JSON line) to this file")
     args = p.parse_args(argv)
 
@@ -211,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
                 pad_id=pipe.pad_id,
             )
         )
+    if args.bucket_step:
+        variants.append(Variant(f"bucket_step={args.bucket_step}", base_config, manifest, mesh,
+                                trim_to=args.bucket_step))
+        name = f"bucket_step={args.bucket_step} + target-only (ce_targets={args.ce_targets})"
+        variants.append(Variant(name, run_config(args, shards, ce_targets=args.ce_targets), manifest, mesh,
+                                trim_to=args.bucket_step))
     it = iter(pipe)
     batches = [trainer.agree_on_length(b, pipe.pad_id) for b in itertools.islice(it, args.steps)]
     lengths = sorted({b["input_ids"].shape[1] for b in batches})

@@ -1,6 +1,7 @@
 """What the Content Synchronizer's block can learn of Kokoro's content rows from the phoneme units alone.
 
-    python bench/cs_rows.py --raw RUN/ed/raw --targets RUN/ed/targets [--conv 0,5] [--steps 600] [--json OUT]
+    python bench/cs_rows.py --raw RUN/ed/raw --targets RUN/ed/targets [--conv 0,5] [--steps 600] [--context]
+        [--batch 8] [--lr 1e-3] [--json OUT]
 
 Kokoro's content rows (t_en ++ d_en) are a deterministic function of the reply's phoneme tokens: a CNN +
 BiLSTM text encoder and PL-BERT over the whole sequence. A unit-aligned CS (`cs_units`) is told the tokens,
@@ -123,7 +124,8 @@ def _video(args) -> dict:
     return out
 
 
-def _train(conv: int, data, dev, steps: int, batch: int, seed: int, weight: np.ndarray, aligned: bool = True):
+def _train(conv: int, data, dev, steps: int, batch: int, seed: int, weight: np.ndarray, aligned: bool = True,
+           context: bool = False, lr: float = 1e-3):
     import jax
     import jax.numpy as jnp
     import optax
@@ -139,9 +141,10 @@ def _train(conv: int, data, dev, steps: int, batch: int, seed: int, weight: np.n
     q = units.shape[1]
     cfg = VAEConfig(d_in=8, d_model=e.vae_d_model, num_queries=q, d_latent=e.cs_latent, d_out=rows.shape[-1],
                     num_heads=e.vae_heads, enc_layers=e.vae_layers, dec_layers=e.vae_layers,
-                    num_units=KokoroSpeech.num_units if aligned else 0, conv_kernel=conv)
+                    num_units=KokoroSpeech.num_units if aligned else 0, conv_kernel=conv,
+                    unit_context=context)
     model = TransformerVAE(cfg, rngs=nnx.Rngs(seed))
-    sched = optax.warmup_cosine_decay_schedule(0.0, 1e-3, min(50, steps // 2), steps)
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, min(50, steps // 2), steps)
     opt = nnx.Optimizer(model, optax.adamw(sched, weight_decay=0.0), wrt=nnx.Param)
     graph, state = nnx.split((model, opt))
 
@@ -167,7 +170,8 @@ def _train(conv: int, data, dev, steps: int, batch: int, seed: int, weight: np.n
 
     rng = np.random.default_rng(seed)
     key = jax.random.key(seed)
-    for i in tqdm(range(steps), desc=f"conv {conv}" + ("" if aligned else ", position-only"), unit="step"):
+    what = f"conv {conv}" + ("" if aligned else ", position-only") + (", unit context" if context else "")
+    for i in tqdm(range(steps), desc=what, unit="step"):
         idx = rng.choice(len(units), batch, replace=False)
         batch_rows = rows[idx].astype(np.float32)
         state, _ = step(state, units[idx], batch_rows, mask[idx], jax.random.fold_in(key, i))
@@ -199,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mix", action="store_true",
                     help="also speak each prediction's t_en with the gold d_en and the other way round")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (warm-up 50 steps, cosine)")
+    ap.add_argument("--context", action="store_true",
+                    help="read the units in context (VAEConfig.unit_context: convolutions + a BiLSTM)")
     ap.add_argument("--video", action="store_true",
                     help="train the video block: unit-aligned to the frame units vs position-only")
     ap.add_argument("--json", type=Path, default=None)
@@ -242,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     out = {"unit_mean": _half_l2(unit_mean[dev[2]], dev[3], dev[4])}
     print(f"unit_mean: {json.dumps(out['unit_mean'])}", flush=True)
     for conv in (int(c) for c in args.conv.split(",")):
-        name = f"conv{conv}" + ("_balanced" if args.scale == "balanced" else "")
-        preds, l2 = _train(conv, train, dev, args.steps, args.batch, args.seed, weight)
+        name = (f"conv{conv}" + ("_balanced" if args.scale == "balanced" else "")
+                + ("_context" if args.context else ""))
+        preds, l2 = _train(conv, train, dev, args.steps, args.batch, args.seed, weight, context=args.context,
+                           lr=args.lr)
         if args.save:
             args.save.mkdir(parents=True, exist_ok=True)
             np.savez(args.save / f"{name}.npz", pred=preds.astype(np.float16), uid=np.array(dev[1]),

@@ -61,6 +61,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             "cv_units": 0,
             # width of a depthwise row convolution in every CS layer, 0 = none (the paper's block)
             "cs_conv": 0,
+            # read each unit-aligned CS block's units in context (convolutions + a BiLSTM, Kokoro's text
+            # encoder shape) instead of one table row per unit (models/unit_context.py)
+            "cs_unit_context": False,
             # positions per chunk of the token loss's logits (0: all at once): memory for one more
             # output projection a step (models/llama.py `token_nll`, docs/benchmarks.md "chunked")
             "ce_chunk": 0,

@@ -455,6 +455,21 @@ def test_cs_conv_gives_both_content_blocks_a_row_convolution_and_no_style_block(
         EmpatheiaConfig(llm=LLM, **TINY, cs_conv=5, cs_speech=CFG.cs_speech)
 
 
+def test_cs_unit_context_reads_the_units_of_the_aligned_content_blocks_only():
+    """cs_unit_context gives each unit-aligned CS block the in-context unit reader and no other block one
+    (a position-only block has no units to read); a stored config round-trips; without units it is an
+    error naming the field, and a block config that disagrees is named."""
+    cfg = EmpatheiaConfig(llm=LLM, **TINY, cs_units=9, cs_unit_context=True)
+    assert cfg.cs_speech.unit_context and not cfg.cs_video.unit_context
+    assert not any(getattr(cfg, name).unit_context for name in SD_VAES)
+    assert EmpatheiaConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="cs_unit_context=True reads content units"):
+        EmpatheiaConfig(llm=LLM, **TINY, cs_unit_context=True)
+    plain = EmpatheiaConfig(llm=LLM, **TINY, cs_units=9)
+    with pytest.raises(ValueError, match="cs_speech.unit_context=False but cs_unit_context=True"):
+        EmpatheiaConfig(llm=LLM, **TINY, cs_units=9, cs_unit_context=True, cs_speech=plain.cs_speech)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Losses
 # ----------------------------------------------------------------------------------------------------------

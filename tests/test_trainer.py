@@ -91,6 +91,7 @@ def tiny_config(tok, shards, **overrides):
         ({"loss.ccl_scale": "std"}, "config.loss.ccl_scale='std': must be one of"),
         ({"model.empatheia.cs_conv": 4}, "config.model.empatheia.cs_conv=4: must be 0"),
         ({"model.empatheia.cv_units": -1}, "config.model.empatheia.cv_units=-1: must be an int >= 0"),
+        ({"model.empatheia.cs_unit_context": True}, "cs_unit_context=True: reads content units"),
         ({"checkpoint.keep_best": True, "checkpoint.best_metric": "eval/loss"},
          "config.checkpoint.best_metric='eval/loss': the stage's evaluation reports no such metric"),
     ],

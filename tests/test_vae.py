@@ -436,3 +436,51 @@ def test_row_convolution_is_a_zero_padded_depthwise_convolution():
     for bad in (-1, 2):
         with pytest.raises(ValueError, match=f"conv_kernel={bad} must be 0"):
             CFG.replace(conv_kernel=bad)
+
+
+def test_unit_context_equals_torch_convolutions_and_bidirectional_lstm():
+    """`unit_context` reads the unit rows as Kokoro's text encoder reads phonemes: residual width-5
+    convolutions (LayerNorm over channels, LeakyReLU 0.2), then x + a bidirectional LSTM. Checked against
+    torch's own Conv1d, layer_norm and nn.LSTM(bidirectional) given the same weights (torch's gate order
+    i, f, g, o; its two biases summed in ours); then, inside a block, row i's query moves when a
+    neighbour's unit changes (a table alone keeps it), and the config refuses it without units."""
+    torch = pytest.importorskip("torch")
+    from empatheia_jax.models.unit_context import CONV_LAYERS, CONV_WIDTH, UnitContext
+
+    d, q = 8, 7
+    with nnx.use_eager_sharding(False):  # as the block builds it: placement comes at jit time
+        ctx = UnitContext(d, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(11)
+    for var in (ctx.conv_bias, ctx.norm_scale, ctx.norm_bias, ctx.lstm_bias):
+        var[...] = jnp.asarray(rng.normal(size=var.shape).astype(np.float32) * 0.5)
+    x = rng.normal(size=(2, q, d)).astype(np.float32)
+    got = np.asarray(ctx(jnp.asarray(x)))
+
+    p = {k: torch.from_numpy(np.asarray(getattr(ctx, k)[...]).copy()) for k in
+         ("conv", "conv_bias", "norm_scale", "norm_bias", "lstm_in", "lstm_rec", "lstm_bias")}
+    with torch.no_grad():
+        h = torch.from_numpy(x)
+        for layer in range(CONV_LAYERS):
+            y = torch.nn.functional.conv1d(h.transpose(1, 2), p["conv"][layer].permute(2, 1, 0),
+                                           p["conv_bias"][layer], padding=CONV_WIDTH // 2).transpose(1, 2)
+            y = torch.nn.functional.layer_norm(y, (d,), p["norm_scale"][layer], p["norm_bias"][layer], 1e-5)
+            h = h + torch.nn.functional.leaky_relu(y, 0.2)
+        lstm = torch.nn.LSTM(d, d // 2, batch_first=True, bidirectional=True)
+        for direction, suffix in ((0, ""), (1, "_reverse")):
+            getattr(lstm, f"weight_ih_l0{suffix}").copy_(p["lstm_in"][direction].T)
+            getattr(lstm, f"weight_hh_l0{suffix}").copy_(p["lstm_rec"][direction].T)
+            getattr(lstm, f"bias_ih_l0{suffix}").copy_(p["lstm_bias"][direction])
+            getattr(lstm, f"bias_hh_l0{suffix}").zero_()
+        want = (h + lstm(h)[0]).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+    cfg = CFG.replace(num_units=11, unit_context=True)
+    block = _build(cfg)
+    units = np.zeros((1, cfg.num_queries), np.int32) + 3
+    moved = units.copy()
+    moved[0, 3] = 7  # row 2's neighbour
+    for blk, should_move in ((block, True), (_build(CFG.replace(num_units=11)), False)):
+        q0, q1 = (np.asarray(blk._queries(jnp.asarray(u))) for u in (units, moved))
+        assert (np.abs(q0[0, 2] - q1[0, 2]).max() > 1e-6) == should_move
+    with pytest.raises(ValueError, match="unit_context=True needs num_units > 0"):
+        CFG.replace(unit_context=True)

@@ -125,6 +125,9 @@ class EmpatheiaConfig:
     # a content row depends on its neighbours (`VAEConfig.conv_kernel`, docs/design.md "Aligned Content
     # Synchronizer").
     cs_conv: int = 0
+    # Read the units of each unit-aligned CS block in context (`VAEConfig.unit_context`: convolutions and a
+    # BiLSTM over the unit rows, Kokoro's text-encoder shape) instead of one table row per unit.
+    cs_unit_context: bool = False
     cs_speech: VAEConfig | None = None
     cs_video: VAEConfig | None = None
     sd_speech_emotion: VAEConfig | None = None
@@ -158,6 +161,8 @@ class EmpatheiaConfig:
                 problems.append(f"{name}={getattr(self, name)} must be >= 0 (0 = position-only queries)")
         if self.cs_conv < 0 or (self.cs_conv and self.cs_conv % 2 == 0):
             problems.append(f"cs_conv={self.cs_conv} must be 0 (none) or a positive odd width")
+        if self.cs_unit_context and not (self.cs_units or self.cv_units):
+            problems.append("cs_unit_context=True reads content units: set cs_units and/or cv_units")
         if self.ce_chunk < 0:
             problems.append(f"ce_chunk={self.ce_chunk} must be >= 0 (0: the whole logits at once)")
         if self.ce_targets < 0:
@@ -197,7 +202,8 @@ class EmpatheiaConfig:
         def vae(q: int, latent: int, out: int, units: int, conv: int) -> VAEConfig:
             return VAEConfig(d_in=d, d_model=self.vae_d_model, num_queries=q, d_latent=latent, d_out=out,
                              num_heads=self.vae_heads, enc_layers=self.vae_layers, dec_layers=self.vae_layers,
-                             dropout=self.vae_dropout, num_units=units, conv_kernel=conv, **dtypes)
+                             dropout=self.vae_dropout, num_units=units, conv_kernel=conv,
+                             unit_context=bool(units) and self.cs_unit_context, **dtypes)
 
         conv = self.cs_conv
         wanted = {
@@ -221,6 +227,9 @@ class EmpatheiaConfig:
             if c.conv_kernel != conv:
                 problems.append(f"{name}.conv_kernel={c.conv_kernel} but cs_conv={self.cs_conv} (the block "
                                 f"should have {conv})")
+            if c.unit_context != (bool(units) and self.cs_unit_context):
+                problems.append(f"{name}.unit_context={c.unit_context} but cs_unit_context="
+                                f"{self.cs_unit_context} with {units} units")
             if name.startswith("cs_") and (c.num_queries, c.d_out) != (q, out):
                 problems.append(
                     f"{name} has {c.num_queries} queries x {c.d_out}; the targets are {q} x {out}"

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from empatheia_jax.models.unit_context import UnitContext
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -47,6 +49,9 @@ class VAEConfig:
     paper's block). A unit-aligned row's content depends on its neighbours (Kokoro's text encoder is a CNN
     + BiLSTM over the phonemes); learnable absolute queries reach a neighbour only through attention
     patterns learnt separately at every index, a convolution reads it at any index with one kernel.
+    unit_context: read the unit rows U[unit_i] in context before they join the queries
+    (`models.unit_context.UnitContext`: Kokoro's text-encoder shape, convolutions and a BiLSTM over the
+    units); needs num_units > 0.
     dtype: compute dtype (bf16 on accelerators); param_dtype: parameter dtype (fp32 master weights).
     The mu/logvar heads always compute in float32 and every output is float32.
     """
@@ -65,6 +70,7 @@ class VAEConfig:
     logvar_limit: float = 10.0
     num_units: int = 0
     conv_kernel: int = 0
+    unit_context: bool = False
     dtype: str = "float32"
     param_dtype: str = "float32"
 
@@ -85,6 +91,11 @@ class VAEConfig:
             problems.append(f"num_units={self.num_units} must be >= 0 (0 = no unit alignment)")
         if self.conv_kernel < 0 or (self.conv_kernel and self.conv_kernel % 2 == 0):
             problems.append(f"conv_kernel={self.conv_kernel} must be 0 (none) or a positive odd width")
+        if self.unit_context and self.num_units <= 0:
+            problems.append("unit_context=True needs num_units > 0 (it reads the units of the rows)")
+        if self.unit_context and self.d_model % 2:
+            problems.append(f"unit_context=True needs an even d_model (two LSTM directions), got "
+                            f"{self.d_model}")
         if self.logvar_limit <= 0:
             problems.append(f"logvar_limit={self.logvar_limit} must be positive")
         for name in ("dtype", "param_dtype"):
@@ -391,6 +402,8 @@ class TransformerVAE(nnx.Module):
                 nnx.initializers.normal(0.02)(rngs.params(), (cfg.num_units, cfg.d_model), pdt),
                 out_sharding=("queries", "embed"),
             )
+        if cfg.unit_context:
+            self.unit_context = UnitContext(cfg.d_model, dtype=cfg.compute_dtype, param_dtype=pdt, rngs=rngs)
         self.in_ffn = FFN(cfg, cfg.d_in, cfg.d_model, "embed", rngs=rngs)
         self.encoder = QueryStack(cfg, cfg.enc_layers, rngs=rngs)
         # float32 heads: mu/logvar feed exp() and the KL, where bf16 rounding would show.
@@ -412,7 +425,8 @@ class TransformerVAE(nnx.Module):
         return jnp.where(mask[..., None], mem, jnp.zeros((), mem.dtype))
 
     def _queries(self, units: jax.Array | None) -> jax.Array:
-        """q [Q, d], or q + U[units] [B, Q, d] for a unit-aligned block (ids outside the table clip)."""
+        """q [Q, d], or q + U[units] [B, Q, d] for a unit-aligned block (ids outside the table clip), the
+        U rows read in context first with `unit_context`."""
         if not self.config.num_units:
             if units is not None:
                 raise ValueError("units given to a block without unit alignment (num_units=0)")
@@ -422,6 +436,8 @@ class TransformerVAE(nnx.Module):
             raise ValueError(f"this block aligns its {self.config.num_queries} rows to content units: pass "
                              f"units [B, {self.config.num_queries}] (got {got})")
         rows = jnp.take(self.unit_embed[...], units.astype(jnp.int32), axis=0, mode="clip")
+        if self.config.unit_context:
+            rows = self.unit_context(rows)
         return self.queries[...][None] + rows
 
     def encode(

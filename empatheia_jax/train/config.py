@@ -253,6 +253,13 @@ def _validate_model(config: ml_collections.ConfigDict, bad: _Bad) -> None:
     if isinstance(cs_conv, bool) or not odd_or_zero:
         bad("model.empatheia.cs_conv", cs_conv,
             "must be 0 (none) or a positive odd int (the CS's row convolution width)")
+    unit_context = config.model.empatheia.get("cs_unit_context", False)
+    if not isinstance(unit_context, bool):
+        bad("model.empatheia.cs_unit_context", unit_context, "must be True or False")
+    elif unit_context and not (config.model.empatheia.get("cs_units", 0)
+                               or config.model.empatheia.get("cv_units", 0)):
+        bad("model.empatheia.cs_unit_context", unit_context,
+            "reads content units: set model.empatheia.cs_units and/or cv_units")
     ce_chunk = config.model.empatheia.get("ce_chunk", 0)
     if not isinstance(ce_chunk, int) or ce_chunk < 0:
         bad("model.empatheia.ce_chunk", ce_chunk, "must be an int >= 0 (positions a chunk; 0 = all at once)")

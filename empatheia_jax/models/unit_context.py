@@ -1,0 +1,92 @@
+"""The content units of a reply read in context, before they join the Content Synchronizer's queries.
+
+A unit-aligned block (`VAEConfig.num_units`) adds U[unit_i] to query i: every /t/ gets the same row wherever
+it stands. But the half of Kokoro's content row that a listener hears, t_en (docs/benchmarks.md "Where a
+row is heard"), is its text encoder's output over the whole phoneme sequence: three width-5 convolutions
+and a bidirectional LSTM. A per-unit table is heard at WER 0.19 at best (its oracle), and the transformer
+block, which reaches a neighbour only through attention learnt separately at every query index, was heard
+worse still while fitting t_en better in L2. `UnitContext` gives the block a reader of the generator's own
+shape over the unit embeddings (`VAEConfig.unit_context`), so a row's unit arrives with its neighbours:
+residual convolutions (LayerNorm, LeakyReLU 0.2, as Kokoro's CNN) for the local context, then a
+bidirectional LSTM for the rest of the reply.
+
+The units are always padded to the block's `num_queries` rows (id 0, Kokoro's boundary pad), in training
+and at inference alike, so the backward LSTM reads the same padding run for a given reply either way and
+needs no mask. Our own LSTM (a `lax.scan`) rather than `nnx.RNN`: its parameters carry logical axis names
+for the sharding rules like every other parameter, and both directions run as one scan.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+CONV_LAYERS = 3  # Kokoro's text encoder: 3 convolutions of width 5, then the BiLSTM
+CONV_WIDTH = 5
+
+
+class UnitContext(nnx.Module):
+    """[B, Q, d] unit embeddings -> [B, Q, d] the same rows with their context (d even)."""
+
+    def __init__(self, d_model: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        if d_model % 2:
+            raise ValueError(f"UnitContext needs an even width for its two LSTM directions, got {d_model}")
+        self.dtype = dtype
+        h = d_model // 2
+        n, k, d = CONV_LAYERS, CONV_WIDTH, d_model
+        conv_init = nnx.initializers.normal(1.0 / math.sqrt(k * d))
+        self.conv = nnx.Param(conv_init(rngs.params(), (n, k, d, d), param_dtype),
+                              out_sharding=(None, "conv", "embed", None))
+        self.conv_bias = nnx.Param(jnp.zeros((n, d), param_dtype), out_sharding=(None, "embed"))
+        self.norm_scale = nnx.Param(jnp.ones((n, d), param_dtype), out_sharding=(None, "norm"))
+        self.norm_bias = nnx.Param(jnp.zeros((n, d), param_dtype), out_sharding=(None, "norm"))
+        # the LSTM of each direction (axis 0: forward, backward); gates i, f, g, o along the last axis
+        self.lstm_in = nnx.Param(nnx.initializers.xavier_uniform()(rngs.params(), (2, d, 4 * h), param_dtype),
+                                 out_sharding=(None, "embed", "mlp"))
+        self.lstm_rec = nnx.Param(nnx.initializers.orthogonal()(rngs.params(), (2, h, 4 * h), param_dtype),
+                                  out_sharding=(None, None, "mlp"))
+        forget_one = jnp.zeros((2, 4, h), param_dtype).at[:, 1].set(1.0).reshape(2, 4 * h)
+        self.lstm_bias = nnx.Param(forget_one, out_sharding=(None, "mlp"))
+
+    def _convs(self, x: jax.Array) -> jax.Array:
+        q, k = x.shape[1], CONV_WIDTH
+        for layer in range(CONV_LAYERS):
+            kernel = self.conv[layer].astype(self.dtype)  # [k, d, d]
+            padded = jnp.pad(x, ((0, 0), (k // 2, k // 2), (0, 0)))
+            y = sum(padded[:, j:j + q] @ kernel[j] for j in range(k))
+            y = y + self.conv_bias[layer].astype(self.dtype)
+            y32 = y.astype(jnp.float32)
+            mean = jnp.mean(y32, -1, keepdims=True)
+            var = jnp.mean(jnp.square(y32 - mean), -1, keepdims=True)
+            y32 = (y32 - mean) * jax.lax.rsqrt(var + 1e-5) * self.norm_scale[layer] + self.norm_bias[layer]
+            x = x + jax.nn.leaky_relu(y32, 0.2).astype(self.dtype)
+        return x
+
+    def _bilstm(self, x: jax.Array) -> jax.Array:
+        b, q, d = x.shape
+        h = d // 2
+        both = jnp.stack([x, x[:, ::-1]])  # [2, B, Q, d]: the backward direction reads the rows reversed
+        w_in = self.lstm_in[...].astype(jnp.float32)
+        gates_in = jnp.einsum("nbqd,ndg->qnbg", both.astype(jnp.float32), w_in)
+        gates_in = gates_in + self.lstm_bias[...].astype(jnp.float32)[None, :, None]
+        rec = self.lstm_rec[...].astype(jnp.float32)
+
+        def cell(carry, g_in):
+            hid, c = carry  # [2, B, h]
+            g = g_in + jnp.einsum("nbh,nhg->nbg", hid, rec)
+            i, f, gg, o = jnp.split(g, 4, -1)
+            c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(gg)
+            hid = jax.nn.sigmoid(o) * jnp.tanh(c)
+            return (hid, c), hid
+
+        zeros = jnp.zeros((2, b, h), jnp.float32)
+        _, hs = jax.lax.scan(cell, (zeros, zeros), gates_in)  # [Q, 2, B, h]
+        fwd, bwd = hs[:, 0], hs[::-1, 1]
+        return jnp.concatenate([fwd, bwd], -1).transpose(1, 0, 2).astype(self.dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = self._convs(x.astype(self.dtype))
+        return x + self._bilstm(x)
