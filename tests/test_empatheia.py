@@ -465,6 +465,17 @@ def test_cs_unit_context_reads_the_units_of_the_aligned_content_blocks_only():
     assert EmpatheiaConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="cs_unit_context=True reads content units"):
         EmpatheiaConfig(llm=LLM, **TINY, cs_unit_context=True)
+    # both blocks aligned and read in context: the forward and the inference path (video after speech) agree
+    both = EmpatheiaConfig(llm=LLM, **TINY, cs_units=9, cv_units=9, cs_unit_context=True)
+    assert both.cs_speech.unit_context and both.cs_video.unit_context
+    model = build(cfg=both)
+    rng = np.random.default_rng(2)
+    s_units = rng.integers(0, 9, (B, both.max_speech_len)).astype(np.int32)
+    v_units = rng.integers(0, 9, (B, both.max_video_len)).astype(np.int32)
+    out = forward(model, {**make_batch(), "speech_units": s_units, "video_units": v_units}, heads={"cs"})
+    assert np.isfinite(np.asarray(out["speech_content"])).all()
+    alone = model.content_sync.video_block(out["r_t"], out["r_t_mask"], jnp.asarray(v_units))
+    np.testing.assert_allclose(np.asarray(alone.out), np.asarray(out["video_content"]), rtol=1e-5, atol=1e-5)
     plain = EmpatheiaConfig(llm=LLM, **TINY, cs_units=9)
     with pytest.raises(ValueError, match="cs_speech.unit_context=False but cs_unit_context=True"):
         EmpatheiaConfig(llm=LLM, **TINY, cs_units=9, cs_unit_context=True, cs_speech=plain.cs_speech)
