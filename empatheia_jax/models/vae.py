@@ -441,23 +441,21 @@ class TransformerVAE(nnx.Module):
         return self.queries[...][None] + rows
 
     def encode(
-        self, h: jax.Array, h_mask: jax.Array, *, units: jax.Array | None = None,
-        dropout_key: jax.Array | None = None
+        self, h: jax.Array, h_mask: jax.Array, queries: jax.Array, *, dropout_key: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array]:
-        """Eq 1: (mu, logvar), each float32 [B, Q, d_latent]."""
+        """Eq 1: (mu, logvar), each float32 [B, Q, d_latent]; `queries` from `_queries`."""
         cfg = self.config
         mask = h_mask.astype(bool)
-        x = self.encoder(self._queries(units), self._memory(self.in_ffn, h, mask), mask, dropout_key)
+        x = self.encoder(queries, self._memory(self.in_ffn, h, mask), mask, dropout_key)
         x = x.astype(jnp.float32)
         mu = self.mu_head(x)
         logvar = cfg.logvar_limit * jnp.tanh(self.logvar_head(x) / cfg.logvar_limit)
         return mu, logvar
 
-    def decode(self, z: jax.Array, *, units: jax.Array | None = None,
-               dropout_key: jax.Array | None = None) -> jax.Array:
-        """Eq 2: output rows, float32 [B, Q, d_out], from z [B, Q, d_latent]."""
+    def decode(self, z: jax.Array, queries: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+        """Eq 2: output rows, float32 [B, Q, d_out], from z [B, Q, d_latent]; the encoder's `queries`."""
         mask = jnp.ones(z.shape[:2], bool)
-        x = self.decoder(self._queries(units), self._memory(self.z_ffn, z, mask), mask, dropout_key)
+        x = self.decoder(queries, self._memory(self.z_ffn, z, mask), mask, dropout_key)
         return self.out_proj(x).astype(jnp.float32)
 
     def __call__(
@@ -489,11 +487,13 @@ class TransformerVAE(nnx.Module):
         enc_key = dec_key = None
         if drop_key is not None:
             enc_key, dec_key = split_keys(drop_key)
-        mu, logvar = self.encode(h, h_mask, units=units, dropout_key=enc_key)
+        # once for both stacks: a unit-aligned block's queries may hold a BiLSTM scan (`unit_context`)
+        queries = self._queries(units)
+        mu, logvar = self.encode(h, h_mask, queries, dropout_key=enc_key)
         if sample:
             eps = normal_draw(eps_key, mu.shape, jnp.float32)
             z = mu + jnp.exp(0.5 * logvar) * eps
         else:
             z = mu
-        out = self.decode(z, units=units, dropout_key=dec_key)
+        out = self.decode(z, queries, dropout_key=dec_key)
         return VAEOutput(out=out, mu=mu, logvar=logvar, z=z)
