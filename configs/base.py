@@ -16,7 +16,7 @@ ABLATIONS = ("no_coe", "no_media", "no_cs", "no_sd")
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.stage = "coe"  # coe | ccl | sac | overall | pipeline
+    c.stage = "coe"  # coe | ccl | sac | overall | pipeline; ccl_units: the CS from its units alone (no LLM)
     c.ablations = ml_collections.ConfigDict({name: False for name in ABLATIONS})
     # A previous stage's workdir (its latest checkpoint) or one step folder of it; "" = the backbone.
     c.init_from = ""
@@ -143,7 +143,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.schedule = ml_collections.ConfigDict(
         {
             name: {"steps": 1000, "lr": 0.0, "warmup_steps": -1, "sd_warmup_steps": 0, "sd_warmup_lr": 0.0}
-            for name in ("coe", "ccl", "sac", "overall", "pipeline")
+            for name in ("coe", "ccl", "ccl_units", "sac", "overall", "pipeline")
         }
     )
 

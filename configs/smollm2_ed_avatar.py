@@ -1,4 +1,4 @@
-"""The reference model's voice and face: stage ccl (the Content Synchronizer) on every ED reply.
+"""The reference model's voice and face: the Content Synchronizer on every ED reply (ccl_units, then ccl).
 
 The sample's 64 training dialogues gave the CS 10-40 steps and it learnt the mean row (docs/design.md
 "Aligned Content Synchronizer"). ED's 4.8k training replies carry content targets without any media:
@@ -7,16 +7,20 @@ generator's mouth track laid on Kokoro's predicted durations (`converters.face_t
 --responses-only`); launch/ed_reference.sh exports them and prepares the text-only shards with them.
 
 The CS's speech rows are aligned to the reply's Kokoro phoneme tokens (`cs_units`, 178 ids) and its video
-frames to the unit each frame shows (`cv_units`): the model of `configs/smollm2_ed.py` (which sets the same),
-so `init_from` its coe run chains into this stage, as does the committed reference export (COE_FROM in
-launch/ed_reference.sh: the CS starts fresh, everything else is the export's). Only the CS trains (the LLM
-is frozen), so a step is one forward of the backbone and a small backward.
+frames to the unit each frame shows (`cv_units`), as in `configs/smollm2_ed.py`; here each block also reads
+its units in context (`cs_unit_context`: convolutions + a BiLSTM, Kokoro's text-encoder shape), the first
+learnt predictor heard better than a table of unit means (docs/benchmarks.md "units read in context"). That
+CS design differs from the coe run's, so `init_from` a coe run (or the committed reference export, COE_FROM
+in launch/ed_reference.sh) starts the CS fresh and keeps everything else.
 
-Schedule: batch 8, lr 1e-3 with cosine decay over 3,000 steps (~5 epochs of the 4.8k train replies), dev
-loss every 250 steps, the best-dev-loss checkpoint kept. Why 3,000 and not the 1,500 first chosen: the
-real block trained from the units alone is heard at WER 0.45 after 600 steps and 0.258 after 1,200
-(docs/benchmarks.md "The avatar's words"), so the fit, not the design, bounds what is heard; the unit-aligned
-video block likewise is still below the mean predictor after 300 steps.
+Two stages, because what is heard is learnt from the units and a ccl step is mostly the frozen LLM's
+forward (4-5 s at batch 8 on 2 cores):
+- ccl_units: the CS from its units alone, no LLM (`Empatheia.content_from_units`). 6,000 steps at batch 8,
+  48k examples (~10 epochs of the train replies): the budget at which the standalone reader of the same
+  shape was heard at WER 0.162, where the CS block at 19.2k examples was at 0.190.
+- ccl: the same CS with r^t, `init_from` ccl_units. The encoders' cross-attention to r^t starts silent, so
+  step 0 is ccl_units' function; 500 steps at a quarter of the lr refine it.
+Both: lr with cosine decay, dev loss every 250 steps, the best-dev-loss checkpoint kept.
 """
 
 from __future__ import annotations
@@ -28,9 +32,13 @@ def get_config(arg: str | None = None):
     c = smollm2_ed.get_config(arg)
     c.stage = "ccl"
     c.data.shards = "work/ed_avatar_shards"
+    c.model.empatheia.cs_unit_context = True
     c.optim.lr = 1e-3
     c.optim.warmup_steps = 50
-    c.schedule.ccl.steps = 3000
+    c.schedule.ccl_units.steps = 6000
+    c.schedule.ccl_units.warmup_steps = 100
+    c.schedule.ccl.steps = 500
+    c.schedule.ccl.lr = 2.5e-4
     c.train.eval_every = 250
     c.checkpoint.every = 250
     return c

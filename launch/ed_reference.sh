@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The reference model: stage coe on EmpatheticDialogues, stage ccl (the avatar's voice and face) on every ED
-# reply's content targets, then the SD's stage sac on the sample.
+# The reference model: stage coe on EmpatheticDialogues, stages ccl_units and ccl (the avatar's voice and
+# face) on every ED reply's content targets, then the SD's stage sac on the sample.
 #
 #   bash launch/ed_reference.sh RUNDIR [--config.FIELD=VALUE ...]
 #
 #   RUNDIR   the run folder, best outside the work tree (e.g. ~/runs/ed_reference): RUNDIR/ed holds the
 #            imported csv (train + a conversation-level dev hold-out), its reply targets (Kokoro speech
 #            features, the face generator's mouth on Kokoro's timeline: no media needed) and its text-only
-#            shards, RUNDIR/coe the ED stage, RUNDIR/ccl the CS on ED, RUNDIR/{sac,...} the sample stages,
+#            shards, RUNDIR/coe the ED stage, RUNDIR/ed_STAGE the CS on ED, RUNDIR/{sac,...} the sample stages,
 #            RUNDIR/report the dev evaluation of the coe stage, RUNDIR/report_final that of the final
 #            model, RUNDIR/export the final model (PEFT adapter + heads) with its model card
 #   extra    --config.* overrides for the coe stage (e.g. --config.schedule.coe.steps=1000)
@@ -16,7 +16,8 @@
 # work/shards). Every step skips what is done and the training resumes from its last checkpoint, so
 # re-running the command continues an interrupted run (a run longer than a session, on CPU). Environment:
 # ED_CSV (default data/ed/empathetic_dialogues_validation.csv), HOLDOUT (dev:0.15), WORK (work), PY,
-# ED_STAGES (default "ccl": the avatar stages on ED after coe; 0 = none), SAMPLE_STAGES (default "sac": the
+# ED_STAGES (default "ccl_units ccl": the avatar stages on ED after coe, the CS from its units alone then
+# with r^t; 0 = none), SAMPLE_STAGES (default "sac": the
 # stages on the sample, in order; 0 = none; "sac overall" adds the joint stage, whose LoRA steps at the
 # demo's lr 1e-3 on 64 sample dialogues undo the ED training: 41 % of dev replies repeat a 4-gram,
 # docs/benchmarks.md), COE_EVAL=0 to skip the coe stage's dev evaluation (a diagnostic: the card reports
@@ -30,7 +31,7 @@
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-    sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 RUN=$1
@@ -118,7 +119,7 @@ else
     prev=$RUN/coe
     WORKDIRS=(--workdir "$RUN/coe")
 fi
-ED_STAGES=${ED_STAGES:-ccl}
+ED_STAGES=${ED_STAGES:-ccl_units ccl}
 for stage in ${ED_STAGES/#0/}; do
     echo "[ed_reference] stage $stage on the ED replies' targets -> $RUN/ed_$stage"
     "$PY" -m empatheia_jax.cli train --config configs/smollm2_ed_avatar.py --config.stage="$stage" \
@@ -131,11 +132,12 @@ done
 STAGES=${SAMPLE_STAGES:-sac}
 for stage in ${STAGES/#0/}; do
     echo "[ed_reference] stage $stage on the sample -> $RUN/$stage"
-    # the model of the ED stages: the CS's rows aligned to Kokoro's phonemes (configs/smollm2_ed.py)
+    # the model of the ED stages: the CS's rows aligned to Kokoro's phonemes and read in context
+    # (configs/smollm2_ed_avatar.py)
     "$PY" -m empatheia_jax.cli train --config configs/smollm2_demo.py --config.stage="$stage" \
         --config.init_from="$prev" --workdir "$RUN/$stage" --config.model.backbone="$WORK/smollm2" \
         --config.data.shards="$WORK/shards" --config.model.empatheia.cs_units=178 \
-        --config.model.empatheia.cv_units=178
+        --config.model.empatheia.cv_units=178 --config.model.empatheia.cs_unit_context=True
     finished "$RUN/$stage" "$stage"
     prev=$RUN/$stage
     WORKDIRS+=(--workdir "$RUN/$stage")

@@ -481,6 +481,51 @@ def test_cs_unit_context_reads_the_units_of_the_aligned_content_blocks_only():
         EmpatheiaConfig(llm=LLM, **TINY, cs_units=9, cs_unit_context=True, cs_speech=plain.cs_speech)
 
 
+def test_content_from_units_is_the_cs_with_r_t_masked_out_and_hands_over_unchanged():
+    """Stage ccl_units trains the CS from its units alone (no LLM forward). Its outputs are the CS's with
+    r^t masked out, loss and all; and because a block read in context starts with a silent cross-attention,
+    the freshly built CS gives the same rows with r^t as without, so what ccl_units learns is what ccl
+    starts from. Once the cross-attention has learnt something, r^t moves the rows."""
+    cfg = EmpatheiaConfig(llm=LLM, **TINY, cs_units=9, cv_units=9, cs_unit_context=True)
+    model = build(cfg=cfg)
+    rng = np.random.default_rng(3)
+    batch = {**make_batch(), "speech_units": rng.integers(0, 9, (B, 6)).astype(np.int32),
+             "video_units": rng.integers(0, 9, (B, 6)).astype(np.int32)}
+    jb = {k: jnp.asarray(v) for k, v in batch.items()}
+    key = jax.random.key(7)
+    units = stages.get_stage("ccl_units")
+
+    def loss(m, b, stage):
+        out = objective.forward(m, b, stage, train=True, rng=key)
+        return objective.stage_loss(m, b, out, stage)[0]
+
+    alone = model.content_from_units(jb, train=True, rng=key)
+    with_r_t = forward(model, batch, heads={"cs"}, train=True, rng=key)
+    for name in ("speech_content", "video_content"):
+        np.testing.assert_allclose(np.asarray(alone[name]), np.asarray(with_r_t[name]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(loss(model, jb, units)), float(loss(model, jb, stages.get_stage("ccl"))),
+                               rtol=1e-5)
+    # a cross-attention that has learnt: r^t now matters, and content_from_units is the CS without it
+    for layer in model.content_sync.speech.encoder.layers:
+        kernel = layer.cross_attn.out.kernel
+        kernel[...] = 0.5 * jax.random.normal(jax.random.key(1), kernel.shape)
+    moved = forward(model, batch, heads={"cs"}, train=True, rng=key)["speech_content"]
+    assert np.abs(np.asarray(moved) - np.asarray(alone["speech_content"])).max() > 1e-3
+    no_r_t = {**batch, "response_mask": np.zeros_like(batch["response_mask"])}
+    masked = forward(model, no_r_t, heads={"cs"}, train=True, rng=key)
+    again = model.content_from_units(jb, train=True, rng=key)
+    np.testing.assert_allclose(np.asarray(again["speech_content"]), np.asarray(masked["speech_content"]),
+                               rtol=1e-5, atol=1e-5)
+    jm = {k: jnp.asarray(v) for k, v in no_r_t.items()}
+    np.testing.assert_allclose(float(loss(model, jb, units)), float(loss(model, jm, stages.get_stage("ccl"))),
+                               rtol=1e-5)
+    # only a CS whose blocks both read units can do without r^t; the stage trains nothing else
+    with pytest.raises(ValueError, match="cs_units=9, cv_units=0"):
+        build(cfg=EmpatheiaConfig(llm=LLM, **TINY, cs_units=9)).content_from_units(jb)
+    with pytest.raises(ValueError, match=r"can train only the CS on L_ccl and KL, not \['lora'"):
+        stages.Stage("x", frozenset({"cs", "lora"}), units.loss_terms, "ccl", "ccl", reads_llm=False)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Losses
 # ----------------------------------------------------------------------------------------------------------

@@ -61,7 +61,13 @@ def test_stage_table_matches_the_paper():
     sac_terms = {*losses.SAL_TERMS, *losses.CLS_TERMS, losses.SIGNAL_CE, losses.KL}
     assert set(STAGES["sac"].loss_terms) == sac_terms
     assert losses.SIGNAL_CE not in STAGES["overall"].loss_terms  # signal tokens are part of L_emp there
-    assert [s.heads for s in STAGES.values()] == [set(), {"cs"}, {"sd"}, {"cs", "sd"}]
+    assert [STAGES[n].heads for n in STAGE_ORDER] == [set(), {"cs"}, {"sd"}, {"cs", "sd"}]
+    # not a paper stage: ccl from the units alone, no LLM
+    units = STAGES["ccl_units"]
+    assert (units.trainable_groups, units.loss_terms, units.template_stage) == (
+        STAGES["ccl"].trainable_groups, STAGES["ccl"].loss_terms, "ccl")
+    assert not units.reads_llm and all(STAGES[n].reads_llm for n in STAGE_ORDER)
+    assert "ccl_units" not in STAGE_ORDER
     spec = STAGES["sac"].template_spec(n_signal=16)
     assert spec.stage == "sac" and spec.has_media and spec.has_signal and not spec.has_text
     assert PIPELINE_BASELINE.template_spec().pipeline_baseline

@@ -613,6 +613,39 @@ def test_stages_chain_with_init_from(tok, shards, tmp_path, cli_env):
     assert p.returncode != 0 and refused in p.stderr, p.stderr[-2000:]
 
 
+def test_ccl_units_trains_the_cs_without_the_llm_and_ccl_refines_it(tok, tmp_path, cli_env):
+    """Stage ccl_units (the CS from its units alone) runs through the trainer: only the CS moves, its
+    encoders' cross-attention to r^t stays silent (it read nothing), and ccl chains from it, where r^t
+    reaches the CS. A CS that is not unit-aligned throughout is refused with the keys named."""
+    from empatheia_jax.train.checkpoint import read_meta
+
+    # the embedded generators' targets: Kokoro's rows, and the face's mouth with each reply frame's unit
+    shards = make_tiny_shards(tmp_path / "data", counts=(("train", 4), ("valid", 2), ("test", 1)),
+                              real_targets=True, mouth="replies")
+    aligned = ["--config.model.empatheia.cs_units=178", "--config.model.empatheia.cv_units=178",
+               "--config.model.empatheia.cs_unit_context=True"]
+    units, ccl = tmp_path / "units", tmp_path / "ccl"
+    run_cli(cli_args(tok, shards, units, "--config.stage=ccl_units", "--config.schedule.ccl_units.steps=2",
+                     *aligned), cli_env)
+    run_cli(cli_args(tok, shards, ccl, "--config.stage=ccl", "--config.schedule.ccl.steps=2",
+                     f"--config.init_from={units}", *aligned), cli_env)
+    _, meta = read_meta(units / "checkpoints")
+    assert meta["stage"]["name"] == "ccl_units" and meta["stage"]["reads_llm"] is False
+    a, b = final_state(units, 2), final_state(ccl, 2)
+    cs = [k for k in a if k[0] == "params" and "content_sync" in k]
+    silent = [k for k in cs if "encoder" in k and "cross_attn" in k and "out" in k and "kernel" in k]
+    assert cs and silent
+    for k in silent:
+        assert not a[k].any(), k  # no r^t in ccl_units: nothing reached them
+    assert any(b[k].any() for k in silent)  # ccl: r^t does
+    assert any(not np.array_equal(a[k], b[k]) for k in cs)
+    p = subprocess.run(cli_args(tok, shards, tmp_path / "bad", "--config.stage=ccl_units",
+                                "--config.model.empatheia.cs_units=178"),
+                       env=cli_env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 2 and "both of its blocks must be unit-aligned" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+
+
 def test_coe_on_text_only_shards_builds_the_media_model_and_chains_into_ccl(tok, shards, tmp_path, cli_env):
     """Stage coe on text-only shards (the reference model's EmpatheticDialogues stage): the model takes its
     feature and target dims from data.features_like, so ccl on the media shards init_from's it; without

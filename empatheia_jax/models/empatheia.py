@@ -671,25 +671,11 @@ class Empatheia(nnx.Module):
         keys = (None, None) if rng is None else tuple(split_keys(rng))
         sample = bool(train)
         if "cs" in heads:
-            units = batch.get("speech_units") if cfg.cs_units else None
-            if cfg.cs_units and units is None:
-                raise ValueError("this model's Content Synchronizer is unit-aligned (cs_units="
-                                 f"{cfg.cs_units}): the batch needs speech_units [B, {cfg.max_speech_len}]")
-            if not video:
-                if train:
-                    raise ValueError("video=False is for inference (train=False): training reads C^v")
-                cs = {"cs_speech": self.content_sync.speech_block(out["r_t"], out["r_t_mask"], units)}
-            else:
-                frame_units = batch.get("video_units") if cfg.cv_units else None
-                if cfg.cv_units and frame_units is None:
-                    raise ValueError("this model's video block is unit-aligned (cv_units="
-                                     f"{cfg.cv_units}): the batch needs video_units [B, {cfg.max_video_len}] "
-                                     "(at inference: video=False, speak the reply, then video_content)")
-                cs = self.content_sync(out["r_t"], out["r_t_mask"], sample=sample, rng=keys[0],
-                                       speech_units=units, video_units=frame_units)
-                out["video_content"] = cs["cs_video"].out
+            cs = self._content(batch, out["r_t"], out["r_t_mask"], sample=sample, rng=keys[0], video=video)
             vae.update(cs)
             out["speech_content"] = cs["cs_speech"].out
+            if "cs_video" in cs:
+                out["video_content"] = cs["cs_video"].out
         if "sd" in heads:
             sd = self.style_dis(out["r_s"], out["r_s_mask"], out["r_v"], out["r_v_mask"], sample=sample,
                                 rng=keys[1])
@@ -701,6 +687,51 @@ class Empatheia(nnx.Module):
             out["video_profile"] = vae["sd_video_profile"].out
         out["vae"] = vae
         return out
+
+    def _content(
+        self, batch: Mapping[str, jax.Array], r_t: jax.Array, r_t_mask: jax.Array, *, sample: bool,
+        rng: jax.Array | None, video: bool = True,
+    ) -> dict[str, VAEOutput]:
+        """The CS's blocks over r^t, each told its units when it is unit-aligned: {"cs_speech", "cs_video"}
+        ("cs_video" only with `video`)."""
+        cfg = self.config
+        units = batch.get("speech_units") if cfg.cs_units else None
+        if cfg.cs_units and units is None:
+            raise ValueError("this model's Content Synchronizer is unit-aligned (cs_units="
+                             f"{cfg.cs_units}): the batch needs speech_units [B, {cfg.max_speech_len}]")
+        if not video:
+            if sample:
+                raise ValueError("video=False is for inference (train=False): training reads C^v")
+            return {"cs_speech": self.content_sync.speech_block(r_t, r_t_mask, units)}
+        frame_units = batch.get("video_units") if cfg.cv_units else None
+        if cfg.cv_units and frame_units is None:
+            raise ValueError("this model's video block is unit-aligned (cv_units="
+                             f"{cfg.cv_units}): the batch needs video_units [B, {cfg.max_video_len}] "
+                             "(at inference: video=False, speak the reply, then video_content)")
+        return self.content_sync(r_t, r_t_mask, sample=sample, rng=rng, speech_units=units,
+                                 video_units=frame_units)
+
+    def content_from_units(
+        self, batch: Mapping[str, jax.Array], *, train: bool = False, rng: jax.Array | None = None
+    ) -> dict[str, Any]:
+        """The CS's outputs from the units alone: the backbone does not run and r^t is empty, so each
+        block's cross-attention reads nothing and its rows come from its units (stage ccl_units).
+
+        A fraction of a ccl step's cost (no LLM forward), for pre-training a CS whose blocks are all
+        unit-aligned; its outputs are those of `__call__(heads={"cs"})` for a batch whose r^t is masked out
+        (the same keys: `rng` as there). Returns speech_content, video_content and `vae`."""
+        cfg = self.config
+        if not (cfg.has_cs and cfg.cs_units and cfg.cv_units):
+            raise ValueError("content from units alone needs a CS whose speech and video blocks are both "
+                             f"unit-aligned (cs_units={cfg.cs_units}, cv_units={cfg.cv_units}): a "
+                             "position-only block has nothing to read without r^t")
+        if train and rng is None:
+            raise ValueError("train=True samples the VAE latents and needs an rng")
+        b = batch["input_ids"].shape[0]
+        r_t = jnp.zeros((b, 1, cfg.llm.hidden_size), cfg.llm.compute_dtype)
+        keys = (None, None) if rng is None else tuple(split_keys(as_key(rng)))
+        cs = self._content(batch, r_t, jnp.zeros((b, 1), bool), sample=bool(train), rng=keys[0])
+        return {"speech_content": cs["cs_speech"].out, "video_content": cs["cs_video"].out, "vae": cs}
 
     def video_content(self, batch: Mapping[str, jax.Array], video_units: jax.Array) -> jax.Array:
         """C^v [B, max_video_len, d] (z = mu) of a batch whose frame units are known only after its speech

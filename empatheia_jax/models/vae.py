@@ -51,7 +51,8 @@ class VAEConfig:
     patterns learnt separately at every index, a convolution reads it at any index with one kernel.
     unit_context: read the unit rows U[unit_i] in context before they join the queries
     (`models.unit_context.UnitContext`: Kokoro's text-encoder shape, convolutions and a BiLSTM over the
-    units); needs num_units > 0.
+    units); needs num_units > 0. Such a block's encoder cross-attention to h starts silent (zero output
+    projection): the units alone define its first function, and h refines it.
     dtype: compute dtype (bf16 on accelerators); param_dtype: parameter dtype (fp32 master weights).
     The mu/logvar heads always compute in float32 and every output is float32.
     """
@@ -256,8 +257,10 @@ def _layer_norm(cfg: VAEConfig, dim: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
     )
 
 
-def _attention(cfg: VAEConfig, rngs: nnx.Rngs) -> nnx.MultiHeadAttention:
+def _attention(cfg: VAEConfig, rngs: nnx.Rngs, *, silent: bool = False) -> nnx.MultiHeadAttention:
+    """silent: the output projection starts at zero, so the layer adds nothing until it has learnt to."""
     # LinearGeneral calls the initializer on the flattened 2-D kernel, so xavier sees the true fan in/out.
+    out_init = nnx.initializers.zeros_init() if silent else _XAVIER
     return nnx.MultiHeadAttention(
         num_heads=cfg.num_heads,
         in_features=cfg.d_model,
@@ -266,7 +269,7 @@ def _attention(cfg: VAEConfig, rngs: nnx.Rngs) -> nnx.MultiHeadAttention:
         dtype=cfg.compute_dtype,
         param_dtype=_DTYPES[cfg.param_dtype],
         kernel_init=_init(("embed", "heads", "head_dim")),
-        out_kernel_init=_init(("heads", "head_dim", "embed")),
+        out_kernel_init=_init(("heads", "head_dim", "embed"), out_init),
         bias_init=_zeros(("heads", "head_dim")),
         out_bias_init=_zeros(("embed",)),
         dropout_rate=0.0,  # dropout is applied on the residual branches, with an explicit key
@@ -315,9 +318,9 @@ class RowConv(nnx.Module):
 
 class QueryLayer(nnx.Module):
     """Pre-norm transformer layer over the query stream: self-attention, (a row convolution), cross-attention
-    to a memory, MLP."""
+    to a memory, MLP. `silent_cross`: the cross-attention starts as a no-op (`_attention(silent=True)`)."""
 
-    def __init__(self, cfg: VAEConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: VAEConfig, *, silent_cross: bool = False, rngs: nnx.Rngs):
         self.dropout = cfg.dropout
         self.self_norm = _layer_norm(cfg, cfg.d_model, rngs)
         self.self_attn = _attention(cfg, rngs)
@@ -325,7 +328,7 @@ class QueryLayer(nnx.Module):
             self.conv_norm = _layer_norm(cfg, cfg.d_model, rngs)
             self.conv = RowConv(cfg, rngs=rngs)
         self.cross_norm = _layer_norm(cfg, cfg.d_model, rngs)
-        self.cross_attn = _attention(cfg, rngs)
+        self.cross_attn = _attention(cfg, rngs, silent=silent_cross)
         self.mlp_norm = _layer_norm(cfg, cfg.d_model, rngs)
         self.mlp = FFN(cfg, cfg.d_model, cfg.d_model, "embed", rngs=rngs)
 
@@ -355,8 +358,8 @@ class QueryLayer(nnx.Module):
 class QueryStack(nnx.Module):
     """The learnable queries run through `n` QueryLayers over a memory; ends in a LayerNorm."""
 
-    def __init__(self, cfg: VAEConfig, n: int, *, rngs: nnx.Rngs):
-        self.layers = nnx.List([QueryLayer(cfg, rngs=rngs) for _ in range(n)])
+    def __init__(self, cfg: VAEConfig, n: int, *, silent_cross: bool = False, rngs: nnx.Rngs):
+        self.layers = nnx.List([QueryLayer(cfg, silent_cross=silent_cross, rngs=rngs) for _ in range(n)])
         self.memory_norm = _layer_norm(cfg, cfg.d_model, rngs)
         self.final_norm = _layer_norm(cfg, cfg.d_model, rngs)
 
@@ -405,7 +408,11 @@ class TransformerVAE(nnx.Module):
         if cfg.unit_context:
             self.unit_context = UnitContext(cfg.d_model, dtype=cfg.compute_dtype, param_dtype=pdt, rngs=rngs)
         self.in_ffn = FFN(cfg, cfg.d_in, cfg.d_model, "embed", rngs=rngs)
-        self.encoder = QueryStack(cfg, cfg.enc_layers, rngs=rngs)
+        # A block that reads its units in context is a whole function of the units (Kokoro's text encoder
+        # is): its cross-attention to h starts silent, so a block pre-trained without h (stage ccl_units)
+        # computes the same rows when h arrives, and h can only refine them (docs/design.md "Units read in
+        # context").
+        self.encoder = QueryStack(cfg, cfg.enc_layers, silent_cross=cfg.unit_context, rngs=rngs)
         # float32 heads: mu/logvar feed exp() and the KL, where bf16 rounding would show.
         self.mu_head = _linear(cfg, cfg.d_model, cfg.d_latent, ("embed", "features"), rngs, jnp.float32)
         self.logvar_head = _linear(cfg, cfg.d_model, cfg.d_latent, ("embed", "features"), rngs, jnp.float32)

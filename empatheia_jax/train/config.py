@@ -17,7 +17,7 @@ from typing import Any
 import ml_collections
 
 from empatheia_jax.models.llama import _DTYPES, ATTENTION_IMPLEMENTATIONS
-from empatheia_jax.train.stages import Stage, StageSkipped, apply_ablations, get_stage
+from empatheia_jax.train.stages import STAGES, Stage, StageSkipped, apply_ablations, get_stage
 
 NAN_POLICIES = ("skip", "stop")
 REMAT_POLICIES = ("none", "full", "dots")
@@ -260,6 +260,11 @@ def _validate_model(config: ml_collections.ConfigDict, bad: _Bad) -> None:
                                or config.model.empatheia.get("cv_units", 0)):
         bad("model.empatheia.cs_unit_context", unit_context,
             "reads content units: set model.empatheia.cs_units and/or cv_units")
+    if config.stage in STAGES and not STAGES[config.stage].reads_llm:
+        units = {k: config.model.empatheia.get(k, 0) for k in ("cs_units", "cv_units")}
+        if not all(units.values()):
+            bad("stage", config.stage, "trains the CS from its units alone, so both of its blocks must be "
+                f"unit-aligned: set model.empatheia.cs_units and cv_units (got {units})")
     ce_chunk = config.model.empatheia.get("ce_chunk", 0)
     if not isinstance(ce_chunk, int) or ce_chunk < 0:
         bad("model.empatheia.ce_chunk", ce_chunk, "must be an int >= 0 (positions a chunk; 0 = all at once)")

@@ -60,12 +60,14 @@ def loss_terms(
     target_ids = batch["target_ids"]
     loss_mask = batch["loss_mask"].astype(bool)
     terms: dict[str, jax.Array] = {}
-    nll = token_nll(model, outputs, target_ids, loss_mask)
-    emp, n_tok = losses.masked_token_mean(nll, loss_mask, count=count("emp_tokens"))
-    is_signal = _is_signal_target(cfg, target_ids)
-    sig, n_sig = losses.masked_token_mean(nll, loss_mask & is_signal, count=count("signal_tokens"))
-    terms[losses.EMP], terms[losses.SIGNAL_CE] = emp, sig
-    extra = {"emp_tokens": n_tok, "signal_tokens": n_sig}
+    extra: dict[str, jax.Array] = {}
+    if "hidden" in outputs:  # the LLM ran (not `content_from_units`)
+        nll = token_nll(model, outputs, target_ids, loss_mask)
+        emp, n_tok = losses.masked_token_mean(nll, loss_mask, count=count("emp_tokens"))
+        is_signal = _is_signal_target(cfg, target_ids)
+        sig, n_sig = losses.masked_token_mean(nll, loss_mask & is_signal, count=count("signal_tokens"))
+        terms[losses.EMP], terms[losses.SIGNAL_CE] = emp, sig
+        extra = {"emp_tokens": n_tok, "signal_tokens": n_sig}
     if "speech_content" in outputs:
         for term, key in ((losses.CCL_SPEECH, "speech_content"), (losses.CCL_VIDEO, "video_content")):
             pred, target = outputs[key], batch[key]
@@ -292,21 +294,29 @@ def sd_head_loss(
     return total, {**metrics, **extra}
 
 
+def forward(model: Empatheia, batch: Mapping[str, jax.Array], stage: Stage, *, train: bool,
+            rng: jax.Array | None = None) -> dict[str, Any]:
+    """The outputs `stage`'s losses read: the model with only the stage's heads, or, for a stage that does
+    not read the LLM (ccl_units), the CS from its units alone."""
+    if not stage.reads_llm:
+        return model.content_from_units(batch, train=train, rng=rng)
+    return model(batch, train=train, rng=rng, heads=stage.heads)
+
+
 def make_loss_fn(stage: Stage, weights: losses.LossWeights | None = None) -> Callable[..., Any]:
     """`loss_fn(params, model_graphdef, frozen, batch, rng, *, counts=None) -> (total, metrics)`,
     differentiable in params.
 
-    The forward pass runs with train=True (sampled VAE latents from `rng`) and only the heads the stage's
-    losses read. Exposed so a trainer can accumulate gradients over micro-batches before `apply_update`:
-    with `rng` one key per example ([m], e.g. `fold_in(step_key, global example index)`) and `counts` =
-    `loss_counts` of the WHOLE batch, the sums over the micro-batches of total, metrics and
+    The forward pass (`forward`) runs with train=True (sampled VAE latents from `rng`) and only the heads
+    the stage's losses read. Exposed so a trainer can accumulate gradients over micro-batches before
+    `apply_update`: with `rng` one key per example ([m], e.g. `fold_in(step_key, global example index)`) and
+    `counts` = `loss_counts` of the WHOLE batch, the sums over the micro-batches of total, metrics and
     gradients equal one call on the whole batch (see `stage_loss`).
     """
-    heads = stage.heads
 
     def loss_fn(params, graphdef, frozen, batch, rng, *, counts=None):
         model = nnx.merge(graphdef, params, frozen)
-        outputs = model(batch, train=True, rng=rng, heads=heads)
+        outputs = forward(model, batch, stage, train=True, rng=rng)
         return stage_loss(model, batch, outputs, stage, weights, counts=counts)
 
     return loss_fn

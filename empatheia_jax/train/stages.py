@@ -6,12 +6,17 @@ A `Stage` says which parameter groups train (`models.trainable` names), which lo
     stage    trainable                               loss                          template
     coe      lora                                    L_emp                         text context -> CoE
     ccl      cs                                      L_ccl (+ KL)                  as coe, gold reply forced
+    ccl_units cs                                     L_ccl (+ KL)                  units only (no LLM)
     sac      sd, proj, added_rows                    L_sal + L_cls + signal CE     <Aud> <Vid> lines only
     overall  lora, cs, sd, proj, added_rows          L_oal                         text + <Aud><Vid>
     pipeline lora                                    L_emp                         the Pipeline baseline
 
 The ablations of the paper are functions of a stage (`apply_ablations`), so a run's stage is always
 data that can be printed, compared and stored with a checkpoint.
+
+`ccl_units` is not one of the paper's stages: it pre-trains a CS whose blocks are all unit-aligned from the
+units alone (`reads_llm=False`: the backbone never runs, so a step costs the CS's share of a ccl step), and
+the ccl stage then refines it with r^t (docs/design.md "Units read in context").
 
 The train step is one pure function of (trainable state, optimizer state, frozen state, batch, rng) for
 `jax.jit` over `nnx.split` state: no NNX transforms, the graph definitions static. Gradients are taken with
@@ -51,6 +56,8 @@ class Stage:
     groups the optimizer updates. loss_terms: `losses` term names that count; terms of the `loss_stage`
     formula that are not listed enter as 0 (ablations). template_stage, use_coe, media_input,
     pipeline_baseline: the `templates.TemplateSpec` / `input_pipeline.PipelineConfig` fields.
+    reads_llm: the forward runs the backbone; False: only the CS runs, from its units with r^t empty
+    (`Empatheia.content_from_units`), so the stage may train only the CS on L_ccl and KL.
     """
 
     name: str
@@ -61,6 +68,7 @@ class Stage:
     use_coe: bool = True
     media_input: bool = True
     pipeline_baseline: bool = False
+    reads_llm: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "trainable_groups", frozenset(self.trainable_groups))
@@ -73,6 +81,12 @@ class Stage:
         extra = [t for t in self.loss_terms if t not in losses.STAGE_TERMS[self.loss_stage]]
         if extra:
             raise ValueError(f"terms {extra} are not part of the {self.loss_stage!r} formula")
+        if not self.reads_llm:
+            beyond = sorted(self.trainable_groups - {"cs"}) + [
+                t for t in self.loss_terms if t not in (*losses.CCL_TERMS, losses.KL)]
+            if beyond:
+                raise ValueError(f"stage {self.name!r} does not run the LLM (reads_llm=False), so it can "
+                                 f"train only the CS on L_ccl and KL, not {beyond}")
         trainable_filter(self.trainable_groups)  # validates the group names
         self.template_spec()  # validates the template fields
 
@@ -107,6 +121,8 @@ _SAC = (*losses.SAL_TERMS, *losses.CLS_TERMS, losses.SIGNAL_CE, losses.KL)
 STAGES: dict[str, Stage] = {
     "coe": Stage("coe", frozenset({"lora"}), (losses.EMP,), "coe", "coe"),
     "ccl": Stage("ccl", frozenset({"cs"}), (*losses.CCL_TERMS, losses.KL), "ccl", "ccl"),
+    "ccl_units": Stage("ccl_units", frozenset({"cs"}), (*losses.CCL_TERMS, losses.KL), "ccl", "ccl",
+                       reads_llm=False),
     "sac": Stage("sac", frozenset({"sd", "proj", "added_rows"}), _SAC, "sac", "sac"),
     "overall": Stage(
         "overall",
@@ -267,6 +283,7 @@ def eval_stage(cfg: EmpatheiaConfig, template: str | None = None) -> Stage:
         return PIPELINE_BASELINE
     if template not in STAGES:
         raise TemplateError(f"unknown evaluation template {template!r}; expected one of {TEMPLATES}")
+    template = STAGES[template].template_stage  # ccl_units: its model is served, so scored, with r^t
     try:
         return apply_ablations(STAGES[template], no_coe=not cfg.use_coe,
                                       no_media=not cfg.media_input, no_cs=not cfg.has_cs,

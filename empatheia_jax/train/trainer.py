@@ -470,7 +470,7 @@ def make_eval_step(stage: stages.Stage, weights: losses.LossWeights):
 
     def eval_step(graphdef, params, frozen, batch, counts):
         model = nnx.merge(graphdef, params, frozen)
-        outputs = model(batch, train=False, heads=stage.heads)
+        outputs = objective.forward(model, batch, stage, train=False)
         return objective.stage_loss(model, batch, outputs, stage, weights, counts=counts)[1]
 
     return counts_of, jax.jit(eval_step, static_argnums=0)
@@ -1165,7 +1165,7 @@ def _log_window(
         dt = time.perf_counter() - window.start
         out["perf/step_time_s"] = dt / window.steps
         out["perf/tokens_per_s"] = window.tokens / dt
-        if p.peak:
+        if p.peak and run.stage.reads_llm:  # the FLOPs counted are the backbone's
             seq = host_batch["input_ids"].shape[1]
             achieved = out["perf/tokens_per_s"] * flops_per_token(run.model, seq, p.n_trainable)
             out["perf/mfu"] = achieved / (p.peak * jax.device_count())
