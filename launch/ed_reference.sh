@@ -15,18 +15,18 @@
 # Needs `make demo`'s converted backbone and sample shards (WORK=work by default: work/smollm2,
 # work/shards). Every step skips what is done and the training resumes from its last checkpoint, so
 # re-running the command continues an interrupted run (a run longer than a session, on CPU). Environment:
-# ED_CSV (default data/ed/empathetic_dialogues_validation.csv), HOLDOUT (dev:0.15), WORK (work), PY,
-# ED_STAGES (default "ccl_units ccl": the avatar stages on ED after coe, the CS from its units alone then
-# with r^t; 0 = none), SAMPLE_STAGES (default "sac": the
-# stages on the sample, in order; 0 = none; "sac overall" adds the joint stage, whose LoRA steps at the
-# demo's lr 1e-3 on 64 sample dialogues undo the ED training: 41 % of dev replies repeat a 4-gram,
-# docs/benchmarks.md), COE_EVAL=0 to skip the coe stage's dev evaluation (a diagnostic: the card reports
-# the final model's), EVAL_FLAGS (extra `empatheia eval` flags), SPEECH_EXAMPLES (dev replies spoken and
-# heard by Whisper in the final evaluation, default 32), DEVICE (the card's device line), ED_CKPT_EVERY (the ED
-# stages' checkpoint interval in steps, default 50: minutes on a CPU, where a step takes 5-15 s), COE_FROM (a
-# finished coe stage to chain from instead of training one: a workdir or a PEFT export, e.g. the committed
-# reference model, `python -m empatheia_jax.reference`; the ED stages train the CS only, so its LoRA reaches
-# the new export unchanged, and a redesigned CS costs the ccl stage, not the hours of coe).
+# ED_CSV (default data/ed/empathetic_dialogues_validation.csv), HOLDOUT (dev:0.15), WORK (work), PY, ED_STAGES
+# (default "ccl_units ccl": the avatar stages on ED after coe, the CS from its units alone then with r^t; 0 =
+# none), SAMPLE_STAGES (default "sac": the stages on the sample, in order; 0 = none; "sac overall" adds the
+# joint stage, whose LoRA steps at the demo's lr 1e-3 on 64 sample dialogues undo the ED training: 41 % of dev
+# replies repeat a 4-gram, docs/benchmarks.md), COE_EVAL=0 to skip the coe stage's dev evaluation (a
+# diagnostic: the card reports the final model's), EVAL_FLAGS (extra `empatheia eval` flags), SPEECH_EXAMPLES
+# (dev replies spoken and heard by Whisper in the final evaluation, default 32), VIDEO_EXAMPLES (dev replies
+# drawn, default 16), DEVICE (the card's device line), ED_CKPT_EVERY (the ED stages' checkpoint interval in
+# steps, default 50: minutes on a CPU, where a step takes 5-15 s), COE_FROM (a finished coe stage to chain
+# from instead of training one: a workdir or a PEFT export, e.g. the committed reference model, `python -m
+# empatheia_jax.reference`; the ED stages train the CS only, so its LoRA reaches the new export unchanged, and
+# a redesigned CS costs the ccl stage, not the hours of coe).
 # Exit status: 0 done; 3 a stage stopped early (SIGTERM: checkpointed; re-run the same command to resume).
 set -euo pipefail
 
@@ -155,7 +155,8 @@ echo "[ed_reference] dev evaluation of the export (CoE prompt) -> $RUN/report_fi
     --report "$RUN/report_final" --no_repeat_ngram_size 4 --score_emotions ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
 echo "[ed_reference] the avatar on dev replies: the CS's content spoken and heard (ccl template) -> $RUN/report_avatar"
 "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template ccl \
-    --nogenerate --speech_examples "${SPEECH_EXAMPLES:-32}" --json "$RUN/report_avatar.json"
+    --nogenerate --speech_examples "${SPEECH_EXAMPLES:-32}" --video_examples "${VIDEO_EXAMPLES:-16}" \
+    --json "$RUN/report_avatar.json"
 # the figure the project's test re-measures in CI time: the first CI_SUBSET dev records
 CI_SUBSET=32  # tests/test_reference_model.py SUBSET
 "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template coe \
@@ -165,5 +166,6 @@ echo "[ed_reference] model card -> $RUN/export"
 "$PY" -m empatheia_jax.eval.model_card "$RUN/export" --metrics "$RUN/report_final/metrics.json" \
     "${WORKDIRS[@]}" \
     --subset_metrics "$RUN/report_final/subset.json" --subset_examples $CI_SUBSET \
+    --avatar_metrics "$RUN/report_avatar.json" \
     --command "${COE_FROM:+COE_FROM=$COE_FROM }bash launch/ed_reference.sh $RUN${*:+ $*}" --device "${DEVICE:-$(nproc)-core CPU}"
 echo "[ed_reference] done: $RUN/export (chat: empatheia chat --ckpt $RUN/export --text ...)"

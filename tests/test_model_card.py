@@ -77,6 +77,38 @@ def test_card_copies_the_measured_figures_and_sums_the_training_time(tmp_path):
     assert not list(export.glob(".*.tmp"))
 
 
+def test_card_carries_the_avatar_rows_beside_their_floors(tmp_path):
+    """--avatar_metrics: the avatar's rows (heard WER, content L2, lip sync, expression) of the model beside
+    the mean predictor, the gold floor and the reference TTS columns, copied from the eval report; a report
+    without the model's speech or video rows is refused, naming the flags that make them."""
+    export = _export(tmp_path)
+    avatar = {"trained": {"speech_wer": 0.125, "speech_cer": 0.05, "speech_content_l2": 140.5,
+                          "video_content_l2": 0.9, "video_lip_sync": 0.61, "speech_examples": 32.0,
+                          "ccl_speech": 140.5, "speech_mcd": 7.0},
+              "baseline": {"speech_content_l2": 310.25, "video_content_l2": 1.5},
+              "gold": {"speech_wer": 0.03, "speech_cer": 0.01, "video_lip_sync": 0.96},
+              "mean_style": {"speech_wer": 0.04}, "bag_of_words": {}, "template": "ccl",
+              "shards": "/runs/ref/ed/shards", "split": "dev"}
+    card = model_card.build_card(export, {"trained": {"eval_loss": 1.0}}, avatar=avatar)
+    assert card["avatar"] == {
+        "template": "ccl", "data": "/runs/ref/ed/shards", "split": "dev",
+        "columns": {"trained": {k: avatar["trained"][k] for k in ("speech_wer", "speech_cer",
+                                                                  "speech_content_l2", "video_content_l2",
+                                                                  "video_lip_sync", "speech_examples")},
+                    "baseline": avatar["baseline"], "gold": avatar["gold"],
+                    "mean_style": avatar["mean_style"]}}
+    text = model_card.render(card)
+    for line in ("| metric | model | mean predictor | gold | mean_style |",
+                 "| speech_wer | 0.1250 | - | 0.0300 | 0.0400 |",
+                 "| speech_content_l2 | 140.5 | 310.2 | - | - |",
+                 "| video_lip_sync | 0.6100 | - | 0.9600 | - |"):
+        assert line in text, line
+    assert "speech_mcd" not in text and "video_emotion_acc" not in text
+    with pytest.raises(model_card.CardError, match="--speech_examples"):
+        model_card.build_card(export, {"trained": {}}, avatar={"trained": {"speech_content_l2": 1.0}})
+    assert "## The avatar" not in model_card.render(model_card.build_card(export, {"trained": {}}))
+
+
 def test_card_errors_name_what_is_missing(tmp_path, capsys):
     with pytest.raises(model_card.CardError, match="not an Empatheia export"):
         model_card.build_card(tmp_path, {"trained": {}})

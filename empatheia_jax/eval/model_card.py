@@ -1,7 +1,8 @@
 """The model card of an exported Empatheia: what it was trained on, for how long, and what it scores.
 
     python -m empatheia_jax.eval.model_card EXPORT --metrics REPORT/metrics.json [--workdir RUN/coe ...]
-        [--command "bash launch/ed_reference.sh ~/runs/ed_reference"] [--device "2-core CPU"] [--notes TEXT]
+        [--avatar_metrics AVATAR.json] [--command "bash launch/ed_reference.sh ~/runs/ed_reference"]
+        [--device "2-core CPU"] [--notes TEXT]
 
 Writes EXPORT/README.md (the card, for people) and EXPORT/card.json (the same facts, for tools and tests).
 
@@ -37,6 +38,13 @@ CARD_FORMAT = "empatheia-card"
 HEADLINE = ("emotion32_acc_scored", "emotion32_acc_text", "emotion_acc_scored", "emotion_acc_text",
             "emotion32_parse_rate", "coe_parse_rate", "dist1_corpus", "dist2_corpus", "dist1_reply",
             "dist2_reply", "repetition_rate", "reply_words", "reply_ppl", "ppl", "num_examples")
+# The avatar's figures (`--avatar_metrics`: an eval of the CS's content spoken and drawn), and the columns
+# they are read against: the mean predictor, the gold speech and video (the floor), and the reference
+# systems that speak the gold content (docs/design.md "Evaluation and chat").
+AVATAR_METRICS = ("speech_wer", "speech_cer", "speech_content_l2", "video_content_l2", "video_lip_sync",
+                  "video_emotion_acc", "speech_examples", "video_examples")
+AVATAR_COLUMNS = {"trained": "model", "baseline": "mean predictor", "gold": "gold",
+                  "mean_style": "mean_style", "pipeline_tts": "pipeline_tts"}
 LICENSES = {
     "ed": "EmpatheticDialogues (Rashkin et al., ACL 2019) is CC BY-NC 4.0: weights trained on it are for "
           "non-commercial use.",
@@ -114,10 +122,12 @@ def stage_summary(workdir: str | Path) -> dict[str, Any]:
 
 def build_card(export: str | Path, metrics: Mapping[str, Any], workdirs: Sequence[str | Path] = (), *,
                command: str = "", device: str = "", notes: str = "",
-               subset: Mapping[str, Any] | None = None, subset_examples: int | None = None) -> dict[str, Any]:
+               subset: Mapping[str, Any] | None = None, subset_examples: int | None = None,
+               avatar: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """card.json's content: the export's meta, the eval report's trained column and where it was measured,
     and each training workdir's summary. `subset` (an eval report of the same data with `--max_examples
-    subset_examples`) is kept as "ci_subset": a figure a test can re-measure in CI time."""
+    subset_examples`) is kept as "ci_subset": a figure a test can re-measure in CI time. `avatar` (an eval
+    report with speech/video rows) gives "avatar": its `AVATAR_METRICS` in each `AVATAR_COLUMNS` column."""
     export = Path(export)
     meta_path = export / "empatheia_config.json"
     if not meta_path.is_file():
@@ -150,12 +160,45 @@ def build_card(export: str | Path, metrics: Mapping[str, Any], workdirs: Sequenc
             "metrics": dict(metrics["trained"]),
         },
         "ci_subset": ci_subset,
+        "avatar": None if avatar is None else avatar_figures(avatar),
         "training": [stage_summary(w) for w in workdirs],
         "command": command,
         "device": device,
         "notes": notes,
         "license": list(LICENSES.values()),
     }
+
+
+def avatar_figures(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The avatar's part of an eval report: where it was measured and, per column it has, its avatar rows."""
+    if "trained" not in report:
+        raise CardError("the avatar report has no 'trained' column (write it with `empatheia eval --json`)")
+    columns = {}
+    for column in AVATAR_COLUMNS:
+        rows = {m: report[column][m] for m in AVATAR_METRICS if m in report.get(column, {})}
+        if rows:
+            columns[column] = rows
+    if not any(m.startswith(("speech_wer", "video_lip")) for m in columns.get("trained", {})):
+        raise CardError("the avatar report has no speech_wer or video_lip_sync for the model: evaluate with "
+                        "--speech_examples / --video_examples on shards with gold speech and faces")
+    return {"template": report.get("template"), "data": report.get("shards"), "split": report.get("split"),
+            "columns": columns}
+
+
+def _avatar_lines(avatar: Mapping[str, Any]) -> list[str]:
+    columns = [c for c in AVATAR_COLUMNS if c in avatar["columns"]]
+    lines = ["", "## The avatar", "",
+             f"The Content Synchronizer's rows over the gold reply (template {avatar['template']}, "
+             f"{Path(str(avatar['data'])).name} split {avatar['split']}), spoken by Kokoro and drawn by the "
+             "face generator; speech_wer / speech_cer score Whisper tiny.en's transcript against the reply "
+             "text.", "",
+             "| metric | " + " | ".join(AVATAR_COLUMNS[c] for c in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    for m in AVATAR_METRICS:
+        if any(m in avatar["columns"][c] for c in columns):
+            cells = [_fmt(avatar["columns"][c][m]) if m in avatar["columns"][c] else "-" for c in columns]
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _fmt(value: Any) -> str:
@@ -219,6 +262,8 @@ def render(card: Mapping[str, Any]) -> str:
         shown = ", ".join(f"{k} {_fmt(sub['metrics'][k])}" for k in HEADLINE[:2] if k in sub["metrics"])
         lines += ["", f"On the first {sub['max_examples']} records of the same split (what the project's "
                       f"test re-measures): {shown}."]
+    if card.get("avatar"):
+        lines += _avatar_lines(card["avatar"])
     if card.get("notes"):
         lines += ["", "## Notes", "", card["notes"]]
     if card.get("weights"):
@@ -258,12 +303,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--notes", default="")
     parser.add_argument("--subset_metrics", default=None, help="the same eval with --max_examples N")
     parser.add_argument("--subset_examples", type=int, default=None, help="that N")
+    parser.add_argument("--avatar_metrics", default=None,
+                        help="`empatheia eval --json` with speech/video rows (the card's avatar part)")
     args = parser.parse_args(argv)
     try:
         metrics = json.loads(Path(args.metrics).read_text())
         subset = json.loads(Path(args.subset_metrics).read_text()) if args.subset_metrics else None
+        avatar = json.loads(Path(args.avatar_metrics).read_text()) if args.avatar_metrics else None
         card = build_card(args.export, metrics, args.workdir, command=args.command, device=args.device,
-                          notes=args.notes, subset=subset, subset_examples=args.subset_examples)
+                          notes=args.notes, subset=subset, subset_examples=args.subset_examples,
+                          avatar=avatar)
     except (OSError, json.JSONDecodeError, CardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -271,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["CardError", "HEADLINE", "build_card", "read_card", "render", "stage_summary", "weight_digests",
-           "write_card"]
+__all__ = ["AVATAR_METRICS", "CardError", "HEADLINE", "avatar_figures", "build_card", "read_card", "render",
+           "stage_summary", "weight_digests", "write_card"]
 
 if __name__ == "__main__":
     sys.exit(main())
