@@ -243,3 +243,32 @@ def test_import_is_cheap_and_facemesh_is_quiet():
                          cwd=Path(__file__).resolve().parents[1], timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout == "" and res.stderr == "", (res.stdout, res.stderr)
+
+
+def test_video_rows_of_a_text_corpus_and_of_a_model_without_its_sd(tmp_path):
+    """A text corpus (imported ED) has no recordings: the gold envelope lip sync reads is the gold reply
+    spoken from its speech targets, the same as the gold_speech wav the sample writes. A model evaluated
+    without its SD (a ccl checkpoint) draws its C^v on the gold avatar: lip sync and frame rows, no style
+    rows; the gold mouth scores as the gold, a mouth that moves at random far below it."""
+    import shutil
+
+    from empatheia_jax.eval import video as video_eval
+    from tests.helpers import make_tiny_shards
+
+    shards = make_tiny_shards(tmp_path / "data", counts=(("train", 10), ("test", 2)), real_targets=True,
+                              mouth="replies")
+    recorded = video_eval.VideoEval(shards, "test", examples=2, progress=False)
+    shutil.rmtree(shards.parent / "raw" / video_eval.GOLD_SPEECH)
+    spoken = video_eval.VideoEval(shards, "test", examples=2, progress=False)
+    assert len(spoken.items) == 2
+    for a, b in zip(recorded.items, spoken.items, strict=True):
+        np.testing.assert_array_equal(a["envelope"], b["envelope"])
+    gold = {it["record_index"]: {"video_content": it["content"]} for it in spoken.items}
+    rows = spoken.model_rows("trained", gold)
+    assert rows["video_examples"] == 2 and rows["video_lip_sync"] > 0.5, rows
+    assert not any(k.endswith("_acc") for k in rows), rows
+    rng = np.random.default_rng(0)
+    noise = {i: {"video_content": c["video_content"][rng.permutation(len(c["video_content"]))]}
+             for i, c in gold.items()}  # the gold mouth shapes in a random order
+    worse = spoken.model_rows("trained", noise)
+    assert worse["video_lip_sync"] < rows["video_lip_sync"] - 0.2, (worse, rows)

@@ -581,9 +581,9 @@ def evaluate(
 
 
 def media_rows_of(stage: stages.Stage) -> tuple[bool, bool]:
-    """(speech rows, video rows) a stage's forward can feed: speech needs C^s (without the SD, the gold voice
-    speaks it: `SpeechEval.model_rows`), video both C^v and S^v."""
-    return "cs" in stage.heads, {"cs", "sd"} <= stage.heads
+    """(speech rows, video rows) a stage's forward can feed: each needs the CS's content; without the SD the
+    gold voice speaks C^s and the gold avatar shows C^v (`SpeechEval.model_rows`, `VideoEval.model_rows`)."""
+    return "cs" in stage.heads, "cs" in stage.heads
 
 
 def media_evals(
@@ -597,9 +597,9 @@ def media_evals(
     gold_speech: str | os.PathLike | None = None,
 ) -> tuple[speech_eval.SpeechEval | None, video_eval.VideoEval | None]:
     """The speech and video evaluations `evaluate` renders rows with, or None each. They are rendered from C
-    and S: video needs a stage that runs both heads, speech the CS at least (without the SD the gold voice
-    speaks the predicted content, `SpeechEval.model_rows`); data without what they need (gold speech,
-    faces) is a note on stderr and no rows, except gold speech asked for explicitly (`gold_speech`): that is
+    and S: each needs a stage that runs the CS (without the SD the gold voice and avatar render the
+    predicted content, `media_rows_of`); data without what they need (gold speech, faces) is a note on
+    stderr and no rows, except gold speech asked for explicitly (`gold_speech`): that is
     a user error and raises."""
     can_speak, can_draw = media_rows_of(stage)
     speech = None

@@ -62,6 +62,17 @@ _ROW_NAMES = {"mcd": "speech_mcd", "speaker_similarity": "speech_spk_sim",
               "wer": "speech_wer", "cer": "speech_cer"}
 
 
+def gold_speech_from_targets(content: np.ndarray, style: np.ndarray, threads: int = 1) -> np.ndarray:
+    """The gold speech (float32, 24 kHz) of a reply without a recording (a text corpus with Kokoro targets):
+    Kokoro speaking its gold content in its gold style at `LISTENER_SPEED`, what `kokoro_voices.gold_speech`
+    made the sample's listener replies with, sample for sample, and the timeline a phoneme mouth was laid on
+    (`converters.face_targets.text_targets`)."""
+    from empatheia_jax.generators import kokoro
+    from empatheia_jax.generators.kokoro_voices import LISTENER_SPEED
+
+    return kokoro.shared(threads).synthesize(content, style, LISTENER_SPEED)
+
+
 class SpeechEvalUnavailable(RuntimeError):
     """The speech rows cannot be computed for these shards (why, naming the file or the target source)."""
 
@@ -139,12 +150,7 @@ class SpeechEval:
         self.pipeline_style = voice(majority, "empathetic").style
 
     def _gold_from_targets(self, item: Mapping[str, Any]) -> np.ndarray:
-        """The gold speech of a record without a recording (a text corpus with Kokoro targets): Kokoro
-        speaking its gold content in its gold style at speed 1, what `kokoro_voices.gold_speech` made the
-        sample's listener replies with, sample for sample."""
-        from empatheia_jax.generators import kokoro
-
-        return kokoro.shared(self.threads).synthesize(item["content"], item["style"], 1.0)
+        return gold_speech_from_targets(item["content"], item["style"], self.threads)
 
     @staticmethod
     def _read(path: Path) -> np.ndarray:

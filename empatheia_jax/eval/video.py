@@ -46,7 +46,7 @@ import numpy as np
 
 from empatheia_jax.data import input_pipeline as ip
 from empatheia_jax.data.shard_format import target_source
-from empatheia_jax.eval.speech import predicted_emotions
+from empatheia_jax.eval.speech import gold_speech_from_targets, predicted_emotions
 
 GOLD_SPEECH = "gold_speech"
 """RAW's folder of the test replies' Kokoro gold speech (data/make_sample.py), as the speech rows read it."""
@@ -80,8 +80,6 @@ class VideoEval:
                  examples: int = 6, progress: bool = True):
         from empatheia_jax.data.splits import check_split, emotion_map_of
         from empatheia_jax.generators.face_render import decode_style, face_controls
-        from empatheia_jax.generators.speech_synth import read_wav, speech_envelope
-
         manifest = check_split(shards_dir, split)
         self.emotion_classes = tuple(emotion_map_of(manifest).classes)
         sources = {k: target_source(manifest, k) for k in ("video_content", "video_style")}
@@ -106,18 +104,10 @@ class VideoEval:
                 # emotion (kokoro_voices.utterance_style) in current targets, always calm in older ones
                 self.labels[i] = {**{k: str(rec["listener_profile"][k]) for k in ("age", "gender", "timbre")},
                                   "emotion": decode_style(self.gold_controls[i][1])["emotion"]}
-            # the speech whose timing drew the gold clip: a clip with frame units was laid on Kokoro's
-            # timeline of the gold reply speech (face_targets --mouth replies/phonemes), any other follows
-            # the media wav
-            timed_by_kokoro = "video_units" in targets
-            wav = (gold_speech if timed_by_kokoro else media) / f"{rec['response_utt_id']}.wav"
             if len(self.items) < self.examples and i in self.labels:
-                if not wav.is_file():
-                    raise VideoEvalUnavailable(f"{wav}: missing (lip sync reads the gold speech)")
-                sr, x = read_wav(wav)
                 content, style = self.gold_controls[i]
                 self.items.append({"record_index": i, "content": content, "style": style,
-                                   "envelope": speech_envelope(x, sr)})
+                                   "envelope": self._gold_envelope(rec, media, gold_speech)})
         if self.examples and not self.items:
             raise VideoEvalUnavailable(f"no {split} record of {shards_dir} has video targets")
         styles, profiles, probe_clips = [], [], []
@@ -139,6 +129,29 @@ class VideoEval:
                                                              "ID": 0}, LISTENER_EXPRESSION)
         self.probe = self._fit_probe(probe_clips)
         self.gold = [self._draw(it["content"], it["style"]) for it in self.items]
+
+    @staticmethod
+    def _gold_envelope(rec: Mapping[str, Any], media: Path, gold_speech: Path) -> np.ndarray:
+        """The envelope of the speech whose timing drew a record's gold clip, which lip sync reads: a clip
+        with frame units was laid on Kokoro's timeline of the gold reply speech (face_targets --mouth
+        replies/phonemes): RAW/gold_speech's wav, or, in a text corpus that has none, that speech spoken
+        from the record's speech targets (`speech.gold_speech_from_targets`, the same samples); any other
+        clip follows its media wav."""
+        from empatheia_jax.generators.kokoro import SAMPLE_RATE
+        from empatheia_jax.generators.kokoro_voices import to_pcm16
+        from empatheia_jax.generators.speech_synth import read_wav, speech_envelope
+
+        targets = rec.get("targets") or {}
+        timed_by_kokoro = "video_units" in targets
+        wav = (gold_speech if timed_by_kokoro else media) / f"{rec['response_utt_id']}.wav"
+        if wav.is_file():
+            sr, x = read_wav(wav)
+            return speech_envelope(x, sr)
+        if timed_by_kokoro and {"speech_content", "speech_style"} <= targets.keys():
+            audio = gold_speech_from_targets(np.asarray(targets["speech_content"]),
+                                             np.asarray(targets["speech_style"], np.float32))
+            return speech_envelope(to_pcm16(audio), SAMPLE_RATE)
+        raise VideoEvalUnavailable(f"{wav}: missing (lip sync reads the gold speech)")
 
     def _fit_probe(self, clips: list[tuple[np.ndarray, np.ndarray]]):
         """A LinearStyleProbe on train clips drawn with each expression in turn (module docstring)."""
@@ -202,11 +215,19 @@ class VideoEval:
         return {f"video_{a}_acc": float(v) for a, v in acc.items()}
 
     def model_rows(self, name: str, collected: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
-        """The video rows of a model from `evaluate.teacher_forced_metrics(collect=...)`'s outputs."""
+        """The video rows of a model from `evaluate.teacher_forced_metrics(collect=...)`'s outputs.
+
+        A model evaluated without its SD (a ccl checkpoint: the CS alone) draws its predicted C^v on each
+        record's gold avatar, as the speech rows speak it in the gold voice: the rows then measure the mouth
+        alone (lip sync, the frames against the gold), and the style and expression rows are absent."""
         missing = [it["record_index"] for it in self.items
                    if "video_content" not in collected.get(it["record_index"], {})]
         if missing:
             raise ValueError(f"no predicted video features for test records {missing[:5]}")
+        if not any("video_style" in c for c in collected.values()):
+            clips = [self._draw(collected[it["record_index"]]["video_content"], it["style"])
+                     for it in self.items]
+            return self._rows(name, clips, {})
         from empatheia_jax.generators.face_render import FaceRenderer
         from empatheia_jax.generators.speech_synth import listener_style
 
