@@ -149,6 +149,16 @@ class EmpatheiaConfig:
     ce_targets: int = 0
 
     def __post_init__(self):
+        problems = self._scalar_problems()
+        if problems:
+            raise ValueError("invalid EmpatheiaConfig: " + "; ".join(problems))
+        problems = self._resolve_token_ids() + self._resolve_blocks()
+        if self.lora is not None and isinstance(self.lora, Mapping):
+            object.__setattr__(self, "lora", LoraConfig.from_dict(self.lora))
+        if problems:
+            raise ValueError("invalid EmpatheiaConfig: " + "; ".join(problems))
+
+    def _scalar_problems(self) -> list[str]:
         problems = []
         for name in ("audio_dim", "video_dim", "n_signal", "k", "max_speech_len", "max_video_len",
                      "speech_content_dim", "video_content_dim", "style_dim", "num_emotions", "num_ages",
@@ -167,8 +177,12 @@ class EmpatheiaConfig:
             problems.append(f"ce_chunk={self.ce_chunk} must be >= 0 (0: the whole logits at once)")
         if self.ce_targets < 0:
             problems.append(f"ce_targets={self.ce_targets} must be >= 0 (0: every position's logits)")
-        if problems:
-            raise ValueError("invalid EmpatheiaConfig: " + "; ".join(problems))
+        return problems
+
+    def _resolve_token_ids(self) -> list[str]:
+        """Fills in the added token ids (after the vocabulary: <Aud>, <Vid>, then the signal tokens) and
+        grows the LLM's extra rows to cover them; returns what is wrong with ids given explicitly."""
+        problems = []
         v = self.llm.vocab_size
         n = self.n_signal
         set_ = object.__setattr__
@@ -196,6 +210,12 @@ class EmpatheiaConfig:
         need = max(ids) + 1 - v
         if self.llm.extra_vocab < need:  # grow the extra rows to cover every added id
             set_(self, "llm", self.llm.replace(extra_vocab=need))
+        return problems
+
+    def _resolve_blocks(self) -> list[str]:
+        """Builds each VAE block's config from the scalars, or checks one given (a stored config) against
+        them; returns the disagreements, each naming the block and the field."""
+        problems = []
         d = self.llm.hidden_size
         dtypes = {"dtype": self.llm.dtype, "param_dtype": self.llm.param_dtype}
 
@@ -214,11 +234,11 @@ class EmpatheiaConfig:
         for name, (q, latent, out, units, conv) in wanted.items():
             c = getattr(self, name)
             if c is None:
-                set_(self, name, vae(q, latent, out, units, conv))
+                object.__setattr__(self, name, vae(q, latent, out, units, conv))
                 continue
             if isinstance(c, Mapping):
                 c = VAEConfig(**c)
-                set_(self, name, c)
+                object.__setattr__(self, name, c)
             if c.d_in != d:
                 problems.append(f"{name}.d_in={c.d_in} != llm.hidden_size={d}")
             if c.num_units != units:
@@ -234,10 +254,7 @@ class EmpatheiaConfig:
                 problems.append(
                     f"{name} has {c.num_queries} queries x {c.d_out}; the targets are {q} x {out}"
                 )
-        if self.lora is not None and isinstance(self.lora, Mapping):
-            set_(self, "lora", LoraConfig.from_dict(self.lora))
-        if problems:
-            raise ValueError("invalid EmpatheiaConfig: " + "; ".join(problems))
+        return problems
 
     # -- derived --------------------------------------------------------------------------------------------
 
