@@ -672,20 +672,14 @@ class Empatheia(nnx.Module):
         missing = sorted(heads - cfg.heads)
         if missing:
             raise ValueError(f"heads {missing} requested but this model has only {sorted(cfg.heads)}")
-        if train and heads and rng is None:
-            raise ValueError("train=True samples the VAE latents and needs an rng")
         ids = batch["input_ids"]
-        if rng is not None:
-            rng = as_key(rng)
-            if rng.ndim == 1 and rng.shape[0] != ids.shape[0]:
-                raise ValueError(f"{rng.shape[0]} per-example keys for a batch of {ids.shape[0]} examples")
+        keys = self._head_keys(rng, ids.shape[0], needed=bool(train and heads))
         hidden, mask, r_t_mask = self._backbone(batch)
         out: dict[str, Any] = {"logits": self.llm.logits(hidden), "hidden": hidden}
         out.update(self.gather_signal_states(hidden, ids, mask))
         out["r_t"] = hidden
         out["r_t_mask"] = r_t_mask
         vae: dict[str, VAEOutput] = {}
-        keys = (None, None) if rng is None else tuple(split_keys(rng))
         sample = bool(train)
         if "cs" in heads:
             cs = self._content(batch, out["r_t"], out["r_t_mask"], sample=sample, rng=keys[0], video=video)
@@ -704,6 +698,21 @@ class Empatheia(nnx.Module):
             out["video_profile"] = vae["sd_video_profile"].out
         out["vae"] = vae
         return out
+
+    @staticmethod
+    def _head_keys(rng: jax.Array | None, batch_size: int, *, needed: bool
+                   ) -> tuple[jax.Array | None, jax.Array | None]:
+        """(CS key, SD key) of `rng` (one key, or one per example: their count is checked), or (None, None);
+        `needed`: the heads sample their latents, so an rng must be given."""
+        if rng is None:
+            if needed:
+                raise ValueError("train=True samples the VAE latents and needs an rng")
+            return None, None
+        rng = as_key(rng)
+        if rng.ndim == 1 and rng.shape[0] != batch_size:
+            raise ValueError(f"{rng.shape[0]} per-example keys for a batch of {batch_size} examples")
+        cs_key, sd_key = split_keys(rng)
+        return cs_key, sd_key
 
     def _content(
         self, batch: Mapping[str, jax.Array], r_t: jax.Array, r_t_mask: jax.Array, *, sample: bool,
@@ -742,11 +751,9 @@ class Empatheia(nnx.Module):
             raise ValueError("content from units alone needs a CS whose speech and video blocks are both "
                              f"unit-aligned (cs_units={cfg.cs_units}, cv_units={cfg.cv_units}): a "
                              "position-only block has nothing to read without r^t")
-        if train and rng is None:
-            raise ValueError("train=True samples the VAE latents and needs an rng")
         b = batch["input_ids"].shape[0]
+        keys = self._head_keys(rng, b, needed=bool(train))
         r_t = jnp.zeros((b, 1, cfg.llm.hidden_size), cfg.llm.compute_dtype)
-        keys = (None, None) if rng is None else tuple(split_keys(as_key(rng)))
         cs = self._content(batch, r_t, jnp.zeros((b, 1), bool), sample=bool(train), rng=keys[0])
         return {"speech_content": cs["cs_speech"].out, "video_content": cs["cs_video"].out, "vae": cs}
 
