@@ -90,6 +90,10 @@ flags.DEFINE_integer("no_repeat_ngram_size", 0, "eval/chat/serve: HF's no_repeat
                      lower_bound=0)
 flags.DEFINE_bool("score_emotions", False, "eval: also choose CoE step 2 among the 32 ED labels by "
                   "likelihood after the model's own step 1 (rows emotion*_acc_scored; CoE templates)")
+flags.DEFINE_string("emotion_head", None, "eval: an emotion head file (python -m "
+                    "empatheia_jax.eval.fit_emotion_head): rows emotion*_acc_head, and with "
+                    "--score_emotions emotion*_acc_combined (default: the --ckpt folder's "
+                    "emotion_head.safetensors when it has one)")
 flags.DEFINE_string("json", None, "eval: also write the metrics table as JSON here")
 flags.DEFINE_string("report", None, "eval: a report folder: report.md (table, per-class tables and plots), "
                     "metrics.json, per_class.json, per_class_*.png, predictions_*.jsonl")
@@ -227,6 +231,7 @@ def _eval() -> int:
     if FLAGS.raw and not FLAGS.asr:
         raise app.UsageError("--raw names the AvaMERG folder eval --asr transcribes; it needs --asr")
     shards, split, ed_json = _eval_data()
+    head = _emotion_head()  # a wrong file fails before the model loads
     heard: tuple[str, dict[str, Any]] | None = None
     if FLAGS.asr and shards:  # a given folder: transcribed before the model loads (a wrong one fails fast)
         heard = _asr_shards(shards, split)
@@ -238,7 +243,7 @@ def _eval() -> int:
     if FLAGS.asr:
         shards, asr = heard or _asr_shards(shards, split)
     stage, why = _eval_template(model.config, meta)
-    kwargs = _eval_kwargs(config, stage)
+    kwargs = _eval_kwargs(config, stage, head)
     manifest = splits.check_split(shards, split)
     base_manifest = splits.check_split(base, split) if asr else manifest
     # text-only data under a template that reads media: one line now, not a failure inside the pipeline
@@ -310,7 +315,7 @@ def _eval_template(model_cfg: Any, meta: dict[str, Any]) -> tuple[stages.Stage, 
     return stage, why
 
 
-def _eval_kwargs(config: Any, stage: stages.Stage) -> dict[str, Any]:
+def _eval_kwargs(config: Any, stage: stages.Stage, emotion_head: Any = None) -> dict[str, Any]:
     """`evaluate.evaluate`'s arguments from the flags, shared by every column, so the trained and untrained
     models are scored alike (the prompt budget and media maxima are the run's training ones)."""
     return dict(
@@ -325,7 +330,26 @@ def _eval_kwargs(config: Any, stage: stages.Stage) -> dict[str, Any]:
         template=stage.name,
         max_examples=FLAGS.max_examples or None,
         score_emotions=FLAGS.score_emotions,
+        emotion_head=emotion_head,
     )
+
+
+def _emotion_head() -> Any:
+    """--emotion_head, else the emotion head an export folder (--ckpt) carries, else None."""
+    from empatheia_jax.eval import emotion_head
+
+    path = FLAGS.emotion_head
+    if path is None:
+        beside = Path(FLAGS.ckpt) / emotion_head.FILE_NAME
+        if not beside.is_file():
+            return None
+        path = str(beside)
+    elif not Path(path).is_file():
+        raise FileNotFoundError(f"--emotion_head {path}: no such file")
+    head = emotion_head.EmotionHead.load(path)
+    print(f"emotion head: {path} (C={head.c:g}, weights head {head.head_weight}, free {head.free_weight})",
+          file=sys.stderr)
+    return head
 
 
 def _voting() -> bool:
@@ -354,7 +378,8 @@ def _eval_columns(model: Any, tokenizer: Any, shards: str, split: str, stage: st
         columns["trained"]["num_voters"] = float(len(voters))
     if FLAGS.untrained:  # loss, classifier and feature rows: an untrained head's features drive no generator
         fresh, tok, _, _ = _load_trained(restore=False)
-        columns["untrained"] = evaluate.evaluate(fresh, tok, shards, split, name="untrained", **kwargs)
+        columns["untrained"] = evaluate.evaluate(fresh, tok, shards, split, name="untrained",
+                                                 **{**kwargs, "emotion_head": None})  # fitted to the trained
     return columns, details, voters
 
 
@@ -571,13 +596,14 @@ COMMANDS: dict[str, Callable[[], int]] = {"train": _train, "eval": _eval, "chat"
                                           "export": _export}
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
+def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input, not a bug: one `error:` line and exit 2. Imported only when an
     exception is being matched (the modules import jax)."""
     from empatheia_jax.data.asr import AsrAssetError
     from empatheia_jax.data.asr_shards import AsrShardsError
     from empatheia_jax.data.shard_format import ShardRecordError
     from empatheia_jax.data.splits import ShardsError
+    from empatheia_jax.eval.emotion_head import EmotionHeadError
     from empatheia_jax.eval.speech import SpeechEvalUnavailable
     from empatheia_jax.generators.base import GeneratorError
     from empatheia_jax.generators.kokoro import KokoroAssetError
@@ -590,7 +616,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (
         ConfigError, CheckpointError, ShardsError, ShardRecordError, ChatInputError,
         EncoderManifestError, ExportError, GeneratorError, KokoroAssetError, SpeechEvalUnavailable,
-        DataError, TemplateError, AsrAssetError, AsrShardsError,
+        DataError, TemplateError, AsrAssetError, AsrShardsError, EmotionHeadError,
         FileNotFoundError, NotADirectoryError, IsADirectoryError,
         PermissionError,
     )
@@ -628,7 +654,7 @@ def _run(command: str, argv: list[str]) -> None:
         code = COMMANDS[command]()
     except app.UsageError as e:
         code = fail(f"{e} (empatheia {command} --helpfull lists the flags)")
-    except _user_errors() as e:
+    except user_errors() as e:
         code = fail(str(e))
     except _failed_run_errors() as e:
         code = fail(str(e), code=1)

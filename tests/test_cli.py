@@ -305,6 +305,51 @@ def test_eval_data_csv_imports_prepares_and_scores_the_trained_stage(trained, re
     assert p.stdout.strip().endswith(f"targets: none\ntemplate: coe; data: {shards} split test")
 
 
+def test_emotion_head_fitted_chosen_and_scored_through_the_command_line(trained, ed_shards, cli_env,
+                                                                        tmp_path):
+    """`fit_emotion_head probe` fits the head to the coe checkpoint; `eval --emotion_head` adds its rows;
+    `fit_emotion_head weights` chooses the combination on that eval's predictions, and the next eval's
+    combined rows equal `emotion_head.combine` over the predictions it wrote. A missing head file is one
+    error line."""
+    from empatheia_jax.eval import emotion_head as eh
+
+    def fit(*args):
+        return subprocess.run([sys.executable, "-m", "empatheia_jax.eval.fit_emotion_head", *map(str, args)],
+                              env=cli_env, capture_output=True, text=True, timeout=300, cwd=REPO)
+
+    head = tmp_path / "head.safetensors"
+    p = ok(fit("probe", "--ckpt", trained[0], "--shards", ed_shards, "--train_split", "test", "--dev_split",
+               "test", "--out", head, "--json", tmp_path / "probe.json"))
+    assert_quiet(p.stderr)
+    probe = json.loads((tmp_path / "probe.json").read_text())
+    assert probe["train_records"] == probe["dev_records"] == len(ED_UIDS) and probe["c"] in eh.C_GRID
+    assert eh.EmotionHead.load(head).head_weight is None
+
+    def evaluate(report):
+        return ok(cli(cli_env, "eval", "--ckpt", trained[0], "--shards", ed_shards, "--split", "test",
+                      "--template", "coe", "--batch_size", 4, "--max_new_tokens", 6, "--score_emotions",
+                      "--emotion_head", head, "--report", report))
+
+    p = evaluate(tmp_path / "r1")
+    assert_quiet(p.stderr)
+    first = json.loads((tmp_path / "r1" / "metrics.json").read_text())["trained"]
+    assert first["emotion32_acc_head"] == pytest.approx(probe["emotion32_acc_head"])  # the same reading
+    assert "emotion32_acc_combined" not in first  # no weights chosen yet
+    ok(fit("weights", "--head", head, "--predictions", tmp_path / "r1" / "predictions_coe.jsonl"))
+    chosen = eh.EmotionHead.load(head)
+    assert chosen.head_weight in eh.HEAD_WEIGHT_GRID and chosen.free_weight in eh.FREE_WEIGHT_GRID
+    evaluate(tmp_path / "r2")
+    second = json.loads((tmp_path / "r2" / "metrics.json").read_text())["trained"]
+    preds = [json.loads(x) for x in (tmp_path / "r2" / "predictions_coe.jsonl").read_text().splitlines()]
+    a = eh.prediction_arrays(preds)
+    combined = eh.combine(a["head"], a["scored"], a["free"], chosen.head_weight, chosen.free_weight)
+    assert [p["emotion_fine_combined"] for p in preds] == combined.tolist()
+    assert second["emotion32_acc_combined"] == pytest.approx(np.mean(combined == a["gold"]))
+    p = cli(cli_env, "eval", "--ckpt", trained[0], "--shards", ed_shards, "--split", "test", "--template",
+            "coe", "--emotion_head", tmp_path / "nope.safetensors")
+    assert_user_error(p, "--emotion_head", "nope.safetensors")
+
+
 def test_eval_report_with_per_class_plots_and_emotion_voting(trained, ed_csv, cli_env, tmp_path):
     """`--report` writes the Markdown report, metrics.json, the per-class tables and PNGs and each voter's
     predictions; `--vote_templates` / `--vote_ckpt` add the voters, and the vote rows equal a hand count of

@@ -168,24 +168,21 @@ def test_generations_are_scored_from_their_parse_and_equal_unbatched_decoding(mo
         assert preds[i]["prompt_tokens"] == len(ex["input_ids"])
 
 
-def test_scored_emotion_is_the_most_likely_ed_label_after_the_generated_step_1(model, tok, shards,
-                                                                              monkeypatch):
-    """`score_emotions`: CoE step 2 is chosen among the 32 ED labels by likelihood after the model's OWN
-    generated step 1 (here rigged generations: a full CoE, one that skipped step 2, and a bare reply). The
-    choice must equal the argmax of an independent full forward (no cache, no padding, media spliced) of
-    prompt + generated text through the header + " label" + the step separator."""
-    from empatheia_jax.serve import generation
-
-    texts = [tpl.format_coe({"event_scenario": "my dog ran away", "speaker_emotion": "joyful"}, "oh no"),
-             "Firstly, the event scenario of this conversation is: I won\n\nFinally, the response is: yay",
-             "just some words"]
+def _prompt_examples(tok, shards) -> list[dict]:
+    """The test split's prompts (the overall template without the target), as generation reads them."""
     reader = ip.ShardReader.for_split(shards, "test")
     cfg = ip.PipelineConfig(stage="overall", max_len=MAX_LEN, include_target=False, **PIPE)
-    examples = [ip.build_example(reader[i], "overall", tok, cfg) for i in range(3)]
+    return [ip.build_example(reader[i], "overall", tok, cfg) for i in range(3)]
+
+
+def _rigged_generation(examples, texts, tok):
+    """A stand-in for `generate_tokens` writing each example's rigged text after its prompt, then stopping."""
+    from empatheia_jax.serve import generation
+
     rigged = {tuple(ex["input_ids"].tolist()): tok(t, add_special_tokens=False)["input_ids"]
               for ex, t in zip(examples, texts, strict=True)}
 
-    def fake_generate(llm, prompts, max_new_tokens, **kw):  # the rigged text of each prompt, then stop
+    def fake_generate(llm, prompts, max_new_tokens, **kw):
         news = [rigged[tuple(p)] for p in prompts]
         ids, mask = left_pad(prompts, kw["pad_token_id"])
         width = max(len(n) for n in news)
@@ -193,7 +190,25 @@ def test_scored_emotion_is_the_most_likely_ed_label_after_the_generated_step_1(m
         return generation.Generation(np.concatenate([ids, new], 1), np.concatenate([mask, new > -1], 1),
                                      ids.shape[1], np.array([len(n) for n in news]))
 
-    monkeypatch.setattr(ev, "generate_tokens", fake_generate)
+    return fake_generate
+
+
+def _rigged_coe_texts():
+    """A full CoE, one that skipped step 2, a bare reply."""
+    return [tpl.format_coe({"event_scenario": "my dog ran away", "speaker_emotion": "joyful"}, "oh no"),
+            "Firstly, the event scenario of this conversation is: I won\n\nFinally, the response is: yay",
+            "just some words"]
+
+
+def test_scored_emotion_is_the_most_likely_ed_label_after_the_generated_step_1(model, tok, shards,
+                                                                              monkeypatch):
+    """`score_emotions`: CoE step 2 is chosen among the 32 ED labels by likelihood after the model's OWN
+    generated step 1 (here rigged generations: a full CoE, one that skipped step 2, and a bare reply). The
+    choice must equal the argmax of an independent full forward (no cache, no padding, media spliced) of
+    prompt + generated text through the header + " label" + the step separator."""
+    texts = _rigged_coe_texts()
+    examples = _prompt_examples(tok, shards)
+    monkeypatch.setattr(ev, "generate_tokens", _rigged_generation(examples, texts, tok))
     preds = ev.generate_predictions(model, tok, shards, "test", batch_size=2, max_len=MAX_LEN,
                                     progress=False, compiler_options=FAST, score_emotions=True)
     assert [p["text"] for p in preds] == texts
@@ -229,6 +244,71 @@ def test_scored_emotion_is_the_most_likely_ed_label_after_the_generated_step_1(m
     with pytest.raises(stages.TemplateError, match="score_emotions needs a Chain-of-Empathy target"):
         ev.generate_predictions(model, tok, shards, "test", template="sac", score_emotions=True,
                                 progress=False, compiler_options=FAST)
+
+
+def test_emotion_head_reads_the_spliced_prompts_and_votes_with_step_2(model, tok, shards, monkeypatch):
+    """`dialogue_summaries` = an independent unpadded forward of each prompt with its media spliced; with a
+    head, each prediction carries the head's log-probabilities of those features, its label, and the
+    combination of head, scored and free step 2 as `emotion_head.combine` computes it by hand."""
+    from empatheia_jax.eval import emotion_head as eh
+
+    texts = _rigged_coe_texts()
+    examples = _prompt_examples(tok, shards)
+    read = ev.dialogue_summaries(model, tok, shards, "test", batch_size=2, max_len=MAX_LEN, progress=False,
+                                 compiler_options=FAST)
+    assert read["record_index"].tolist() == [0, 1, 2]
+    reader = ip.ShardReader.for_split(shards, "test")
+    gold = [(reader[i].get("labels") or {}).get("emotion_fine") for i in range(3)]
+    assert read["emotion_fine"].tolist() == [-1 if g is None else int(g) for g in gold]
+    d = model.llm.config.hidden_size
+    hidden = jax.jit(lambda m, ids, *feats: m.llm.decode(m.embed_inputs(ids, *feats))[0],
+                     compiler_options=FAST)
+    for i, ex in enumerate(examples):
+        n_aud, n_vid = len(ex["aud_feats"]), len(ex["vid_feats"])
+        h = np.asarray(hidden(model, jnp.asarray(ex["input_ids"][None]), jnp.asarray(ex["aud_feats"][None]),
+                              jnp.ones((1, n_aud), bool), jnp.asarray(ex["vid_feats"][None]),
+                              jnp.ones((1, n_vid), bool)))[0]
+        np.testing.assert_allclose(read["features"][i, :d], h[-1], atol=2e-4, rtol=0)
+        np.testing.assert_allclose(read["features"][i, d:], h.mean(0), atol=2e-4, rtol=0)
+
+    rng = np.random.default_rng(0)
+    x = np.concatenate([read["features"]] * 4) + rng.normal(scale=0.05, size=(12, 2 * d))
+    head = eh.fit_probe(x, [3, 8, 20] * 4, c=0.1).with_weights(0.7, 1.5)
+    monkeypatch.setattr(ev, "generate_tokens", _rigged_generation(examples, texts, tok))
+    preds = ev.generate_predictions(model, tok, shards, "test", batch_size=2, max_len=MAX_LEN, progress=False,
+                                    compiler_options=FAST, score_emotions=True, emotion_head=head)
+    emap = schema.EmotionMap.load("avamerg7")
+    for p, f in zip(preds, read["features"], strict=True):
+        want = head.log_probs(f[None])[0]
+        np.testing.assert_allclose(p["emotion_head_logprobs"], want, atol=2e-3, rtol=0)
+        assert p["emotion_fine_head"] == int(np.argmax(want))
+        assert p["emotion_head"] == (-1 if (c := emap.project(ED[p["emotion_fine_head"]])) is None else c)
+        total = 0.7 * np.asarray(p["emotion_head_logprobs"])
+        if "emotion_label_logprobs" in p:
+            total += _log_softmax(p["emotion_label_logprobs"])
+        if p["emotion_fine"] >= 0:
+            total[p["emotion_fine"]] += 1.5
+        assert p["emotion_fine_combined"] == int(np.argmax(total))
+    assert [p["emotion_fine_head"] for p in preds] == [3, 8, 20]  # the head learnt its rigged labels
+    assert "emotion_label_logprobs" not in preds[2]  # the bare reply votes with the head alone
+    m = mtext.text_metrics(preds)
+    gold = [p["labels"]["emotion_fine"] for p in preds]
+    for kind in ("head", "combined"):
+        assert m[f"emotion32_acc_{kind}"] == pytest.approx(np.mean(
+            [p[f"emotion_fine_{kind}"] == g for p, g in zip(preds, gold, strict=True) if g >= 0]))
+    unweighted = eh.fit_probe(x, [3, 8, 20] * 4, c=0.1)  # weights not chosen: the head's rows, no combination
+    preds = ev.generate_predictions(model, tok, shards, "test", batch_size=2, max_len=MAX_LEN, progress=False,
+                                    compiler_options=FAST, score_emotions=True, emotion_head=unweighted)
+    assert all("emotion_fine_head" in p and "emotion_fine_combined" not in p for p in preds)
+    other = eh.fit_probe(rng.normal(size=(12, 6)), [3, 8, 20] * 4, c=0.1)
+    with pytest.raises(eh.EmotionHeadError, match="fitted to another backbone"):
+        ev.generate_predictions(model, tok, shards, "test", progress=False, compiler_options=FAST,
+                                emotion_head=other)
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    return x - x.max() - np.log(np.exp(x - x.max()).sum())
 
 
 def test_parse_and_score_of_rigged_generations():

@@ -205,6 +205,27 @@ def test_score_continuations_equals_hf_log_likelihoods(pair):
         generation.score_continuations(model, prefixes, [[5], []])
 
 
+def test_prompt_summaries_are_hfs_last_and_mean_hidden_states(pair):
+    """The emotion head's features: HF's final-normed hidden state at each prompt's last token, and its mean
+    over the prompt, each prompt run alone; ragged prompts left-padded together read as they would alone."""
+    hf, model = pair
+    prompts = _prompts([5, 12, 9], seed=6)
+    got = generation.prompt_summaries(model, prompts, pad_token_id=0)
+    d = model.config.hidden_size
+    assert got.shape == (3, 2 * d) and got.dtype == np.float32
+    for b, p in enumerate(prompts):
+        with torch.no_grad():
+            h = hf.model(torch.tensor([p])).last_hidden_state[0].double().numpy()
+        np.testing.assert_allclose(got[b, :d], h[-1], atol=2e-4, rtol=0)
+        np.testing.assert_allclose(got[b, d:], h.mean(0), atol=2e-4, rtol=0)
+    assert np.abs(got[:, :d] - got[:, d:]).max() > 1e-2  # the two halves are different readings
+    ids, _ = left_pad(prompts, 0)
+    via_embeds = generation.prompt_summaries(model, prompts, inputs_embeds=model.embed(jnp.asarray(ids)))
+    np.testing.assert_allclose(via_embeds, got, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="inputs_embeds has shape"):
+        generation.prompt_summaries(model, prompts, inputs_embeds=jnp.zeros((3, 5, d)))
+
+
 def test_sampling_seeded_temperature_and_top_p(pair):
     _, model = pair
     prompts = _prompts([7, 4], seed=5)

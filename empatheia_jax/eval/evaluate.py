@@ -40,15 +40,23 @@ from empatheia_jax.data.input_pipeline import pipeline_config_fields
 from empatheia_jax.data.parse import emotion_class, parse_generation
 from empatheia_jax.data.splits import ShardsError, check_split, emotion_map_of
 from empatheia_jax.eval import baselines as eval_baselines
+from empatheia_jax.eval import emotion_head as emotion_head_lib
 from empatheia_jax.eval import speech as speech_eval
 from empatheia_jax.eval import video as video_eval
+from empatheia_jax.eval.emotion_head import EmotionHead
 from empatheia_jax.eval.metrics.names import ACC_NAME, LABELS
 from empatheia_jax.eval.metrics.text import Means, accuracy, feature_distances, speaker_turn, text_metrics
 from empatheia_jax.eval.report import metric_order, write_predictions
 from empatheia_jax.generators import registry
 from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
 from empatheia_jax.serve.forward import KEEP, cached_jit, embed_prompts
-from empatheia_jax.serve.generation import eos_token_ids, generate_tokens, left_pad, score_continuations
+from empatheia_jax.serve.generation import (
+    eos_token_ids,
+    generate_tokens,
+    left_pad,
+    prompt_summaries,
+    score_continuations,
+)
 from empatheia_jax.train import losses, objective, stages
 from empatheia_jax.train.stages import TemplateError, eval_stage
 
@@ -302,6 +310,7 @@ def generate_predictions(
     compiler_options: Mapping[str, Any] | None = None,
     template: str | None = None,
     score_emotions: bool = False,
+    emotion_head: EmotionHead | None = None,
 ) -> list[dict[str, Any]]:
     """Greedy generations for the records of `split`, parsed (`parse_generation`), in record order.
 
@@ -318,6 +327,10 @@ def generate_predictions(
     "emotion_fine_scored" (index in `schema.ED_EMOTIONS_32`, -1 when the text had no CoE to condition on),
     "emotion_scored" (its class) and
     "emotion_label_logprobs" (the 32 log-likelihoods, in label order; absent when unscored).
+
+    `emotion_head` (`eval.emotion_head`) also reads each prompt (`prompt_summaries`) and adds
+    "emotion_head_logprobs" (32), "emotion_fine_head" and "emotion_head" (its class); with `score_emotions`
+    and a head whose weights are chosen, "emotion_fine_combined" and "emotion_combined" (`combine`).
     """
     if batch_size < 1:  # a negative size would make the batching loop empty: no predictions, no error
         raise ValueError(f"generate_predictions: batch_size must be >= 1, got {batch_size}")
@@ -340,6 +353,10 @@ def generate_predictions(
         raise TemplateError(f"score_emotions needs a Chain-of-Empathy target; template {stage.name!r} "
                             "has none")
     labels = label_continuations(tokenizer) if score_emotions else None
+    if emotion_head is not None and emotion_head.num_features != 2 * model.llm.config.hidden_size:
+        raise emotion_head_lib.EmotionHeadError(
+            f"the emotion head reads {emotion_head.num_features} features, this model gives "
+            f"{2 * model.llm.config.hidden_size}: it was fitted to another backbone")
     out: list[dict[str, Any]] = []
     bar = _progress(None, total=-(-n // batch_size), desc=f"eval {split} (generation)", enabled=progress)
     for w0 in range(0, n, window):
@@ -357,6 +374,9 @@ def generate_predictions(
             if labels is not None:
                 _add_scored_emotions(model, tokenizer, chunk, prompts, preds, labels, emap, builder, pcfg,
                                      spliced, compiler_options)
+            if emotion_head is not None:
+                _add_head_emotions(model, emotion_head, chunk, batch_size, preds, emap, builder, pcfg,
+                                   spliced, compiler_options)
             bar.update(1)
         out += [preds[i] for i in sorted(preds)]
     bar.close()
@@ -474,11 +494,94 @@ def _add_scored_emotions(model, tokenizer, chunk, prompts, preds, labels, emap, 
                                      inputs_embeds=embeds)
         for (pred, _, _), row in zip(group, scores[: len(group)], strict=True):
             fine = int(np.argmax(row))
-            word = schema.ED_EMOTIONS_32[fine]
-            coarse = emotion_class(word, emap)
-            pred.update(emotion_word_scored=word, emotion_fine_scored=fine,
-                        emotion_scored=-1 if coarse is None else int(coarse),
+            pred.update(emotion_word_scored=schema.ED_EMOTIONS_32[fine],
+                        **_label_fields("scored", fine, emap),
                         emotion_label_logprobs=[round(float(x), 4) for x in row])
+
+
+def _summaries(model: Empatheia, chunk: Sequence[Mapping[str, Any]], batch_size: int,
+               builder: ip.ExampleBuilder, pcfg: ip.PipelineConfig, spliced: bool,
+               compiler_options: Mapping[str, Any] | None) -> np.ndarray:
+    """`prompt_summaries` of `chunk`'s prompts [len(chunk), 2D], in a batch completed with copies (one
+    program per prompt bucket)."""
+    rows = list(chunk) + [chunk[-1]] * (batch_size - len(chunk))
+    prompts = [e["input_ids"].tolist() for e in rows]
+    embeds = None
+    if spliced:
+        ids, _ = left_pad(prompts, builder.pad_id)
+        embeds = _prompt_embeds(model, ids, rows, builder, pcfg, compiler_options)
+    read = prompt_summaries(model.llm, prompts, pad_token_id=builder.pad_id, inputs_embeds=embeds)
+    return read[: len(chunk)]
+
+
+def _add_head_emotions(model, head, chunk, batch_size, preds, emap, builder, pcfg, spliced, compiler_options
+                       ) -> None:
+    """Sets the emotion head's fields of this batch's predictions (`generate_predictions(emotion_head=)`),
+    and the combined decision where the step was scored and the head's weights are chosen."""
+    logp = head.log_probs(_summaries(model, chunk, batch_size, builder, pcfg, spliced, compiler_options))
+    for e, row in zip(chunk, logp, strict=True):
+        pred = preds[e["record_index"]]
+        pred.update(emotion_head_logprobs=[round(float(x), 4) for x in row],
+                    **_label_fields("head", int(np.argmax(row)), emap))
+        if head.head_weight is not None and "emotion_fine_scored" in pred:
+            arrays = emotion_head_lib.prediction_arrays([pred])
+            fine = emotion_head_lib.combine(arrays["head"], arrays["scored"], arrays["free"],
+                                            head.head_weight, head.free_weight)[0]
+            pred.update(_label_fields("combined", int(fine), emap))
+
+
+def _label_fields(name: str, fine: int, emap: schema.EmotionMap) -> dict[str, int]:
+    """{emotion_fine_<name>: the ED label index, emotion_<name>: its class under the shards' map or -1}."""
+    coarse = emotion_class(schema.ED_EMOTIONS_32[fine], emap)
+    return {f"emotion_fine_{name}": fine, f"emotion_{name}": -1 if coarse is None else int(coarse)}
+
+
+def dialogue_summaries(
+    model: Empatheia,
+    tokenizer: Any,
+    shards_dir: str | os.PathLike,
+    split: str,
+    *,
+    template: str | None = None,
+    batch_size: int = 8,
+    max_len: int = 1024,
+    max_examples: int | None = None,
+    progress: bool = True,
+    compiler_options: Mapping[str, Any] | None = None,
+) -> dict[str, np.ndarray]:
+    """How the model reads each record's prompt (the eval template without the target, as
+    `generate_predictions` builds it): {"record_index" [N], "features" [N, 2D] (`prompt_summaries`),
+    "emotion_fine" [N] (the gold ED label, -1 where none)}, in record order; prompts longer than `max_len`
+    are left out. What the emotion head is fitted on (`eval.emotion_head`)."""
+    if batch_size < 1:
+        raise ValueError(f"dialogue_summaries: batch_size must be >= 1, got {batch_size}")
+    cfg = model.config
+    manifest = check_split(shards_dir, split)
+    stage = eval_stage(cfg, template)
+    _check_model_and_data(model, tokenizer, manifest, shards_dir, split, stage)
+    fields = pipeline_config_fields(cfg, stage, None)
+    pcfg = ip.PipelineConfig(stage=stage.template_stage, max_len=max_len, include_target=False, **fields)
+    spliced = cfg.has_media and pcfg.template_spec().has_media
+    reader = ip.ShardReader.for_split(shards_dir, split)
+    builder = ip.ExampleBuilder(tokenizer, pcfg, audio_dim=cfg.audio_dim, video_dim=cfg.video_dim)
+    n = len(reader) if max_examples is None else min(len(reader), max_examples)
+    window = batch_size * _SORT_WINDOW_BATCHES
+    index, feats, gold = [], [], []
+    bar = _progress(None, total=-(-n // batch_size), desc=f"read {split} (prompts)", enabled=progress)
+    for w0 in range(0, n, window):
+        kept = _window_prompts(reader, builder, w0, min(w0 + window, n))
+        for b0 in range(0, len(kept), batch_size):
+            chunk = kept[b0 : b0 + batch_size]
+            feats.append(_summaries(model, chunk, batch_size, builder, pcfg, spliced, compiler_options))
+            index += [e["record_index"] for e in chunk]
+            gold += [e["labels"]["emotion_fine"] for e in chunk]
+            bar.update(1)
+    bar.close()
+    order = np.argsort(index, kind="stable")
+    dim = 2 * model.llm.config.hidden_size
+    features = np.concatenate(feats) if feats else np.zeros((0, dim), np.float32)
+    return {"record_index": np.asarray(index, np.int64)[order], "features": features[order],
+            "emotion_fine": np.asarray(gold, np.int64)[order]}
 
 
 def _pad_rows(rows: Sequence[np.ndarray], max_rows: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -520,6 +623,7 @@ def evaluate(
     template: str | None = None,
     details: dict[str, Any] | None = None,
     score_emotions: bool = False,
+    emotion_head: EmotionHead | None = None,
 ) -> dict[str, float]:
     """All metrics of `model` on `split` of `shards_dir` (see the module docstring for the definitions).
 
@@ -538,7 +642,8 @@ def evaluate(
     both conventions, repetition_rate, reply_words),
     num_generated (Pipeline baseline: also age/gender/timbre_acc_text); with `score_emotions` (CoE templates)
     also emotion_acc_scored / emotion32_acc_scored / emotion_scored_rate: step 2 chosen among the 32 ED
-    labels by likelihood after the model's own step 1 (`generation.score_continuations`).
+    labels by likelihood after the model's own step 1 (`generation.score_continuations`); with an
+    `emotion_head`, emotion*_acc_head and (scored, the head's weights chosen) emotion*_acc_combined.
     `generate_batch_size` (default
     `batch_size`) batches the generation apart from the teacher-forced pass: decoding holds a KV cache, not
     [B, T, vocab] logits, so it affords more rows per step, and each decode step reads every weight once
@@ -565,6 +670,7 @@ def evaluate(
         preds = generate_predictions(model, tokenizer, shards_dir, split, max_new_tokens=max_new_tokens,
                                      repetition_penalty=repetition_penalty,
                                      no_repeat_ngram_size=no_repeat_ngram_size, score_emotions=score_emotions,
+                                     emotion_head=emotion_head,
                                      **{**common, "batch_size": generate_batch_size or batch_size})
         result.update(text_metrics(preds))
         if details is not None:

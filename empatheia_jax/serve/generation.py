@@ -383,6 +383,45 @@ def score_continuations(
                          jnp.asarray(cont_mask)))
 
 
+def _summary_program(graphdef, state, ids, mask, inputs_embeds):
+    """[B, 2D]: the final hidden state at each prompt's last token beside its mean over the prompt."""
+    model: Llama = nnx.merge(graphdef, state)
+    positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
+    x = model.embed(ids) if inputs_embeds is None else inputs_embeds
+    hidden, _ = model.decode(x, positions=positions, attention_mask=mask)
+    hidden = hidden.astype(jnp.float32)
+    weights = mask.astype(jnp.float32)[..., None]
+    mean = jnp.sum(hidden * weights, axis=1) / jnp.maximum(jnp.sum(weights, axis=1), 1.0)
+    return jnp.concatenate([hidden[:, -1], mean], axis=-1)
+
+
+_SUMMARIZERS: dict[Any, Any] = {}
+
+
+def prompt_summaries(
+    model: Llama,
+    prompts: Sequence[Sequence[int]],
+    *,
+    pad_token_id: int = 0,
+    inputs_embeds: jax.Array | None = None,
+) -> np.ndarray:
+    """How the model reads each prompt, [len(prompts), 2 * hidden] float32: the final-normed hidden state at
+    its last token (where a causal model has read all of it, and where the reply starts) beside the mean over
+    its tokens. Features for a probe over the dialogue (`eval.emotion_head`), read with the positions and
+    padding `generate_tokens` uses, so a padded row reads as it would alone."""
+    ids, mask = left_pad(prompts, pad_token_id)
+    if inputs_embeds is not None and tuple(inputs_embeds.shape[:2]) != ids.shape:
+        raise ValueError(f"inputs_embeds has shape {tuple(inputs_embeds.shape)}, expected {ids.shape} + (D,)")
+    graphdef, state = nnx.split(model)
+    with _LOCK:
+        fn = _SUMMARIZERS.get(graphdef)
+        if fn is None:
+            options = _CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
+            fn = jax.jit(partial(_summary_program, graphdef), compiler_options=options)
+            _SUMMARIZERS[graphdef] = fn
+    return np.asarray(fn(state, jnp.asarray(ids), jnp.asarray(mask), inputs_embeds))
+
+
 def _encode(tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:
     if isinstance(prompts, str):
         raise TypeError("prompts must be a list of strings, not one string")

@@ -65,6 +65,9 @@ def distinct_n_per_reply(texts: Iterable[str], n: int) -> float:
 
 
 REPEAT_N = 4
+# The step-2 decisions besides the free one, by the suffix of their prediction fields (emotion_fine_<kind>):
+# chosen by likelihood, by the emotion head, and by both with the free step (`eval.emotion_head.combine`).
+DECISIONS = ("scored", "head", "combined")
 
 
 def has_repeated_ngram(text: str, n: int = REPEAT_N) -> bool:
@@ -91,7 +94,8 @@ def text_metrics(predictions: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     `reply_overlap` and `reply_engagement` rows; *_acc_text for the Pipeline baseline's profile line.
     Predictions with the *_scored fields of `generate_predictions(score_emotions=True)` add
     emotion_acc_scored / emotion32_acc_scored (unscored = wrong) and emotion_scored_rate (share with a CoE to
-    score after).
+    score after); with an emotion head's fields (`generate_predictions(emotion_head=)`), emotion_acc_head /
+    emotion32_acc_head and, where combined, emotion_acc_combined / emotion32_acc_combined.
     """
     if not predictions:
         return {}
@@ -107,10 +111,13 @@ def text_metrics(predictions: Sequence[Mapping[str, Any]]) -> dict[str, float]:
             m.add("emotion32_acc_text", p.get("emotion_fine", -1) == gold["emotion_fine"], 1)
         if "emotion_fine_scored" in p:  # generate_predictions(score_emotions=True)
             m.add("emotion_scored_rate", p["emotion_fine_scored"] >= 0, 1)
+        for kind in DECISIONS:
+            if f"emotion_fine_{kind}" not in p:
+                continue
             if gold.get("emotion", -1) >= 0:
-                m.add("emotion_acc_scored", p["emotion_scored"] == gold["emotion"], 1)
+                m.add(f"emotion_acc_{kind}", p[f"emotion_{kind}"] == gold["emotion"], 1)
             if gold.get("emotion_fine", -1) >= 0:
-                m.add("emotion32_acc_scored", p["emotion_fine_scored"] == gold["emotion_fine"], 1)
+                m.add(f"emotion32_acc_{kind}", p[f"emotion_fine_{kind}"] == gold["emotion_fine"], 1)
         if "signal_complete" in p:
             m.add("signal_rate", bool(p["signal_complete"]), 1)
         for name in ("age", "gender", "timbre"):

@@ -1,0 +1,141 @@
+"""Fits the emotion head (`eval.emotion_head`) of a trained model and chooses its combination with step 2.
+
+    # 1. the probe: fitted on the train part, its regularisation chosen on the dev part
+    python -m empatheia_jax.eval.fit_emotion_head probe --ckpt EXPORT --shards SHARDS [--backbone DIR]
+    # 2. an eval of the dev part with that head and --score_emotions writes predictions_<template>.jsonl
+    empatheia eval --ckpt EXPORT --shards SHARDS --split dev --template coe --score_emotions --report R
+    # 3. the combination's weights, chosen on those dev predictions, written into the head
+    python -m empatheia_jax.eval.fit_emotion_head weights --head EXPORT/emotion_head.safetensors \\
+        --predictions R/predictions_coe.jsonl
+
+Both steps print what they chose and the dev figures it was chosen by, and `--json` writes them. Exit status
+0, or 2 with one `error:` line for a bad file, folder or split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from empatheia_jax.eval import emotion_head as eh
+
+
+def fit_probe_of(ckpt: str, shards: str, *, train_split: str = "train", dev_split: str = "dev",
+                 template: str | None = "coe", backbone: str | None = None, batch_size: int = 8,
+                 progress: bool = True) -> tuple[eh.EmotionHead, dict[str, Any]]:
+    """(the probe, its summary) for the model at `ckpt`: features of every record of both splits read by the
+    model (`evaluate.dialogue_summaries`), the probe fitted on the train split's labelled records for each C
+    of `emotion_head.C_GRID`, kept at the best dev accuracy."""
+    from empatheia_jax.eval.evaluate import dialogue_summaries
+    from empatheia_jax.serve.load import load_trained
+
+    model, tokenizer, config, _ = load_trained(ckpt, backbone=backbone)
+    read = {s: dialogue_summaries(model, tokenizer, shards, s, template=template, batch_size=batch_size,
+                                  max_len=int(config.data.max_len), progress=progress)
+            for s in (train_split, dev_split)}
+    for s, r in read.items():
+        if not np.any(r["emotion_fine"] >= 0):
+            raise eh.EmotionHeadError(f"{shards} split {s}: no record has an ED emotion label (emotion_fine)")
+    train = read[train_split]["emotion_fine"] >= 0
+    dev = read[dev_split]["emotion_fine"] >= 0
+    head, by_c = eh.fit_head(read[train_split]["features"][train], read[train_split]["emotion_fine"][train],
+                             read[dev_split]["features"][dev], read[dev_split]["emotion_fine"][dev])
+    summary = {"c": head.c, "dev_accuracy_by_c": {f"{c:g}": a for c, a in by_c.items()},
+               "emotion32_acc_head": by_c[head.c], "train_records": int(train.sum()),
+               "dev_records": int(dev.sum()), "template": template, "shards": str(shards)}
+    return head, summary
+
+
+def choose_head_weights(head: eh.EmotionHead, predictions: list[dict[str, Any]]
+                        ) -> tuple[eh.EmotionHead, dict[str, Any]]:
+    """(the head with the combination weights that are most often right on `predictions`, the summary):
+    `predictions` are an eval's of the dev part with this head and --score_emotions."""
+    a = eh.prediction_arrays(predictions)
+    labelled = a["gold"] >= 0
+    if not labelled.any():
+        raise eh.EmotionHeadError("no prediction has a gold ED label (labels.emotion_fine)")
+    if not any("emotion_fine_scored" in p for p in predictions):
+        raise eh.EmotionHeadError("the predictions were not scored: evaluate with --score_emotions")
+    (hw, fw), table = eh.choose_weights(*(a[k][labelled] for k in ("head", "scored", "free", "gold")))
+    alone = {name: float(np.mean(pred[labelled] == a["gold"][labelled])) for name, pred in (
+        ("free", a["free"]), ("scored", np.nanargmax(np.nan_to_num(a["scored"], nan=-np.inf), -1)),
+        ("head", a["head"].argmax(-1)))}
+    summary = {"head_weight": hw, "free_weight": fw, "emotion32_acc_combined": table[(hw, fw)],
+               "alone": alone, "records": int(labelled.sum()),
+               "scored_records": int((~np.isnan(a["scored"][labelled]).all(-1)).sum()),
+               "table": {f"{h:g},{f:g}": acc for (h, f), acc in table.items()}}
+    return head.with_weights(hw, fw), summary
+
+
+def _read_predictions(path: str) -> list[dict[str, Any]]:
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise eh.EmotionHeadError(f"{path} line {n}: not JSON ({e.msg})") from e
+    if not rows:
+        raise eh.EmotionHeadError(f"{path}: no predictions")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="step", required=True)
+    probe = sub.add_parser("probe", help="fit the probe (train part) and its C (dev part)")
+    probe.add_argument("--ckpt", required=True, help="a training workdir or an export folder")
+    probe.add_argument("--shards", required=True, help="shards with the train and dev splits")
+    probe.add_argument("--train_split", default="train")
+    probe.add_argument("--dev_split", default="dev")
+    probe.add_argument("--template", default="coe", help="the prompt the model reads (eval's --template)")
+    probe.add_argument("--backbone", default=None, help="the converted backbone, when the export's moved")
+    probe.add_argument("--batch_size", type=int, default=8)
+    probe.add_argument("--out", default=None, help=f"the head file (default: CKPT/{eh.FILE_NAME})")
+    weights = sub.add_parser("weights", help="choose the combination's weights on dev predictions")
+    weights.add_argument("--head", required=True, help="the head file; the weights are written into it")
+    weights.add_argument("--predictions", required=True, help="eval --report's predictions_<template>.jsonl "
+                         "of the dev part, evaluated with this head and --score_emotions")
+    for p in (probe, weights):
+        p.add_argument("--json", default=None, help="also write the summary here")
+    args = parser.parse_args(argv)
+    from empatheia_jax import logs
+
+    logs.configure()
+    try:
+        if args.step == "probe":
+            head, summary = fit_probe_of(args.ckpt, args.shards, train_split=args.train_split,
+                                         dev_split=args.dev_split, template=args.template,
+                                         backbone=args.backbone, batch_size=args.batch_size)
+            out = args.out or str(Path(args.ckpt) / eh.FILE_NAME)
+        else:
+            head, summary = choose_head_weights(eh.EmotionHead.load(args.head),
+                                                _read_predictions(args.predictions))
+            out = args.head
+        head.save(out)
+    except (OSError, eh.EmotionHeadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # the loader's and the shards' own user errors
+        from empatheia_jax.cli import one_line, user_errors
+
+        if isinstance(e, user_errors()):
+            print(f"error: {one_line(str(e))}", file=sys.stderr)
+            return 2
+        raise
+    shown = {k: v for k, v in summary.items() if k not in ("table",)}
+    print(json.dumps(shown, indent=1))
+    print(f"emotion head: {out}", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
