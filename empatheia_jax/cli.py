@@ -94,6 +94,12 @@ flags.DEFINE_string("emotion_head", None, "eval: an emotion head file (python -m
                     "empatheia_jax.eval.fit_emotion_head): rows emotion*_acc_head, and with "
                     "--score_emotions emotion*_acc_combined (default: the --ckpt folder's "
                     "emotion_head.safetensors when it has one)")
+flags.DEFINE_float("reply_temperature", 0.0, "eval: draw each reply with this temperature after the greedy "
+                   "Chain of Empathy (its steps and the emotion rows stay greedy; 0 = greedy replies)",
+                   lower_bound=0.0)
+flags.DEFINE_float("reply_top_p", 0.95, "eval: the nucleus of the drawn replies (--reply_temperature)",
+                   lower_bound=1e-6, upper_bound=1.0)
+flags.DEFINE_integer("seed", 0, "eval: the seed of the drawn replies (--reply_temperature)")
 flags.DEFINE_string("json", None, "eval: also write the metrics table as JSON here")
 flags.DEFINE_string("report", None, "eval: a report folder: report.md (table, per-class tables and plots), "
                     "metrics.json, per_class.json, per_class_*.png, predictions_*.jsonl")
@@ -331,7 +337,16 @@ def _eval_kwargs(config: Any, stage: stages.Stage, emotion_head: Any = None) -> 
         max_examples=FLAGS.max_examples or None,
         score_emotions=FLAGS.score_emotions,
         emotion_head=emotion_head,
+        reply_sampling=_reply_sampling(),
     )
+
+
+def _reply_sampling() -> Any:
+    from empatheia_jax.eval.evaluate import ReplySampling
+
+    if FLAGS.reply_temperature == 0:
+        return None
+    return ReplySampling(FLAGS.reply_temperature, FLAGS.reply_top_p, FLAGS.seed)
 
 
 def _emotion_head() -> Any:
@@ -399,6 +414,9 @@ def _eval_outputs(columns: _Columns, details: dict[str, Any] | None, voters: _Vo
         extra["asr"] = asr
     if _voting():
         extra["voters"] = list(voters)
+    if FLAGS.reply_temperature:
+        extra["reply_sampling"] = {"temperature": FLAGS.reply_temperature, "top_p": FLAGS.reply_top_p,
+                                   "seed": FLAGS.seed}
     if FLAGS.json:
         Path(FLAGS.json).parent.mkdir(parents=True, exist_ok=True)
         Path(FLAGS.json).write_text(json.dumps({**columns, **extra}, indent=1))

@@ -306,6 +306,61 @@ def test_emotion_head_reads_the_spliced_prompts_and_votes_with_step_2(model, tok
                                 emotion_head=other)
 
 
+def test_reply_sampling_draws_the_reply_after_the_greedy_coe(model, tok, shards, monkeypatch):
+    """`ReplySampling`: the greedy CoE (rigged here) is kept through the step-5 header, found in token space,
+    and only the reply is drawn after it: with a nucleus of one token the drawn reply is the greedy
+    continuation of prompt + header, each row decoded alone with its media spliced; the CoE fields equal the
+    greedy run's; a text without the header keeps its greedy reply; a seed repeats, another seed differs."""
+    from empatheia_jax.serve import generation
+    from empatheia_jax.serve.forward import embed_prompts
+
+    texts = _rigged_coe_texts()
+    examples = _prompt_examples(tok, shards)
+    rigged = _rigged_generation(examples, texts, tok)
+    real = generation.generate_tokens
+
+    def phase(llm, prompts, max_new_tokens, temperature=0.0, top_p=1.0, **kw):  # greedy: the rigged CoE
+        if temperature == 0:
+            return rigged(llm, prompts, max_new_tokens, **kw)
+        return real(llm, prompts, max_new_tokens, temperature, top_p, **kw)
+
+    monkeypatch.setattr(ev, "generate_tokens", phase)
+    kw = dict(batch_size=2, max_len=MAX_LEN, progress=False, compiler_options=FAST, max_new_tokens=80)
+    greedy = ev.generate_predictions(model, tok, shards, "test", **kw)
+    narrow = ev.generate_predictions(model, tok, shards, "test", **kw,
+                                     reply_sampling=ev.ReplySampling(temperature=1.0, top_p=1e-6))
+    eos = eos_token_ids(model.llm, tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    for ex, text, g, p in zip(examples, texts, greedy, narrow, strict=True):
+        assert p["text_greedy"] == g["text"] == text
+        new = tok(text, add_special_tokens=False)["input_ids"]
+        k = ev.reply_header_tokens(tok, new)
+        if "the response is" not in text:
+            assert k is None and p["text"] == text  # no header: the greedy reply stays
+            continue
+        assert tok.decode(new[:k]).rstrip().endswith("the response is:")
+        assert not tok.decode(new[: k - 1]).rstrip().endswith("the response is:")  # the fewest tokens
+        prefix = ex["input_ids"].tolist() + new[:k]
+        ids, _ = left_pad([prefix], pad)
+        af, vf = ex["aud_feats"][None], ex["vid_feats"][None]
+        embeds = embed_prompts(model, ids, af, np.ones(af.shape[:2], np.int32), vf,
+                               np.ones(vf.shape[:2], np.int32))
+        alone = real(model.llm, [prefix], 80 - k, eos_ids=eos, pad_token_id=pad, inputs_embeds=embeds)
+        want = new[:k] + alone.new_tokens[0, : alone.num_new[0]].tolist()
+        assert p["text"] == tok.decode(want, skip_special_tokens=False)
+        for field in ("emotion_word", "emotion", "emotion_fine"):
+            assert p[field] == g[field], field
+        assert {k: v for k, v in p["coe"].items() if k != "response"} == \
+            {k: v for k, v in g["coe"].items() if k != "response"}  # every step but the reply: greedy
+    drawn = [ev.generate_predictions(model, tok, shards, "test", **kw,
+                                     reply_sampling=ev.ReplySampling(temperature=1.5, top_p=1.0, seed=s))
+             for s in (0, 0, 1)]
+    assert [p["text"] for p in drawn[0]] == [p["text"] for p in drawn[1]]
+    assert [p["text"] for p in drawn[0]] != [p["text"] for p in drawn[2]]
+    with pytest.raises(ValueError, match="temperature=0"):
+        ev.ReplySampling(temperature=0.0)
+
+
 def _log_softmax(x):
     x = np.asarray(x, np.float64)
     return x - x.max() - np.log(np.exp(x - x.max()).sum())

@@ -456,6 +456,16 @@ def emotion_step_prefix(text: str) -> str | None:
     return f"{before.rstrip()}\n\n{ordinal}, {phrase}:"
 
 
+def response_header_end(text: str) -> int | None:
+    """Where the reply begins in generated CoE text: the index just after the step-5 header ("Finally, the
+    response is:", spaces after it not included), None when the text has no such header."""
+    for m in _COE_HEAD_RE.finditer(text):
+        phrase = m.group("phrase").lower()
+        if "response" in phrase and "goal" not in phrase:
+            return len(text[: m.end()].rstrip(" \t"))
+    return None
+
+
 _PIPE_RE = {
     "emotion": re.compile(r"^\s*emotion\s*:\s*(.*)$", re.IGNORECASE | re.MULTILINE),
     "profile": re.compile(r"^\s*profile\s*:\s*(.*)$", re.IGNORECASE | re.MULTILINE),

@@ -22,6 +22,7 @@ labelled examples), never a mean of batch means.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -311,6 +312,7 @@ def generate_predictions(
     template: str | None = None,
     score_emotions: bool = False,
     emotion_head: EmotionHead | None = None,
+    reply_sampling: ReplySampling | None = None,
 ) -> list[dict[str, Any]]:
     """Greedy generations for the records of `split`, parsed (`parse_generation`), in record order.
 
@@ -331,6 +333,9 @@ def generate_predictions(
     `emotion_head` (`eval.emotion_head`) also reads each prompt (`prompt_summaries`) and adds
     "emotion_head_logprobs" (32), "emotion_fine_head" and "emotion_head" (its class); with `score_emotions`
     and a head whose weights are chosen, "emotion_fine_combined" and "emotion_combined" (`combine`).
+
+    `reply_sampling` draws each reply again after the greedy Chain of Empathy (`ReplySampling`): the CoE
+    steps, hence every emotion field, are the greedy ones; "text_greedy" keeps the greedy text.
     """
     if batch_size < 1:  # a negative size would make the batching loop empty: no predictions, no error
         raise ValueError(f"generate_predictions: batch_size must be >= 1, got {batch_size}")
@@ -369,7 +374,8 @@ def generate_predictions(
                 model, tokenizer, chunk, batch_size=batch_size, builder=builder, pcfg=pcfg, spliced=spliced,
                 emap=emap, pipeline_baseline=stage.pipeline_baseline, signal=signal, eos=eos,
                 max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
-                no_repeat_ngram_size=no_repeat_ngram_size, compiler_options=compiler_options)
+                no_repeat_ngram_size=no_repeat_ngram_size, compiler_options=compiler_options,
+                reply_sampling=reply_sampling)
             preds.update(batch_preds)
             if labels is not None:
                 _add_scored_emotions(model, tokenizer, chunk, prompts, preds, labels, emap, builder, pcfg,
@@ -431,6 +437,7 @@ def _generate_batch(
     repetition_penalty: float,
     no_repeat_ngram_size: int,
     compiler_options: Mapping[str, Any] | None,
+    reply_sampling: ReplySampling | None = None,
 ) -> tuple[list[list[int]], dict[int, dict[str, Any]]]:
     """One batch of `generate_predictions`: (the prompts as generated, padding copies included, for the label
     scoring that conditions on them; the parsed predictions of `chunk` by record index). A short batch is
@@ -444,11 +451,20 @@ def _generate_batch(
                           pad_token_id=builder.pad_id, inputs_embeds=embeds,
                           repetition_penalty=repetition_penalty,
                           no_repeat_ngram_size=no_repeat_ngram_size)
+    news = [gen.new_tokens[r, : gen.num_new[r]].tolist() for r in range(len(rows))]
+    greedy = news
+    if reply_sampling is not None:
+        news = _sample_replies(model, tokenizer, rows, prompts, news, reply_sampling, builder=builder,
+                               pcfg=pcfg, spliced=spliced, eos=eos, max_new_tokens=max_new_tokens,
+                               repetition_penalty=repetition_penalty,
+                               no_repeat_ngram_size=no_repeat_ngram_size, compiler_options=compiler_options)
     preds = {}
     for r, e in enumerate(chunk):
-        new = gen.new_tokens[r, : gen.num_new[r]].tolist()
+        new = news[r]
         text = tokenizer.decode(new, skip_special_tokens=False)
         pred = parse_generation(text, emap, pipeline_baseline=pipeline_baseline)
+        if reply_sampling is not None:
+            pred["text_greedy"] = tokenizer.decode(greedy[r], skip_special_tokens=False)
         pred.update(record_index=e["record_index"], uid=e["uid"], labels=e["labels"],
                     gold_reply=e["gold_reply"], speaker_turn=e["speaker_turn"],
                     prompt_tokens=len(prompts[r]), num_new=int(gen.num_new[r]), text=text)
@@ -456,6 +472,64 @@ def _generate_batch(
             pred["signal_complete"] = signal <= set(new)
         preds[e["record_index"]] = pred
     return prompts, preds
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplySampling:
+    """Draw the reply, not the reasoning: after the greedy Chain of Empathy, each reply is generated again
+    from the prompt + the greedy text through the step-5 header ("Finally, the response is:", found in token
+    space: `reply_header_tokens`) with temperature + nucleus sampling. Why: greedy decoding returns the mode,
+    and the mode of an empathetic reply is the same few sentences for every dialogue ("I'm sorry to hear
+    that."); sampling the reply alone spreads the replies while the event, emotion, cause and goal steps,
+    and every emotion figure, stay the greedy ones. A text without the header keeps its greedy reply.
+    Seeded per batch from (`seed`, the batch's first record index), so a run repeats exactly at the same batch
+    size."""
+
+    temperature: float = 0.8
+    top_p: float = 0.95
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"reply sampling: temperature={self.temperature} must be > 0 (0 is greedy: "
+                             "leave sampling off)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"reply sampling: top_p={self.top_p} must be in (0, 1]")
+
+
+def reply_header_tokens(tokenizer: Any, new: Sequence[int]) -> int | None:
+    """How many of the generated tokens `new` run through the CoE's step-5 header (the fewest whose text
+    covers `templates.response_header_end`), None when the text has no such header."""
+    end = tpl.response_header_end(tokenizer.decode(list(new), skip_special_tokens=False))
+    if end is None:
+        return None
+    return next(k for k in range(1, len(new) + 1)
+                if len(tokenizer.decode(list(new[:k]), skip_special_tokens=False)) >= end)
+
+
+def _sample_replies(model, tokenizer, rows, prompts, news, sampling, *, builder, pcfg, spliced, eos,
+                    max_new_tokens, repetition_penalty, no_repeat_ngram_size, compiler_options
+                    ) -> list[list[int]]:
+    """`news` (each row's greedy new tokens) with every reply after a step-5 header drawn again
+    (`ReplySampling`); one sampled decode for the batch, whose size and hence program never change."""
+    heads = [reply_header_tokens(tokenizer, n) for n in news]
+    if all(k is None for k in heads):
+        return news
+    prefixes = [p + n[: k if k is not None else len(n)] for p, n, k in zip(prompts, news, heads, strict=True)]
+    embeds = None
+    if spliced:
+        ids, _ = left_pad(prefixes, builder.pad_id)
+        embeds = _prompt_embeds(model, ids, rows, builder, pcfg, compiler_options)
+    budget = max(1, max_new_tokens - min(k for k in heads if k is not None))
+    seed = int(np.random.SeedSequence([sampling.seed, int(rows[0]["record_index"])]).generate_state(1)[0])
+    drawn = generate_tokens(model.llm, prefixes, budget, sampling.temperature, sampling.top_p, seed=seed,
+                            eos_ids=eos, pad_token_id=builder.pad_id, inputs_embeds=embeds,
+                            repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size)
+    out = []
+    for r, (n, k) in enumerate(zip(news, heads, strict=True)):
+        reply = drawn.new_tokens[r, : drawn.num_new[r]].tolist()
+        out.append(n if k is None else n[:k] + reply[: max_new_tokens - k])
+    return out
 
 
 _SORT_WINDOW_BATCHES = 16  # prompts are length-sorted within windows of this many batches
@@ -624,6 +698,7 @@ def evaluate(
     details: dict[str, Any] | None = None,
     score_emotions: bool = False,
     emotion_head: EmotionHead | None = None,
+    reply_sampling: ReplySampling | None = None,
 ) -> dict[str, float]:
     """All metrics of `model` on `split` of `shards_dir` (see the module docstring for the definitions).
 
@@ -643,7 +718,8 @@ def evaluate(
     num_generated (Pipeline baseline: also age/gender/timbre_acc_text); with `score_emotions` (CoE templates)
     also emotion_acc_scored / emotion32_acc_scored / emotion_scored_rate: step 2 chosen among the 32 ED
     labels by likelihood after the model's own step 1 (`generation.score_continuations`); with an
-    `emotion_head`, emotion*_acc_head and (scored, the head's weights chosen) emotion*_acc_combined.
+    `emotion_head`, emotion*_acc_head and (scored, the head's weights chosen) emotion*_acc_combined;
+    `reply_sampling` (`ReplySampling`) draws the replies after the greedy CoE.
     `generate_batch_size` (default
     `batch_size`) batches the generation apart from the teacher-forced pass: decoding holds a KV cache, not
     [B, T, vocab] logits, so it affords more rows per step, and each decode step reads every weight once
@@ -670,7 +746,7 @@ def evaluate(
         preds = generate_predictions(model, tokenizer, shards_dir, split, max_new_tokens=max_new_tokens,
                                      repetition_penalty=repetition_penalty,
                                      no_repeat_ngram_size=no_repeat_ngram_size, score_emotions=score_emotions,
-                                     emotion_head=emotion_head,
+                                     emotion_head=emotion_head, reply_sampling=reply_sampling,
                                      **{**common, "batch_size": generate_batch_size or batch_size})
         result.update(text_metrics(preds))
         if details is not None:
