@@ -35,8 +35,10 @@ import ml_collections
 
 CARD_FORMAT = "empatheia-card"
 # What the card's figure table shows, in order (the rest of the eval report stays in card.json).
-HEADLINE = ("emotion32_acc_scored", "emotion32_acc_text", "emotion_acc_scored", "emotion_acc_text",
-            "emotion32_parse_rate", "coe_parse_rate", "dist1_corpus", "dist2_corpus", "dist1_reply",
+HEADLINE = ("emotion32_acc_combined", "emotion32_acc_head", "emotion32_acc_scored", "emotion32_acc_text",
+            "emotion_acc_combined", "emotion_acc_head", "emotion_acc_scored", "emotion_acc_text",
+            "emotion32_parse_rate", "coe_parse_rate", "reply_bleu1", "reply_bleu2", "reply_rouge_l",
+            "question_rate", "reuse_rate", "duplicate_rate", "dist1_corpus", "dist2_corpus", "dist1_reply",
             "dist2_reply", "repetition_rate", "reply_words", "reply_ppl", "ppl", "num_examples")
 # The avatar's figures (`--avatar_metrics`: an eval of the CS's content spoken and drawn), and the columns
 # they are read against: the mean predictor, the gold speech and video (the floor), and the reference
@@ -248,8 +250,12 @@ def render(card: Mapping[str, Any]) -> str:
         "## Evaluation",
         "",
         f"Template {ev['template']}, data {Path(str(ev['data'])).name} split {ev['split']}. "
-        "`emotion32_acc_scored` is CoE step 2 chosen among the 32 ED labels by likelihood after the model's "
-        "own step 1; `emotion32_acc_text` the same step decoded freely (docs/design.md, Evaluation).",
+        "The model reads the dialogue alone (never ED's situation text: it writes the event itself in CoE "
+        "step 1). `emotion32_acc_text` is CoE step 2 decoded freely; `emotion32_acc_scored` the step "
+        "chosen among the 32 ED labels by likelihood after the model's own step 1; `emotion32_acc_head` "
+        "the emotion head (emotion_head.safetensors, a linear probe over the model's reading of the "
+        "dialogue, fitted on the train part); `emotion32_acc_combined` the three combined with weights "
+        "chosen on this dev part (docs/design.md, Evaluation).",
         "",
         "| metric | value |",
         "|---|---|",
@@ -259,7 +265,7 @@ def render(card: Mapping[str, Any]) -> str:
             lines.append(f"| {name} | {_fmt(m[name])} |")
     if card.get("ci_subset"):
         sub = card["ci_subset"]
-        shown = ", ".join(f"{k} {_fmt(sub['metrics'][k])}" for k in HEADLINE[:2] if k in sub["metrics"])
+        shown = ", ".join(f"{k} {_fmt(sub['metrics'][k])}" for k in HEADLINE[:4] if k in sub["metrics"])
         lines += ["", f"On the first {sub['max_examples']} records of the same split (what the project's "
                       f"test re-measures): {shown}."]
     if card.get("avatar"):
