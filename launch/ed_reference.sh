@@ -26,12 +26,13 @@
 # steps, default 50: minutes on a CPU, where a step takes 5-15 s), COE_FROM (a finished coe stage to chain
 # from instead of training one: a workdir or a PEFT export, e.g. the committed reference model, `python -m
 # empatheia_jax.reference`; the ED stages train the CS only, so its LoRA reaches the new export unchanged, and
-# a redesigned CS costs the ccl stage, not the hours of coe).
+# a redesigned CS costs the ccl stage, not the hours of coe), HEAD_FROM (an emotion_head.safetensors fitted
+# to the same LLM, e.g. the committed reference's, copied into the export instead of fitting one).
 # Exit status: 0 done; 3 a stage stopped early (SIGTERM: checkpointed; re-run the same command to resume).
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-    sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 RUN=$1
@@ -150,9 +151,22 @@ fi
 echo "[ed_reference] export of $prev (${EXPORT_DTYPE:-bfloat16}) -> $RUN/export"
 "$PY" -m empatheia_jax.cli export --ckpt "$prev" --out "$RUN/export" --dtype "${EXPORT_DTYPE:-bfloat16}" \
     --overwrite
+# The emotion head (empatheia_jax/eval/emotion_head.py): a probe over the model's reading of the dialogue,
+# fitted on the train part with its C chosen on dev; HEAD_FROM reuses a head fitted to the same LLM (the
+# ED stages train the CS only, so the coe stage's head still reads the same states).
+if [[ -n ${HEAD_FROM:-} ]]; then
+    cp "$HEAD_FROM" "$RUN/export/emotion_head.safetensors"
+else
+    echo "[ed_reference] emotion head of the export (train part; C on dev) -> $RUN/export/emotion_head.safetensors"
+    "$PY" -m empatheia_jax.eval.fit_emotion_head probe --ckpt "$RUN/export" --shards "$RUN/ed/shards" \
+        --json "$RUN/emotion_head_probe.json"
+fi
 echo "[ed_reference] dev evaluation of the export (CoE prompt) -> $RUN/report_final"
 "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template coe \
     --report "$RUN/report_final" --no_repeat_ngram_size 4 --score_emotions ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
+echo "[ed_reference] the head's combination with step 2, chosen on those dev predictions"
+"$PY" -m empatheia_jax.eval.fit_emotion_head weights --head "$RUN/export/emotion_head.safetensors" \
+    --predictions "$RUN/report_final/predictions_coe.jsonl" --json "$RUN/emotion_head_weights.json"
 echo "[ed_reference] the avatar on dev replies: the CS's content spoken and heard (ccl template) -> $RUN/report_avatar"
 "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template ccl \
     --nogenerate --speech_examples "${SPEECH_EXAMPLES:-32}" --video_examples "${VIDEO_EXAMPLES:-16}" \
@@ -166,6 +180,6 @@ echo "[ed_reference] model card -> $RUN/export"
 "$PY" -m empatheia_jax.eval.model_card "$RUN/export" --metrics "$RUN/report_final/metrics.json" \
     "${WORKDIRS[@]}" \
     --subset_metrics "$RUN/report_final/subset.json" --subset_examples $CI_SUBSET \
-    --avatar_metrics "$RUN/report_avatar.json" \
+    --avatar_metrics "$RUN/report_avatar.json" --emotion_head_weights "$RUN/emotion_head_weights.json" \
     --command "${COE_FROM:+COE_FROM=$COE_FROM }bash launch/ed_reference.sh $RUN${*:+ $*}" --device "${DEVICE:-$(nproc)-core CPU}"
 echo "[ed_reference] done: $RUN/export (chat: empatheia chat --ckpt $RUN/export --text ...)"

@@ -125,11 +125,14 @@ def stage_summary(workdir: str | Path) -> dict[str, Any]:
 def build_card(export: str | Path, metrics: Mapping[str, Any], workdirs: Sequence[str | Path] = (), *,
                command: str = "", device: str = "", notes: str = "",
                subset: Mapping[str, Any] | None = None, subset_examples: int | None = None,
-               avatar: Mapping[str, Any] | None = None) -> dict[str, Any]:
+               avatar: Mapping[str, Any] | None = None,
+               emotion_head: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """card.json's content: the export's meta, the eval report's trained column and where it was measured,
     and each training workdir's summary. `subset` (an eval report of the same data with `--max_examples
     subset_examples`) is kept as "ci_subset": a figure a test can re-measure in CI time. `avatar` (an eval
-    report with speech/video rows) gives "avatar": its `AVATAR_METRICS` in each `AVATAR_COLUMNS` column."""
+    report with speech/video rows) gives "avatar": its `AVATAR_METRICS` in each `AVATAR_COLUMNS` column.
+    `emotion_head` (`fit_emotion_head weights --json`: the combination chosen on the eval's predictions)
+    gives "emotion_head": its weights and the dev figures it was chosen by."""
     export = Path(export)
     meta_path = export / "empatheia_config.json"
     if not meta_path.is_file():
@@ -163,6 +166,7 @@ def build_card(export: str | Path, metrics: Mapping[str, Any], workdirs: Sequenc
         },
         "ci_subset": ci_subset,
         "avatar": None if avatar is None else avatar_figures(avatar),
+        "emotion_head": None if emotion_head is None else _head_figures(emotion_head),
         "training": [stage_summary(w) for w in workdirs],
         "command": command,
         "device": device,
@@ -185,6 +189,23 @@ def avatar_figures(report: Mapping[str, Any]) -> dict[str, Any]:
                         "--speech_examples / --video_examples on shards with gold speech and faces")
     return {"template": report.get("template"), "data": report.get("shards"), "split": report.get("split"),
             "columns": columns}
+
+
+def _head_figures(summary: Mapping[str, Any]) -> dict[str, Any]:
+    keys = ("head_weight", "free_weight", "emotion32_acc_combined", "alone", "records")
+    missing = [k for k in keys if k not in summary]
+    if missing:
+        raise CardError(f"the emotion head summary lacks {', '.join(missing)} (write it with "
+                        "`python -m empatheia_jax.eval.fit_emotion_head weights --json`)")
+    return {k: summary[k] for k in keys}
+
+
+def _head_lines(head: Mapping[str, Any]) -> list[str]:
+    alone = head["alone"]
+    return ["", f"Combined decision (head weight {_fmt(float(head['head_weight']))}, free-step weight "
+                f"{_fmt(float(head['free_weight']))}, chosen on these {head['records']} dev predictions): "
+                f"emotion32 {_fmt(head['emotion32_acc_combined'])}; alone: free step "
+                f"{_fmt(alone['free'])}, scored step {_fmt(alone['scored'])}, head {_fmt(alone['head'])}."]
 
 
 def _avatar_lines(avatar: Mapping[str, Any]) -> list[str]:
@@ -263,6 +284,8 @@ def render(card: Mapping[str, Any]) -> str:
     for name in HEADLINE:
         if name in m:
             lines.append(f"| {name} | {_fmt(m[name])} |")
+    if card.get("emotion_head"):
+        lines += _head_lines(card["emotion_head"])
     if card.get("ci_subset"):
         sub = card["ci_subset"]
         shown = ", ".join(f"{k} {_fmt(sub['metrics'][k])}" for k in HEADLINE[:4] if k in sub["metrics"])
@@ -309,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--notes", default="")
     parser.add_argument("--subset_metrics", default=None, help="the same eval with --max_examples N")
     parser.add_argument("--subset_examples", type=int, default=None, help="that N")
+    parser.add_argument("--emotion_head_weights", default=None,
+                        help="`fit_emotion_head weights --json` on the --metrics eval's predictions")
     parser.add_argument("--avatar_metrics", default=None,
                         help="`empatheia eval --json` with speech/video rows (the card's avatar part)")
     args = parser.parse_args(argv)
@@ -316,9 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         metrics = json.loads(Path(args.metrics).read_text())
         subset = json.loads(Path(args.subset_metrics).read_text()) if args.subset_metrics else None
         avatar = json.loads(Path(args.avatar_metrics).read_text()) if args.avatar_metrics else None
+        head = json.loads(Path(args.emotion_head_weights).read_text()) if args.emotion_head_weights else None
         card = build_card(args.export, metrics, args.workdir, command=args.command, device=args.device,
                           notes=args.notes, subset=subset, subset_examples=args.subset_examples,
-                          avatar=avatar)
+                          avatar=avatar, emotion_head=head)
     except (OSError, json.JSONDecodeError, CardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
