@@ -166,7 +166,8 @@ echo "[ed_reference] dev evaluation of the export (CoE prompt) -> $RUN/report_fi
     --report "$RUN/report_final" --no_repeat_ngram_size 4 --score_emotions ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
 echo "[ed_reference] the head's combination with step 2, chosen on those dev predictions"
 "$PY" -m empatheia_jax.eval.fit_emotion_head weights --head "$RUN/export/emotion_head.safetensors" \
-    --predictions "$RUN/report_final/predictions_coe.jsonl" --json "$RUN/emotion_head_weights.json"
+    --predictions "$RUN/report_final/predictions_coe.jsonl" --shards "$RUN/ed/shards" \
+    --json "$RUN/emotion_head_weights.json"
 echo "[ed_reference] the avatar on dev replies: the CS's content spoken and heard (ccl template) -> $RUN/report_avatar"
 "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template ccl \
     --nogenerate --speech_examples "${SPEECH_EXAMPLES:-32}" --video_examples "${VIDEO_EXAMPLES:-16}" \

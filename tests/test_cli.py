@@ -335,7 +335,9 @@ def test_emotion_head_fitted_chosen_and_scored_through_the_command_line(trained,
     first = json.loads((tmp_path / "r1" / "metrics.json").read_text())["trained"]
     assert first["emotion32_acc_head"] == pytest.approx(probe["emotion32_acc_head"])  # the same reading
     assert "emotion32_acc_combined" not in first  # no weights chosen yet
-    ok(fit("weights", "--head", head, "--predictions", tmp_path / "r1" / "predictions_coe.jsonl"))
+    ok(fit("weights", "--head", head, "--predictions", tmp_path / "r1" / "predictions_coe.jsonl", "--shards",
+           ed_shards, "--json", tmp_path / "weights.json"))
+    weights = json.loads((tmp_path / "weights.json").read_text())
     chosen = eh.EmotionHead.load(head)
     assert chosen.head_weight in eh.HEAD_WEIGHT_GRID and chosen.free_weight in eh.FREE_WEIGHT_GRID
     evaluate(tmp_path / "r2")
@@ -345,6 +347,9 @@ def test_emotion_head_fitted_chosen_and_scored_through_the_command_line(trained,
     combined = eh.combine(a["head"], a["scored"], a["free"], chosen.head_weight, chosen.free_weight)
     assert [p["emotion_fine_combined"] for p in preds] == combined.tolist()
     assert second["emotion32_acc_combined"] == pytest.approx(np.mean(combined == a["gold"]))
+    # the greedy run's predictions, hence the same figures as the weights were chosen by
+    assert second["emotion32_acc_combined"] == pytest.approx(weights["emotion32_acc_combined"])
+    assert second["emotion_acc_combined"] == pytest.approx(weights["emotion_acc_combined"])
     p = cli(cli_env, "eval", "--ckpt", trained[0], "--shards", ed_shards, "--split", "test", "--template",
             "coe", "--emotion_head", tmp_path / "nope.safetensors")
     assert_user_error(p, "--emotion_head", "nope.safetensors")

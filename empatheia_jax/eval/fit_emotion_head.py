@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from empatheia_jax.data import schema
+from empatheia_jax.data.parse import emotion_class
 from empatheia_jax.eval import emotion_head as eh
 
 
@@ -51,10 +53,12 @@ def fit_probe_of(ckpt: str, shards: str, *, train_split: str = "train", dev_spli
     return head, summary
 
 
-def choose_head_weights(head: eh.EmotionHead, predictions: list[dict[str, Any]]
+def choose_head_weights(head: eh.EmotionHead, predictions: list[dict[str, Any]],
+                        emotion_map: schema.EmotionMap | None = None
                         ) -> tuple[eh.EmotionHead, dict[str, Any]]:
     """(the head with the combination weights that are most often right on `predictions`, the summary):
-    `predictions` are an eval's of the dev part with this head and --score_emotions."""
+    `predictions` are an eval's of the dev part with this head and --score_emotions. With the shards'
+    `emotion_map`, the summary also has the combined decision's class accuracy (emotion_acc_combined)."""
     a = eh.prediction_arrays(predictions)
     labelled = a["gold"] >= 0
     if not labelled.any():
@@ -69,6 +73,12 @@ def choose_head_weights(head: eh.EmotionHead, predictions: list[dict[str, Any]]
                "alone": alone, "records": int(labelled.sum()),
                "scored_records": int((~np.isnan(a["scored"][labelled]).all(-1)).sum()),
                "table": {f"{h:g},{f:g}": acc for (h, f), acc in table.items()}}
+    if emotion_map is not None:
+        fine = eh.combine(a["head"], a["scored"], a["free"], hw, fw)
+        gold = np.asarray([p.get("labels", {}).get("emotion", -1) for p in predictions])
+        coarse = np.asarray([-1 if (c := emotion_class(schema.ED_EMOTIONS_32[f], emotion_map)) is None else c
+                             for f in fine])
+        summary["emotion_acc_combined"] = float(np.mean(coarse[gold >= 0] == gold[gold >= 0]))
     return head.with_weights(hw, fw), summary
 
 
@@ -102,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     weights.add_argument("--head", required=True, help="the head file; the weights are written into it")
     weights.add_argument("--predictions", required=True, help="eval --report's predictions_<template>.jsonl "
                          "of the dev part, evaluated with this head and --score_emotions")
+    weights.add_argument("--shards", default=None, help="the shards evaluated: their emotion map gives the "
+                         "combined decision's class accuracy")
     for p in (probe, weights):
         p.add_argument("--json", default=None, help="also write the summary here")
     args = parser.parse_args(argv)
@@ -115,8 +127,17 @@ def main(argv: list[str] | None = None) -> int:
                                          backbone=args.backbone, batch_size=args.batch_size)
             out = args.out or str(Path(args.ckpt) / eh.FILE_NAME)
         else:
+            emap = None
+            if args.shards:
+                from empatheia_jax.data.shard_format import load_manifest
+                from empatheia_jax.data.splits import emotion_map_of
+
+                try:
+                    emap = emotion_map_of(load_manifest(args.shards))
+                except ValueError as e:  # a manifest that is not one
+                    raise eh.EmotionHeadError(str(e)) from e
             head, summary = choose_head_weights(eh.EmotionHead.load(args.head),
-                                                _read_predictions(args.predictions))
+                                                _read_predictions(args.predictions), emap)
             out = args.head
         head.save(out)
     except (OSError, eh.EmotionHeadError) as e:
