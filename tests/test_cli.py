@@ -318,9 +318,15 @@ def test_emotion_head_fitted_chosen_and_scored_through_the_command_line(trained,
                               env=cli_env, capture_output=True, text=True, timeout=300, cwd=REPO)
 
     head = tmp_path / "head.safetensors"
-    p = ok(fit("probe", "--ckpt", trained[0], "--shards", ed_shards, "--train_split", "test", "--dev_split",
-               "test", "--out", head, "--json", tmp_path / "probe.json"))
+    probe_args = ("probe", "--ckpt", trained[0], "--shards", ed_shards, "--train_split", "test",
+                  "--dev_split", "test", "--features", tmp_path / "features.npz")
+    p = ok(fit(*probe_args, "--out", head, "--json", tmp_path / "probe.json"))
     assert_quiet(p.stderr)
+    assert "read test (prompts)" in p.stderr
+    again = ok(fit(*probe_args, "--out", tmp_path / "again.safetensors"))  # the kept features: no model run
+    assert "read test (prompts)" not in again.stderr
+    np.testing.assert_array_equal(eh.EmotionHead.load(tmp_path / "again.safetensors").coef,
+                                  eh.EmotionHead.load(head).coef)
     probe = json.loads((tmp_path / "probe.json").read_text())
     assert probe["train_records"] == probe["dev_records"] == len(ED_UIDS) and probe["c"] in eh.C_GRID
     assert eh.EmotionHead.load(head).head_weight is None

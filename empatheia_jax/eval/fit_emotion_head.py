@@ -29,17 +29,24 @@ from empatheia_jax.eval import emotion_head as eh
 
 def fit_probe_of(ckpt: str, shards: str, *, train_split: str = "train", dev_split: str = "dev",
                  template: str | None = "coe", backbone: str | None = None, batch_size: int = 8,
-                 progress: bool = True) -> tuple[eh.EmotionHead, dict[str, Any]]:
+                 progress: bool = True, features: str | None = None) -> tuple[eh.EmotionHead, dict[str, Any]]:
     """(the probe, its summary) for the model at `ckpt`: features of every record of both splits read by the
     model (`evaluate.dialogue_summaries`), the probe fitted on the train split's labelled records for each C
-    of `emotion_head.C_GRID`, kept at the best dev accuracy."""
-    from empatheia_jax.eval.evaluate import dialogue_summaries
-    from empatheia_jax.serve.load import load_trained
+    of `emotion_head.C_GRID`, kept at the best dev accuracy. `features` (.npz) keeps the features: read
+    when it holds those of the same checkpoint, shards, splits and template, else written."""
+    source = {"ckpt": str(Path(ckpt).resolve()), "shards": str(Path(shards).resolve()), "template": template,
+              "splits": [train_split, dev_split]}
+    read = _cached_features(features, source) if features else None
+    if read is None:
+        from empatheia_jax.eval.evaluate import dialogue_summaries
+        from empatheia_jax.serve.load import load_trained
 
-    model, tokenizer, config, _ = load_trained(ckpt, backbone=backbone)
-    read = {s: dialogue_summaries(model, tokenizer, shards, s, template=template, batch_size=batch_size,
-                                  max_len=int(config.data.max_len), progress=progress)
-            for s in (train_split, dev_split)}
+        model, tokenizer, config, _ = load_trained(ckpt, backbone=backbone)
+        read = {s: dialogue_summaries(model, tokenizer, shards, s, template=template, batch_size=batch_size,
+                                      max_len=int(config.data.max_len), progress=progress)
+                for s in (train_split, dev_split)}
+        if features:
+            _save_features(features, source, read)
     for s, r in read.items():
         if not np.any(r["emotion_fine"] >= 0):
             raise eh.EmotionHeadError(f"{shards} split {s}: no record has an ED emotion label (emotion_fine)")
@@ -51,6 +58,33 @@ def fit_probe_of(ckpt: str, shards: str, *, train_split: str = "train", dev_spli
                "emotion32_acc_head": by_c[head.c], "train_records": int(train.sum()),
                "dev_records": int(dev.sum()), "template": template, "shards": str(shards)}
     return head, summary
+
+
+def _save_features(path: str, source: dict[str, Any], read: dict[str, dict[str, np.ndarray]]) -> None:
+    arrays = {f"{s}/{k}": v for s, r in read.items() for k, v in r.items()}
+    tmp = Path(f"{path}.tmp.npz")
+    np.savez(tmp, source=np.asarray(json.dumps(source)), **arrays)
+    tmp.replace(path)  # whole or absent
+
+
+def _cached_features(path: str, source: dict[str, Any]) -> dict[str, dict[str, np.ndarray]] | None:
+    """The features saved at `path` when they were read from `source`; None when there are none (or they
+    are another model's or data's: recomputed then)."""
+    if not Path(path).is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            if json.loads(str(f["source"])) != source:
+                print(f"{path}: features of another checkpoint or data; reading them again", file=sys.stderr)
+                return None
+            out: dict[str, dict[str, np.ndarray]] = {}
+            for key in f.files:
+                if key != "source":
+                    split, name = key.split("/", 1)
+                    out.setdefault(split, {})[name] = f[key]
+            return out
+    except (ValueError, OSError, KeyError) as e:
+        raise eh.EmotionHeadError(f"{path}: not a features file ({e})") from e
 
 
 def choose_head_weights(head: eh.EmotionHead, predictions: list[dict[str, Any]],
@@ -108,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     probe.add_argument("--backbone", default=None, help="the converted backbone, when the export's moved")
     probe.add_argument("--batch_size", type=int, default=8)
     probe.add_argument("--out", default=None, help=f"the head file (default: CKPT/{eh.FILE_NAME})")
+    probe.add_argument("--features", default=None, help="an .npz that keeps the features read: a second fit "
+                       "on the same checkpoint and data reads them instead of running the model")
     weights = sub.add_parser("weights", help="choose the combination's weights on dev predictions")
     weights.add_argument("--head", required=True, help="the head file; the weights are written into it")
     weights.add_argument("--predictions", required=True, help="eval --report's predictions_<template>.jsonl "
@@ -124,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.step == "probe":
             head, summary = fit_probe_of(args.ckpt, args.shards, train_split=args.train_split,
                                          dev_split=args.dev_split, template=args.template,
-                                         backbone=args.backbone, batch_size=args.batch_size)
+                                         backbone=args.backbone, batch_size=args.batch_size,
+                                         features=args.features)
             out = args.out or str(Path(args.ckpt) / eh.FILE_NAME)
         else:
             emap = None
