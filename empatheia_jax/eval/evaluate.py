@@ -467,7 +467,7 @@ def _generate_batch(
             pred["text_greedy"] = tokenizer.decode(greedy[r], skip_special_tokens=False)
         pred.update(record_index=e["record_index"], uid=e["uid"], labels=e["labels"],
                     gold_reply=e["gold_reply"], speaker_turn=e["speaker_turn"],
-                    prompt_tokens=len(prompts[r]), num_new=int(gen.num_new[r]), text=text)
+                    prompt_tokens=len(prompts[r]), num_new=len(new), text=text)
         if signal is not None:  # signal_rate only where the target has them
             pred["signal_complete"] = signal <= set(new)
         preds[e["record_index"]] = pred
