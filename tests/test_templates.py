@@ -242,3 +242,15 @@ def test_emotion_step_prefix_ends_where_the_step_2_word_begins():
     assert tpl.emotion_step_prefix(step_1 + "\n\nFinally, the response is: x") == head
     assert tpl.emotion_step_prefix(step_1) == head
     assert tpl.emotion_step_prefix("I am so sorry to hear that.") is None
+
+
+def test_response_header_end_is_where_the_reply_begins():
+    """Reply sampling keeps the generated text through the step-5 header: not the step-4 "goal to response"
+    header, not "the response is" inside a sentence, nothing for a bare reply."""
+    full = tpl.format_coe({"event_scenario": "I lost my dog", "speaker_emotion": "sad",
+                           "goal_to_response": "comfort"}, "So sorry.")
+    end = tpl.response_header_end(full)
+    assert full[:end].endswith("Finally, the response is:") and full[end:].strip() == "So sorry."
+    assert tpl.response_header_end(full.split("\n\nFinally")[0]) is None  # step 4 is not step 5
+    assert tpl.response_header_end("I think the response is: wait and see") is None  # inside a sentence
+    assert tpl.response_header_end("So sorry to hear that.") is None
