@@ -614,7 +614,7 @@ COMMANDS: dict[str, Callable[[], int]] = {"train": _train, "eval": _eval, "chat"
                                           "export": _export}
 
 
-def user_errors() -> tuple[type[BaseException], ...]:
+def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input, not a bug: one `error:` line and exit 2. Imported only when an
     exception is being matched (the modules import jax)."""
     from empatheia_jax.data.asr import AsrAssetError
@@ -672,7 +672,7 @@ def _run(command: str, argv: list[str]) -> None:
         code = COMMANDS[command]()
     except app.UsageError as e:
         code = fail(f"{e} (empatheia {command} --helpfull lists the flags)")
-    except user_errors() as e:
+    except _user_errors() as e:
         code = fail(str(e))
     except _failed_run_errors() as e:
         code = fail(str(e), code=1)

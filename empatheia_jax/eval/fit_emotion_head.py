@@ -130,6 +130,14 @@ def _read_predictions(path: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from empatheia_jax.data.splits import ShardsError
+    from empatheia_jax.train.checkpoint import CheckpointError
+    from empatheia_jax.train.stages import TemplateError
+
+    return OSError, eh.EmotionHeadError, ShardsError, CheckpointError, TemplateError
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="step", required=True)
@@ -177,16 +185,9 @@ def main(argv: list[str] | None = None) -> int:
                                                 _read_predictions(args.predictions), emap)
             out = args.head
         head.save(out)
-    except (OSError, eh.EmotionHeadError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except _user_errors() as e:  # a bad file, folder, checkpoint or split: one line, no traceback
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    except Exception as e:  # the loader's and the shards' own user errors
-        from empatheia_jax.cli import one_line, user_errors
-
-        if isinstance(e, user_errors()):
-            print(f"error: {one_line(str(e))}", file=sys.stderr)
-            return 2
-        raise
     shown = {k: v for k, v in summary.items() if k not in ("table",)}
     print(json.dumps(shown, indent=1))
     print(f"emotion head: {out}", file=sys.stderr)
