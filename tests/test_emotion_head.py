@@ -162,6 +162,8 @@ def test_fit_emotion_head_weights_chooses_on_the_dev_predictions(tmp_path, capsy
     assert summary["scored_records"] == n - 1
     assert summary["alone"]["free"] == pytest.approx(np.mean(a["free"] == gold))
     assert summary["alone"]["head"] == pytest.approx(np.mean(head_lp.argmax(-1) == gold))
+    scored_choice = [p["emotion_fine_scored"] for p in preds]  # row 7 unscored (-1): wrong, as eval counts it
+    assert summary["alone"]["scored"] == pytest.approx(np.mean(np.asarray(scored_choice) == gold))
     back = eh.EmotionHead.load(path)
     assert (back.head_weight, back.free_weight) == (hw, fw)
     np.testing.assert_allclose(back.coef, head.coef, atol=1e-6)  # the probe itself is unchanged

@@ -100,9 +100,9 @@ def choose_head_weights(head: eh.EmotionHead, predictions: list[dict[str, Any]],
     if not any("emotion_fine_scored" in p for p in predictions):
         raise eh.EmotionHeadError("the predictions were not scored: evaluate with --score_emotions")
     (hw, fw), table = eh.choose_weights(*(a[k][labelled] for k in ("head", "scored", "free", "gold")))
+    scored = np.asarray([p.get("emotion_fine_scored", -1) for p in predictions])  # the eval's own: -1 = wrong
     alone = {name: float(np.mean(pred[labelled] == a["gold"][labelled])) for name, pred in (
-        ("free", a["free"]), ("scored", np.nanargmax(np.nan_to_num(a["scored"], nan=-np.inf), -1)),
-        ("head", a["head"].argmax(-1)))}
+        ("free", a["free"]), ("scored", scored), ("head", a["head"].argmax(-1)))}
     summary = {"head_weight": hw, "free_weight": fw, "emotion32_acc_combined": table[(hw, fw)],
                "alone": alone, "records": int(labelled.sum()),
                "scored_records": int((~np.isnan(a["scored"][labelled]).all(-1)).sum()),
