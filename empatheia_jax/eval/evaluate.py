@@ -410,11 +410,16 @@ def _window_prompts(reader: ip.ShardReader, builder: ip.ExampleBuilder, start: i
     return kept
 
 
-def _prompt_embeds(model: Empatheia, ids: np.ndarray, examples: Sequence[Mapping[str, Any]],
-                   builder: ip.ExampleBuilder, pcfg: ip.PipelineConfig,
-                   compiler_options: Mapping[str, Any] | None) -> Any:
-    """The prompts' input embeddings with the media features spliced in; rows are padded to the config's
-    maxima, so every batch has one shape and the embedding program compiles once."""
+def _prompt_embeds(model: Empatheia, prompts: Sequence[Sequence[int]],
+                   examples: Sequence[Mapping[str, Any]], builder: ip.ExampleBuilder,
+                   pcfg: ip.PipelineConfig, spliced: bool, compiler_options: Mapping[str, Any] | None) -> Any:
+    """The input embeddings of `prompts` left-padded as the decoders pad them, with the media features of
+    `examples` spliced in; None when the template splices nothing (the decoders embed the ids). Feature rows
+    are padded to the config's maxima, so every batch has one shape and the embedding program compiles
+    once."""
+    if not spliced:
+        return None
+    ids, _ = left_pad(prompts, builder.pad_id)
     af, am = _pad_rows([e["aud_feats"] for e in examples], pcfg.max_aud, builder.audio_dim)
     vf, vm = _pad_rows([e["vid_feats"] for e in examples], pcfg.max_vid, builder.video_dim)
     return embed_prompts(model, ids, af, am, vf, vm, compiler_options=compiler_options)
@@ -445,8 +450,7 @@ def _generate_batch(
     `signal`: the signal token ids where the template's target has them (signal_complete), else None."""
     rows = list(chunk) + [chunk[-1]] * (batch_size - len(chunk))  # constant batch size: one program
     prompts = [e["input_ids"].tolist() for e in rows]
-    ids, _ = left_pad(prompts, builder.pad_id)
-    embeds = _prompt_embeds(model, ids, rows, builder, pcfg, compiler_options) if spliced else None
+    embeds = _prompt_embeds(model, prompts, rows, builder, pcfg, spliced, compiler_options)
     gen = generate_tokens(model.llm, prompts, max_new_tokens, eos_ids=eos,
                           pad_token_id=builder.pad_id, inputs_embeds=embeds,
                           repetition_penalty=repetition_penalty,
@@ -516,10 +520,7 @@ def _sample_replies(model, tokenizer, rows, prompts, news, sampling, *, builder,
     if all(k is None for k in heads):
         return news
     prefixes = [p + n[: k if k is not None else len(n)] for p, n, k in zip(prompts, news, heads, strict=True)]
-    embeds = None
-    if spliced:
-        ids, _ = left_pad(prefixes, builder.pad_id)
-        embeds = _prompt_embeds(model, ids, rows, builder, pcfg, compiler_options)
+    embeds = _prompt_embeds(model, prefixes, rows, builder, pcfg, spliced, compiler_options)
     budget = max(1, max_new_tokens - min(k for k in heads if k is not None))
     seed = int(np.random.SeedSequence([sampling.seed, int(rows[0]["record_index"])]).generate_state(1)[0])
     drawn = generate_tokens(model.llm, prefixes, budget, sampling.temperature, sampling.top_p, seed=seed,
@@ -560,11 +561,10 @@ def _add_scored_emotions(model, tokenizer, chunk, prompts, preds, labels, emap, 
     for g in range(0, len(todo), _SCORE_ROWS):
         group = todo[g : g + _SCORE_ROWS]
         rows = group + [group[-1]] * (_SCORE_ROWS - len(group))  # one program shape
-        ids, _ = left_pad([p for _, _, p in rows], builder.pad_id)
-        embeds = None
-        if spliced:
-            embeds = _prompt_embeds(model, ids, [e for _, e, _ in rows], builder, pcfg, compiler_options)
-        scores = score_continuations(model.llm, [p for _, _, p in rows], labels, pad_token_id=builder.pad_id,
+        prefixes = [p for _, _, p in rows]
+        embeds = _prompt_embeds(model, prefixes, [e for _, e, _ in rows], builder, pcfg, spliced,
+                                compiler_options)
+        scores = score_continuations(model.llm, prefixes, labels, pad_token_id=builder.pad_id,
                                      inputs_embeds=embeds)
         for (pred, _, _), row in zip(group, scores[: len(group)], strict=True):
             fine = int(np.argmax(row))
@@ -580,10 +580,7 @@ def _summaries(model: Empatheia, chunk: Sequence[Mapping[str, Any]], batch_size:
     program per prompt bucket)."""
     rows = list(chunk) + [chunk[-1]] * (batch_size - len(chunk))
     prompts = [e["input_ids"].tolist() for e in rows]
-    embeds = None
-    if spliced:
-        ids, _ = left_pad(prompts, builder.pad_id)
-        embeds = _prompt_embeds(model, ids, rows, builder, pcfg, compiler_options)
+    embeds = _prompt_embeds(model, prompts, rows, builder, pcfg, spliced, compiler_options)
     read = prompt_summaries(model.llm, prompts, pad_token_id=builder.pad_id, inputs_embeds=embeds)
     return read[: len(chunk)]
 
