@@ -246,6 +246,31 @@ def test_sampling_seeded_temperature_and_top_p(pair):
     assert len(np.unique(hot)) > 55
 
 
+def test_samples_share_one_prefill_and_draw_what_repeated_prompts_draw(pair):
+    """num_samples repeats each prompt's prefilled cache; the draws must be those of the prompts repeated in
+    the batch (same rows, same key), with padding, a repetition control and media embeddings."""
+    _, model = pair
+    prompts = _prompts([7, 3, 5], seed=8)
+    repeated = [p for p in prompts for _ in range(4)]
+    kw = dict(eos_ids=[2], pad_token_id=0, temperature=1.2, top_p=0.95, seed=11, repetition_penalty=1.3)
+    many = generate_tokens(model, prompts, 12, num_samples=4, **kw)
+    alone = generate_tokens(model, repeated, 12, **kw)
+    np.testing.assert_array_equal(many.sequences, alone.sequences)
+    np.testing.assert_array_equal(many.attention_mask, alone.attention_mask)
+    np.testing.assert_array_equal(many.num_new, alone.num_new)
+    assert len({tuple(r) for r in many.new_tokens[:4]}) > 1  # the samples of one prompt differ
+    ids, _ = left_pad(prompts, 0)
+    embeds = model.embed(jnp.asarray(ids)) * 1.5  # not the ids' own embeddings: the samples must read these
+    ids_r, _ = left_pad(repeated, 0)
+    embeds_r = jnp.repeat(embeds, 4, axis=0)
+    np.testing.assert_array_equal(
+        generate_tokens(model, prompts, 12, num_samples=4, inputs_embeds=embeds, **kw).sequences,
+        generate_tokens(model, repeated, 12, inputs_embeds=embeds_r, **kw).sequences)
+    assert ids_r.shape == embeds_r.shape[:2]
+    with pytest.raises(ValueError, match="num_samples"):
+        generate_tokens(model, prompts, 4, num_samples=0)
+
+
 def test_nucleus_matches_hf_top_p_warper():
     from transformers.generation.logits_process import TopPLogitsWarper
 

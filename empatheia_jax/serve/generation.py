@@ -167,16 +167,29 @@ def _prefill(model: Llama, input_ids, attention_mask, inputs_embeds, max_len: in
     return model.decode(x, positions=positions, attention_mask=attention_mask, cache=cache)
 
 
+def _repeat_rows(tree: Any, k: int) -> Any:
+    """Every batched array of `tree` with each row repeated k times (row b * k + j), scalars as they are: one
+    prefill's cache shared by k continuations."""
+    return jax.tree.map(lambda a: jnp.repeat(a, k, axis=0) if a.ndim else a, tree)
+
+
 def _program(graphdef, state, input_ids, attention_mask, inputs_embeds, max_new_tokens, temperature, top_p,
              repetition_penalty, key, eos_ids, pad_token_id, *, new_bucket: int, do_sample: bool,
-             penalize: bool, no_repeat_ngram_size: int):
+             penalize: bool, no_repeat_ngram_size: int, num_samples: int = 1):
     """Prefill the left-padded prompt, then decode up to `max_new_tokens` (<= new_bucket) in a while_loop.
 
     The repetition controls read `seq`/`valid`: the prompt columns followed by the tokens written so far.
+    `num_samples` > 1 prefills each prompt once and repeats its cache: row b * num_samples + j decodes the
+    j-th sample of prompt b.
     """
     model: Llama = nnx.merge(graphdef, state)
     b, p = input_ids.shape
     hidden, cache = _prefill(model, input_ids, attention_mask, inputs_embeds, p + new_bucket)
+    hidden = hidden[:, -1:]
+    if num_samples > 1:
+        hidden, cache, input_ids, attention_mask = _repeat_rows(
+            (hidden, cache, input_ids, attention_mask), num_samples)
+        b *= num_samples
     seq = jnp.concatenate([input_ids, jnp.full((b, new_bucket), pad_token_id, jnp.int32)], axis=1)
     valid = jnp.concatenate([attention_mask, jnp.ones((b, new_bucket), bool)], axis=1)
 
@@ -185,7 +198,7 @@ def _program(graphdef, state, input_ids, attention_mask, inputs_embeds, max_new_
                           no_repeat_ngram_size)
         return _select(logits, key, temperature, top_p, do_sample)
 
-    first = pick(model.logits(hidden[:, -1:])[:, 0], seq, 0, jax.random.fold_in(key, 0))
+    first = pick(model.logits(hidden)[:, 0], seq, 0, jax.random.fold_in(key, 0))
     next_position = jnp.sum(attention_mask, axis=1, dtype=jnp.int32)  # position of the first new token
 
     def is_eos(tok):
@@ -226,14 +239,15 @@ _CPU_COMPILER_OPTIONS = {"xla_cpu_ftz": True}
 
 
 def _compiled(graphdef, new_bucket: int, do_sample: bool, penalize: bool = False,
-              no_repeat_ngram_size: int = 0):
-    key = (graphdef, new_bucket, do_sample, penalize, no_repeat_ngram_size)
+              no_repeat_ngram_size: int = 0, num_samples: int = 1):
+    key = (graphdef, new_bucket, do_sample, penalize, no_repeat_ngram_size, num_samples)
     with _LOCK:
         fn = _PROGRAMS.get(key)
         if fn is None:
             def run(*args):
                 return _program(graphdef, *args, new_bucket=new_bucket, do_sample=do_sample,
-                                penalize=penalize, no_repeat_ngram_size=no_repeat_ngram_size)
+                                penalize=penalize, no_repeat_ngram_size=no_repeat_ngram_size,
+                                num_samples=num_samples)
 
             options = _CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
             fn = _PROGRAMS[key] = jax.jit(run, compiler_options=options)
@@ -271,6 +285,7 @@ def generate_tokens(
     inputs_embeds: jax.Array | None = None,
     repetition_penalty: float = 1.0,
     no_repeat_ngram_size: int = 0,
+    num_samples: int = 1,
 ) -> Generation:
     """Generates from token-id prompts; returns the whole `Generation` (prompt + new tokens + mask).
 
@@ -278,6 +293,9 @@ def generate_tokens(
     embeddings of the prompt (how Empatheia splices encoder features into `<Aud>`/`<Vid>` slots).
     `repetition_penalty` (> 0, 1 = off) and `no_repeat_ngram_size` (0 = off) have HF's meaning and count
     the prompt as HF does for a decoder-only model.
+    `num_samples` continuations per prompt (HF's num_return_sequences) share one prefill: the result has
+    len(prompts) * num_samples rows, row b * num_samples + j the j-th of prompt b, and draws exactly what
+    the prompts repeated num_samples times in the batch would.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
@@ -289,6 +307,8 @@ def generate_tokens(
         raise ValueError(f"repetition_penalty={repetition_penalty} must be > 0 (1.0 = no penalty)")
     if no_repeat_ngram_size < 0:
         raise ValueError(f"no_repeat_ngram_size={no_repeat_ngram_size} must be >= 0 (0 = off)")
+    if num_samples < 1:
+        raise ValueError(f"num_samples={num_samples} must be >= 1")
     eos_ids = tuple(int(e) for e in eos_ids) or (-1,)  # -1: no end token, never produced
     if pad_token_id is None:
         pad_token_id = eos_ids[0] if eos_ids[0] >= 0 else 0
@@ -298,7 +318,8 @@ def generate_tokens(
     new_bucket = bucket(max_new_tokens)
     do_sample = temperature > 0
     graphdef, state = nnx.split(model)
-    fn = _compiled(graphdef, new_bucket, do_sample, repetition_penalty != 1.0, int(no_repeat_ngram_size))
+    fn = _compiled(graphdef, new_bucket, do_sample, repetition_penalty != 1.0, int(no_repeat_ngram_size),
+                   int(num_samples))
     tokens, steps, lengths = fn(
         state, jnp.asarray(ids), jnp.asarray(mask), inputs_embeds,
         jnp.int32(max_new_tokens), jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p),
@@ -309,6 +330,7 @@ def generate_tokens(
     new = np.asarray(tokens)[:, :steps]
     lengths = np.asarray(lengths)
     gen_mask = np.arange(steps)[None, :] < lengths[:, None]
+    ids, mask = np.repeat(ids, num_samples, axis=0), np.repeat(mask, num_samples, axis=0)
     return Generation(
         sequences=np.concatenate([ids, new], axis=1),
         attention_mask=np.concatenate([mask, gen_mask], axis=1),
@@ -330,7 +352,7 @@ def _score_program(graphdef, state, prefix_ids, prefix_mask, inputs_embeds, cont
     first = jax.nn.log_softmax(model.logits(hidden[:, -1:])[:, 0], axis=-1)[:, cont_ids[:, 0]]  # [B, K]
     if c == 1:
         return first
-    rows = jax.tree.map(lambda a: jnp.repeat(a, k, axis=0) if a.ndim else a, cache)  # row b*K + j
+    rows = _repeat_rows(cache, k)  # row b*K + j
     tokens = jnp.tile(cont_ids[:, :-1], (b, 1))  # [B*K, C-1]: each continuation but its last token
     start = jnp.repeat(jnp.sum(prefix_mask, axis=1, dtype=jnp.int32), k)[:, None]
     logits, _ = model(tokens, positions=start + jnp.arange(c - 1, dtype=jnp.int32),
