@@ -99,6 +99,9 @@ flags.DEFINE_float("reply_temperature", 0.0, "eval: draw each reply with this te
                    lower_bound=0.0)
 flags.DEFINE_float("reply_top_p", 0.95, "eval: the nucleus of the drawn replies (--reply_temperature)",
                    lower_bound=1e-6, upper_bound=1.0)
+flags.DEFINE_integer("reply_candidates", 1, "eval: draw this many replies per turn and keep their "
+                     "consensus (the one that agrees most with the others, ROUGE-L; --reply_temperature)",
+                     lower_bound=1)
 flags.DEFINE_integer("seed", 0, "eval: the seed of the drawn replies (--reply_temperature)")
 flags.DEFINE_string("json", None, "eval: also write the metrics table as JSON here")
 flags.DEFINE_string("report", None, "eval: a report folder: report.md (table, per-class tables and plots), "
@@ -346,7 +349,7 @@ def _reply_sampling() -> Any:
 
     if FLAGS.reply_temperature == 0:
         return None
-    return ReplySampling(FLAGS.reply_temperature, FLAGS.reply_top_p, FLAGS.seed)
+    return ReplySampling(FLAGS.reply_temperature, FLAGS.reply_top_p, FLAGS.seed, FLAGS.reply_candidates)
 
 
 def _emotion_head() -> Any:
@@ -416,7 +419,7 @@ def _eval_outputs(columns: _Columns, details: dict[str, Any] | None, voters: _Vo
         extra["voters"] = list(voters)
     if FLAGS.reply_temperature:
         extra["reply_sampling"] = {"temperature": FLAGS.reply_temperature, "top_p": FLAGS.reply_top_p,
-                                   "seed": FLAGS.seed}
+                                   "seed": FLAGS.seed, "candidates": FLAGS.reply_candidates}
     if FLAGS.json:
         Path(FLAGS.json).parent.mkdir(parents=True, exist_ok=True)
         Path(FLAGS.json).write_text(json.dumps({**columns, **extra}, indent=1))

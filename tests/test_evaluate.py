@@ -27,6 +27,7 @@ from empatheia_jax.eval import evaluate as ev
 from empatheia_jax.eval import report as eval_report
 from empatheia_jax.eval.metrics import text as mtext
 from empatheia_jax.serve.generation import eos_token_ids, generate_tokens, left_pad
+from empatheia_jax.serve.reply_choice import consensus_index
 from empatheia_jax.train import objective, stages
 
 ED = list(schema.ED_EMOTIONS_32)
@@ -359,6 +360,46 @@ def test_reply_sampling_draws_the_reply_after_the_greedy_coe(model, tok, shards,
     assert [p["text"] for p in drawn[0]] != [p["text"] for p in drawn[2]]
     with pytest.raises(ValueError, match="temperature=0"):
         ev.ReplySampling(temperature=0.0)
+
+
+def test_reply_candidates_keep_the_consensus_of_the_drawn_replies(model, tok, shards, monkeypatch):
+    """`ReplySampling(candidates=3)`: one sampled call asks for 3 continuations per prefix (prompt + the
+    greedy CoE through the step-5 header) and the kept reply is the candidate that agrees most with the
+    others. The draws are rigged to three hand-made replies whose consensus is the last one, so keeping the
+    first draw (or the greedy reply) fails."""
+    from empatheia_jax.serve import generation
+
+    texts = _rigged_coe_texts()
+    examples = _prompt_examples(tok, shards)
+    rigged = _rigged_generation(examples, texts, tok)
+    drafts = ["Oh no.", "So sorry, what did the vet say?", "Oh no, I am so sorry, what did the vet say then?"]
+    draws = [tok(d + tok.eos_token, add_special_tokens=False)["input_ids"] for d in drafts]
+    calls = []
+
+    def phase(llm, prompts, max_new_tokens, temperature=0.0, top_p=1.0, **kw):
+        if temperature == 0:
+            return rigged(llm, prompts, max_new_tokens, **kw)
+        calls.append((len(prompts), kw["num_samples"]))
+        rows = [d for _ in prompts for d in draws]
+        ids, mask = left_pad(prompts, kw["pad_token_id"])
+        ids, mask = np.repeat(ids, 3, axis=0), np.repeat(mask, 3, axis=0)
+        width = max(len(r) for r in rows)
+        new = np.array([r + [kw["pad_token_id"]] * (width - len(r)) for r in rows], np.int32)
+        return generation.Generation(np.concatenate([ids, new], 1), np.concatenate([mask, new > -1], 1),
+                                     ids.shape[1], np.array([len(r) for r in rows]))
+
+    monkeypatch.setattr(ev, "generate_tokens", phase)
+    kw = dict(batch_size=2, max_len=MAX_LEN, progress=False, compiler_options=FAST, max_new_tokens=80)
+    preds = ev.generate_predictions(model, tok, shards, "test", **kw,
+                                    reply_sampling=ev.ReplySampling(temperature=1.0, candidates=3))
+    assert calls and all(c == (2, 3) for c in calls)
+    assert consensus_index(drafts) == 2
+    for text, p in zip(texts, preds, strict=True):
+        if "the response is" not in text:
+            assert p["text"] == text
+            continue
+        assert p["reply"] == drafts[2]
+        assert p["text"].startswith(text[: text.index("the response is:")])
 
 
 def _log_softmax(x):

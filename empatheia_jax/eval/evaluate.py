@@ -26,7 +26,7 @@ import dataclasses
 import math
 import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -58,6 +58,7 @@ from empatheia_jax.serve.generation import (
     prompt_summaries,
     score_continuations,
 )
+from empatheia_jax.serve.reply_choice import consensus_index
 from empatheia_jax.train import losses, objective, stages
 from empatheia_jax.train.stages import TemplateError, eval_stage
 
@@ -316,10 +317,8 @@ def generate_predictions(
 ) -> list[dict[str, Any]]:
     """Greedy generations for the records of `split`, parsed (`parse_generation`), in record order.
 
-    Prompts are the eval stage's template without the target (`include_target=False`), tokenised exactly as
-    in training, sorted by length within windows of 16 batches (bounded memory) and batched (left-padded;
-    a short batch is completed with copies so the batch size, hence the program, never changes); media
-    features are spliced through `inputs_embeds`. Examples whose prompt does not fit `max_len` are left out.
+    Prompts are batched as `_PromptSet` reads them (left-padded; a short batch is completed with copies so
+    the batch size, hence the program, never changes); media features are spliced through `inputs_embeds`.
     Each dict: record_index, uid, labels, gold_reply (the record's response), speaker_turn (the speaker's last
     utterance in the history, "" if none), prompt_tokens, num_new, text (the new tokens decoded with special
     tokens, up to the end token), signal_complete, and the fields of `parse_generation`.
@@ -337,21 +336,12 @@ def generate_predictions(
     `reply_sampling` draws each reply again after the greedy Chain of Empathy (`ReplySampling`): the CoE
     steps, hence every emotion field, are the greedy ones; "text_greedy" keeps the greedy text.
     """
-    if batch_size < 1:  # a negative size would make the batching loop empty: no predictions, no error
-        raise ValueError(f"generate_predictions: batch_size must be >= 1, got {batch_size}")
-    cfg = model.config
-    manifest = check_split(shards_dir, split)
-    stage = eval_stage(cfg, template)
-    _check_model_and_data(model, tokenizer, manifest, shards_dir, split, stage)
-    emap = emotion_map_of(manifest)
-    fields = pipeline_config_fields(cfg, stage, pipeline_overrides)
-    pcfg = ip.PipelineConfig(stage=stage.template_stage, max_len=max_len, include_target=False, **fields)
-    spliced = cfg.has_media and pcfg.template_spec().has_media  # placeholders to fill with features
-    reader = ip.ShardReader.for_split(shards_dir, split)
-    builder = ip.ExampleBuilder(tokenizer, pcfg, audio_dim=cfg.audio_dim, video_dim=cfg.video_dim)
-    n = len(reader) if max_examples is None else min(len(reader), max_examples)
+    ps = _PromptSet.of(model, tokenizer, shards_dir, split, "generate_predictions", batch_size=batch_size,
+                       max_len=max_len, template=template, pipeline_overrides=pipeline_overrides,
+                       max_examples=max_examples)
+    cfg, stage, pcfg, builder, spliced = model.config, ps.stage, ps.pcfg, ps.builder, ps.spliced
+    emap = emotion_map_of(ps.manifest)
     eos = eos_token_ids(model.llm, tokenizer)
-    window = batch_size * _SORT_WINDOW_BATCHES
     spec = pcfg.template_spec()
     signal = set(cfg.signal_ids) if spec.has_signal else None  # signal_rate only where the target has them
     if score_emotions and not (spec.use_coe and spec.has_response and not spec.pipeline_baseline):
@@ -362,31 +352,71 @@ def generate_predictions(
         raise emotion_head_lib.EmotionHeadError(
             f"the emotion head reads {emotion_head.num_features} features, this model gives "
             f"{2 * model.llm.config.hidden_size}: it was fitted to another backbone")
-    out: list[dict[str, Any]] = []
-    bar = _progress(None, total=-(-n // batch_size), desc=f"eval {split} (generation)", enabled=progress)
-    for w0 in range(0, n, window):
-        # One window of prompts at a time (memory stays bounded on a large split), sorted by length, batched.
-        kept = _window_prompts(reader, builder, w0, min(w0 + window, n))
-        preds: dict[int, dict[str, Any]] = {}
-        for b0 in range(0, len(kept), batch_size):
-            chunk = kept[b0 : b0 + batch_size]
-            prompts, batch_preds = _generate_batch(
-                model, tokenizer, chunk, batch_size=batch_size, builder=builder, pcfg=pcfg, spliced=spliced,
-                emap=emap, pipeline_baseline=stage.pipeline_baseline, signal=signal, eos=eos,
-                max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
-                no_repeat_ngram_size=no_repeat_ngram_size, compiler_options=compiler_options,
-                reply_sampling=reply_sampling)
-            preds.update(batch_preds)
-            if labels is not None:
-                _add_scored_emotions(model, tokenizer, chunk, prompts, preds, labels, emap, builder, pcfg,
-                                     spliced, compiler_options)
-            if emotion_head is not None:
-                _add_head_emotions(model, emotion_head, chunk, batch_size, preds, emap, builder, pcfg,
-                                   spliced, compiler_options)
-            bar.update(1)
-        out += [preds[i] for i in sorted(preds)]
-    bar.close()
-    return out
+    preds: dict[int, dict[str, Any]] = {}
+    for chunk in ps.batches(f"eval {split} (generation)", progress):
+        prompts, batch_preds = _generate_batch(
+            model, tokenizer, chunk, batch_size=batch_size, builder=builder, pcfg=pcfg, spliced=spliced,
+            emap=emap, pipeline_baseline=stage.pipeline_baseline, signal=signal, eos=eos,
+            max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
+            no_repeat_ngram_size=no_repeat_ngram_size, compiler_options=compiler_options,
+            reply_sampling=reply_sampling)
+        preds.update(batch_preds)
+        if labels is not None:
+            _add_scored_emotions(model, tokenizer, chunk, prompts, preds, labels, emap, builder, pcfg,
+                                 spliced, compiler_options)
+        if emotion_head is not None:
+            _add_head_emotions(model, emotion_head, chunk, batch_size, preds, emap, builder, pcfg,
+                               spliced, compiler_options)
+    return [preds[i] for i in sorted(preds)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _PromptSet:
+    """The prompts of one split as generation reads them: the eval stage's template without the target
+    (`include_target=False`), tokenised exactly as in training, in batches of `batch_size` sorted by length
+    within windows of `_SORT_WINDOW_BATCHES` batches (bounded memory, little left padding). Records whose
+    prompt does not fit `max_len` are left out. What `generate_predictions` and `dialogue_summaries` share."""
+
+    manifest: Mapping[str, Any]
+    stage: stages.Stage
+    pcfg: ip.PipelineConfig
+    spliced: bool  # the template has media placeholders and the model reads features into them
+    reader: ip.ShardReader
+    builder: ip.ExampleBuilder
+    batch_size: int
+    num_records: int
+
+    @classmethod
+    def of(cls, model: Empatheia, tokenizer: Any, shards_dir: str | os.PathLike, split: str, caller: str, *,
+           batch_size: int, max_len: int, template: str | None,
+           pipeline_overrides: Mapping[str, Any] | None = None, max_examples: int | None = None
+           ) -> _PromptSet:
+        if batch_size < 1:  # a negative size would make the batching loop empty: no output, no error
+            raise ValueError(f"{caller}: batch_size must be >= 1, got {batch_size}")
+        cfg = model.config
+        manifest = check_split(shards_dir, split)
+        stage = eval_stage(cfg, template)
+        _check_model_and_data(model, tokenizer, manifest, shards_dir, split, stage)
+        fields = pipeline_config_fields(cfg, stage, pipeline_overrides)
+        pcfg = ip.PipelineConfig(stage=stage.template_stage, max_len=max_len, include_target=False, **fields)
+        reader = ip.ShardReader.for_split(shards_dir, split)
+        n = len(reader) if max_examples is None else min(len(reader), max_examples)
+        builder = ip.ExampleBuilder(tokenizer, pcfg, audio_dim=cfg.audio_dim, video_dim=cfg.video_dim)
+        return cls(manifest=manifest, stage=stage, pcfg=pcfg,
+                   spliced=cfg.has_media and pcfg.template_spec().has_media, reader=reader, builder=builder,
+                   batch_size=batch_size, num_records=n)
+
+    def batches(self, desc: str, progress: bool) -> Iterator[list[dict[str, Any]]]:
+        """The batches of prompts (`_window_prompts` dicts), one window at a time, with a progress bar."""
+        n, size = self.num_records, self.batch_size
+        window = size * _SORT_WINDOW_BATCHES
+        bar = _progress(None, total=-(-n // size), desc=desc, enabled=progress)
+        for w0 in range(0, n, window):
+            kept = _window_prompts(self.reader, self.builder, w0, min(w0 + window, n))
+            for b0 in range(0, len(kept), size):
+                yield kept[b0 : b0 + size]
+                bar.update(1)
+        bar.close()
 
 
 def _window_prompts(reader: ip.ShardReader, builder: ip.ExampleBuilder, start: int, stop: int
@@ -487,11 +517,13 @@ class ReplySampling:
     that."); sampling the reply alone spreads the replies while the event, emotion, cause and goal steps,
     and every emotion figure, stay the greedy ones. A text without the header keeps its greedy reply.
     Seeded per batch from (`seed`, the batch's first record index), so a run repeats exactly at the same batch
-    size."""
+    size. `candidates` > 1 draws that many replies per turn from one prefill and keeps their consensus
+    (`reply_choice.consensus_index`); the decode then holds batch x candidates rows."""
 
     temperature: float = 0.8
     top_p: float = 0.95
     seed: int = 0
+    candidates: int = 1
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -499,6 +531,8 @@ class ReplySampling:
                              "leave sampling off)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"reply sampling: top_p={self.top_p} must be in (0, 1]")
+        if self.candidates < 1:
+            raise ValueError(f"reply sampling: candidates={self.candidates} must be >= 1")
 
 
 def reply_header_tokens(tokenizer: Any, new: Sequence[int]) -> int | None:
@@ -515,7 +549,8 @@ def _sample_replies(model, tokenizer, rows, prompts, news, sampling, *, builder,
                     max_new_tokens, repetition_penalty, no_repeat_ngram_size, compiler_options
                     ) -> list[list[int]]:
     """`news` (each row's greedy new tokens) with every reply after a step-5 header drawn again
-    (`ReplySampling`); one sampled decode for the batch, whose size and hence program never change."""
+    (`ReplySampling`, the consensus of its candidates); one sampled decode for the batch, whose size and
+    hence program never change."""
     heads = [reply_header_tokens(tokenizer, n) for n in news]
     if all(k is None for k in heads):
         return news
@@ -523,13 +558,20 @@ def _sample_replies(model, tokenizer, rows, prompts, news, sampling, *, builder,
     embeds = _prompt_embeds(model, prefixes, rows, builder, pcfg, spliced, compiler_options)
     budget = max(1, max_new_tokens - min(k for k in heads if k is not None))
     seed = int(np.random.SeedSequence([sampling.seed, int(rows[0]["record_index"])]).generate_state(1)[0])
+    m = sampling.candidates
     drawn = generate_tokens(model.llm, prefixes, budget, sampling.temperature, sampling.top_p, seed=seed,
                             eos_ids=eos, pad_token_id=builder.pad_id, inputs_embeds=embeds,
-                            repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size)
+                            repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+                            num_samples=m)
     out = []
     for r, (n, k) in enumerate(zip(news, heads, strict=True)):
-        reply = drawn.new_tokens[r, : drawn.num_new[r]].tolist()
-        out.append(n if k is None else n[:k] + reply[: max_new_tokens - k])
+        if k is None:
+            out.append(n)
+            continue
+        replies = [drawn.new_tokens[r * m + j, : drawn.num_new[r * m + j]].tolist() for j in range(m)]
+        pick = 0 if m == 1 else consensus_index([tokenizer.decode(x, skip_special_tokens=True).strip()
+                                                 for x in replies])
+        out.append(n[:k] + replies[pick][: max_new_tokens - k])
     return out
 
 
@@ -624,30 +666,13 @@ def dialogue_summaries(
     `generate_predictions` builds it): {"record_index" [N], "features" [N, 2D] (`prompt_summaries`),
     "emotion_fine" [N] (the gold ED label, -1 where none)}, in record order; prompts longer than `max_len`
     are left out. What the emotion head is fitted on (`eval.emotion_head`)."""
-    if batch_size < 1:
-        raise ValueError(f"dialogue_summaries: batch_size must be >= 1, got {batch_size}")
-    cfg = model.config
-    manifest = check_split(shards_dir, split)
-    stage = eval_stage(cfg, template)
-    _check_model_and_data(model, tokenizer, manifest, shards_dir, split, stage)
-    fields = pipeline_config_fields(cfg, stage, None)
-    pcfg = ip.PipelineConfig(stage=stage.template_stage, max_len=max_len, include_target=False, **fields)
-    spliced = cfg.has_media and pcfg.template_spec().has_media
-    reader = ip.ShardReader.for_split(shards_dir, split)
-    builder = ip.ExampleBuilder(tokenizer, pcfg, audio_dim=cfg.audio_dim, video_dim=cfg.video_dim)
-    n = len(reader) if max_examples is None else min(len(reader), max_examples)
-    window = batch_size * _SORT_WINDOW_BATCHES
+    ps = _PromptSet.of(model, tokenizer, shards_dir, split, "dialogue_summaries", batch_size=batch_size,
+                       max_len=max_len, template=template, max_examples=max_examples)
     index, feats, gold = [], [], []
-    bar = _progress(None, total=-(-n // batch_size), desc=f"read {split} (prompts)", enabled=progress)
-    for w0 in range(0, n, window):
-        kept = _window_prompts(reader, builder, w0, min(w0 + window, n))
-        for b0 in range(0, len(kept), batch_size):
-            chunk = kept[b0 : b0 + batch_size]
-            feats.append(_summaries(model, chunk, batch_size, builder, pcfg, spliced, compiler_options))
-            index += [e["record_index"] for e in chunk]
-            gold += [e["labels"]["emotion_fine"] for e in chunk]
-            bar.update(1)
-    bar.close()
+    for chunk in ps.batches(f"read {split} (prompts)", progress):
+        feats.append(_summaries(model, chunk, batch_size, ps.builder, ps.pcfg, ps.spliced, compiler_options))
+        index += [e["record_index"] for e in chunk]
+        gold += [e["labels"]["emotion_fine"] for e in chunk]
     order = np.argsort(index, kind="stable")
     dim = 2 * model.llm.config.hidden_size
     features = np.concatenate(feats) if feats else np.zeros((0, dim), np.float32)
