@@ -59,7 +59,7 @@ def test_card_copies_the_measured_figures_and_sums_the_training_time(tmp_path):
     assert overall_s["train_seconds"] == 20.0 and overall_s["stage"] == "overall"
     assert overall_s["lr"] == 3e-3  # the stage's own peak lr (schedule.overall.lr), not optim.lr
     assert card["eval"] == {"template": "coe", "data": "/runs/ref/ed/shards", "split": "dev",
-                            "metrics": metrics["trained"]}
+                            "reply_sampling": None, "metrics": metrics["trained"]}
     assert card["model"] == {"stage": "overall", "step": 40, "mode": "peft",
                              "backbone_source": "SmolLM2-135M-Instruct.Q4_1.gguf",
                              "lora": {"rank": 16, "alpha": 32.0, "targets": ["q_proj", "v_proj"]}}
@@ -74,7 +74,14 @@ def test_card_copies_the_measured_figures_and_sums_the_training_time(tmp_path):
                  "re-measures): emotion32_acc_scored 0.4062, emotion32_acc_text 0.3750."):
         assert line in text, line
     assert "eval_loss" not in text  # the full report stays in card.json
+    assert "reply included, is decoded greedily" in text
     assert not list(export.glob(".*.tmp"))
+    # Replies drawn after the greedy CoE: the card says how, since the reply rows depend on it.
+    drawn = {**metrics, "reply_sampling": {"temperature": 0.7, "top_p": 0.95, "seed": 0, "candidates": 16}}
+    card = model_card.build_card(export, drawn, [coe])
+    assert card["eval"]["reply_sampling"] == drawn["reply_sampling"]
+    assert ("the reply alone is drawn at temperature 0.7, top-p 0.95, seed 0: 16 replies per turn, the one "
+            "that agrees most with the others kept") in model_card.render(card)
 
 
 def test_card_carries_the_avatar_rows_beside_their_floors(tmp_path):

@@ -162,6 +162,7 @@ def build_card(export: str | Path, metrics: Mapping[str, Any], workdirs: Sequenc
             "template": metrics.get("template"),
             "data": metrics.get("shards"),
             "split": metrics.get("split"),
+            "reply_sampling": metrics.get("reply_sampling"),
             "metrics": dict(metrics["trained"]),
         },
         "ci_subset": ci_subset,
@@ -173,6 +174,17 @@ def build_card(export: str | Path, metrics: Mapping[str, Any], workdirs: Sequenc
         "notes": notes,
         "license": list(LICENSES.values()),
     }
+
+
+def _decoding_line(sampling: Mapping[str, Any] | None) -> str:
+    """How the replies the reply rows read were decoded (the eval's `reply_sampling`)."""
+    if not sampling:
+        return "The whole Chain of Empathy, reply included, is decoded greedily."
+    line = (f"The Chain of Empathy is decoded greedily, then the reply alone is drawn at temperature "
+            f"{sampling['temperature']}, top-p {sampling['top_p']}, seed {sampling['seed']}")
+    n = int(sampling.get("candidates", 1))
+    return line + (f": {n} replies per turn, the one that agrees most with the others kept (ROUGE-L "
+                   "consensus)." if n > 1 else ".")
 
 
 def avatar_figures(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -276,7 +288,7 @@ def render(card: Mapping[str, Any]) -> str:
         "chosen among the 32 ED labels by likelihood after the model's own step 1; `emotion32_acc_head` "
         "the emotion head (emotion_head.safetensors, a linear probe over the model's reading of the "
         "dialogue, fitted on the train part); `emotion32_acc_combined` the three combined with weights "
-        "chosen on this dev part (docs/design.md, Evaluation).",
+        "chosen on this dev part (docs/design.md, Evaluation). " + _decoding_line(ev.get("reply_sampling")),
         "",
         "| metric | value |",
         "|---|---|",
