@@ -100,8 +100,8 @@ flags.DEFINE_float("reply_temperature", 0.0, "eval: draw each reply with this te
 flags.DEFINE_float("reply_top_p", 0.95, "eval: the nucleus of the drawn replies (--reply_temperature)",
                    lower_bound=1e-6, upper_bound=1.0)
 flags.DEFINE_integer("reply_candidates", 1, "eval: draw this many replies per turn and keep their "
-                     "consensus (the one that agrees most with the others, ROUGE-L; --reply_temperature)",
-                     lower_bound=1)
+                     "consensus (the one that agrees most with the others: ROUGE-L and BLEU-2; "
+                     "--reply_temperature)", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "eval: the seed of the drawn replies (--reply_temperature)")
 flags.DEFINE_string("json", None, "eval: also write the metrics table as JSON here")
 flags.DEFINE_string("report", None, "eval: a report folder: report.md (table, per-class tables and plots), "

@@ -1,26 +1,33 @@
-"""The consensus choice among drawn replies (`serve.reply_choice`), against hand-counted ROUGE-L."""
+"""The consensus choice among drawn replies (`serve.reply_choice`): ROUGE-L counted by hand, BLEU-2 as
+sacrebleu's own sentence score."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from sacrebleu.metrics import BLEU
 
 from empatheia_jax.serve.reply_choice import agreement, consensus_index
+
+CANDS = ["Oh no.", "So sorry, what did the vet say?", "Oh no, I am so sorry, what did the vet say then?"]
 
 
 def _f1(lcs: int, a: int, b: int) -> float:
     return 2 * lcs / (a + b)
 
 
-def test_agreement_is_rouge_l_f1_counted_by_hand():
-    # Lowercased, punctuation dropped, Porter-stemmed ("sorry" -> "sorri" on both sides).
-    cands = ["Oh no.", "So sorry, what did the vet say?", "Oh no, I am so sorry, what did the vet say then?"]
-    got = agreement(cands)
-    want = np.array([[0, 0, _f1(2, 2, 12)],
-                     [0, 0, _f1(7, 7, 12)],
-                     [_f1(2, 2, 12), _f1(7, 7, 12), 0]])
-    np.testing.assert_allclose(got, want, atol=1e-12)
-    assert consensus_index(cands) == 2  # 0.29 + 0.74 against 0.74 and 0.29
+def test_agreement_is_the_mean_of_rouge_l_and_sentence_bleu2():
+    # ROUGE-L by hand: lowercased, punctuation dropped, stemmed; the longest common subsequences are
+    # "oh no" (2 of 2 and 12 words) and "so sorry what did the vet say" (7 of 7 and 12).
+    rouge = np.array([[0, 0, _f1(2, 2, 12)],
+                      [0, 0, _f1(7, 7, 12)],
+                      [_f1(2, 2, 12), _f1(7, 7, 12), 0]])
+    bleu = BLEU(max_ngram_order=2, lowercase=True, effective_order=True)
+    sent = np.array([[0 if i == j else bleu.sentence_score(CANDS[i], [CANDS[j]]).score / 100
+                      for j in range(3)] for i in range(3)])
+    assert sent[1, 2] != sent[2, 1]  # BLEU is not symmetric: i is the hypothesis, j the reference
+    np.testing.assert_allclose(agreement(CANDS), 0.5 * (rouge + sent), atol=1e-12)
+    assert consensus_index(CANDS) == 2  # it shares "oh no" with the first and the question with the second
 
 
 def test_consensus_ties_go_to_the_earliest_and_needs_a_candidate():

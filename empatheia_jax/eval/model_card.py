@@ -184,7 +184,7 @@ def _decoding_line(sampling: Mapping[str, Any] | None) -> str:
             f"{sampling['temperature']}, top-p {sampling['top_p']}, seed {sampling['seed']}")
     n = int(sampling.get("candidates", 1))
     return line + (f": {n} replies per turn, the one that agrees most with the others kept (ROUGE-L "
-                   "consensus)." if n > 1 else ".")
+                   "and BLEU-2 consensus)." if n > 1 else ".")
 
 
 def avatar_figures(report: Mapping[str, Any]) -> dict[str, Any]:
