@@ -17,9 +17,9 @@ order); rows for the greedy reply, the first draw, and the consensus of the firs
 eval's reply rows (`metrics.text`: BLEU-1/2, ROUGE-L, question, reuse and duplicate rates, Dist, words,
 repetition) and the gold replies' own engagement rows as the reference.
 
-The eval draws from the prefix in token space (`evaluate.reply_header_tokens`) after decoding the CoE in the
-same run; here the CoE text is re-tokenised, which can split a word differently at the header: the figures
-are the eval's up to that and the seeds.
+The eval draws from the prefix in token space (`reply_choice.reply_header_tokens`) after decoding the CoE
+in the same run; here the CoE text is re-tokenised, which can split a word differently at the header: the
+figures are the eval's up to that and the seeds.
 """
 
 from __future__ import annotations

@@ -94,15 +94,15 @@ flags.DEFINE_string("emotion_head", None, "eval: an emotion head file (python -m
                     "empatheia_jax.eval.fit_emotion_head): rows emotion*_acc_head, and with "
                     "--score_emotions emotion*_acc_combined (default: the --ckpt folder's "
                     "emotion_head.safetensors when it has one)")
-flags.DEFINE_float("reply_temperature", 0.0, "eval: draw each reply with this temperature after the greedy "
-                   "Chain of Empathy (its steps and the emotion rows stay greedy; 0 = greedy replies)",
-                   lower_bound=0.0)
-flags.DEFINE_float("reply_top_p", 0.95, "eval: the nucleus of the drawn replies (--reply_temperature)",
-                   lower_bound=1e-6, upper_bound=1.0)
-flags.DEFINE_integer("reply_candidates", 1, "eval: draw this many replies per turn and keep their "
+flags.DEFINE_float("reply_temperature", 0.0, "eval/chat/serve: draw each reply with this temperature after "
+                   "the greedy Chain of Empathy (its steps and the emotion rows stay greedy; 0 = greedy "
+                   "replies)", lower_bound=0.0)
+flags.DEFINE_float("reply_top_p", 0.95, "eval/chat/serve: the nucleus of the drawn replies "
+                   "(--reply_temperature)", lower_bound=1e-6, upper_bound=1.0)
+flags.DEFINE_integer("reply_candidates", 1, "eval/chat/serve: draw this many replies per turn and keep their "
                      "consensus (the one that agrees most with the others: ROUGE-L and BLEU-2; "
                      "--reply_temperature)", lower_bound=1)
-flags.DEFINE_integer("seed", 0, "eval: the seed of the drawn replies (--reply_temperature)")
+flags.DEFINE_integer("seed", 0, "eval/chat/serve: the seed of the drawn replies (--reply_temperature)")
 flags.DEFINE_string("json", None, "eval: also write the metrics table as JSON here")
 flags.DEFINE_string("report", None, "eval: a report folder: report.md (table, per-class tables and plots), "
                     "metrics.json, per_class.json, per_class_*.png, predictions_*.jsonl")
@@ -345,7 +345,7 @@ def _eval_kwargs(config: Any, stage: stages.Stage, emotion_head: Any = None) -> 
 
 
 def _reply_sampling() -> Any:
-    from empatheia_jax.eval.evaluate import ReplySampling
+    from empatheia_jax.serve.reply_choice import ReplySampling
 
     if FLAGS.reply_temperature == 0:
         return None
@@ -517,7 +517,7 @@ def _chat() -> int:
                          history=history, out=FLAGS.out or "chat_reply", render=render, listener=listener,
                          hear=render != "text",
                          max_new_tokens=FLAGS.max_new_tokens, repetition_penalty=FLAGS.repetition_penalty,
-                         no_repeat_ngram_size=FLAGS.no_repeat_ngram_size)
+                         no_repeat_ngram_size=FLAGS.no_repeat_ngram_size, reply_sampling=_reply_sampling())
     result = done.result
     print(chat.format_result(result))
     print(f"features -> {done.npz}\ntext -> {done.json}")
@@ -560,6 +560,7 @@ def _serve() -> int:
     load_seconds = time.perf_counter() - t0
     generation = dict(max_new_tokens=FLAGS.max_new_tokens, repetition_penalty=FLAGS.repetition_penalty,
                       no_repeat_ngram_size=FLAGS.no_repeat_ngram_size)
+    turn_options = dict(generation, reply_sampling=_reply_sampling())
     if FLAGS.warmup:
         t0 = time.perf_counter()
         warmed = replier.warm_up(**generation, progress=lambda b: print(
@@ -567,7 +568,7 @@ def _serve() -> int:
         print(f"warm-up: {len(warmed)} prompt lengths in {time.perf_counter() - t0:.1f} s", flush=True)
     limits = web.Limits(max_upload_bytes=int(FLAGS.max_upload_mb * 2**20),
                         max_media_seconds=FLAGS.max_media_seconds, queue=FLAGS.queue)
-    server = web.Server(web.replier_turn(replier, **generation),
+    server = web.Server(web.replier_turn(replier, **turn_options),
                         limits, info={"ckpt": str(FLAGS.ckpt), "load_seconds": load_seconds,
                                       "speech_targets": replier.speech_targets,
                                       "video_targets": replier.video_targets})

@@ -398,3 +398,53 @@ def test_warm_up_compiles_every_program_a_text_turn_needs(model, tok, tmp_path):
         assert compiles == [], f"{len(compiles)} compile(s) during turns of prompt lengths {lengths}"
     finally:
         jax.monitoring.unregister_event_duration_listener(count)
+
+
+def test_reply_sampling_keeps_the_consensus_drawn_after_the_greedy_coe(model, tok, media, monkeypatch):
+    """`respond(reply_sampling=)`: the greedy CoE (rigged) is kept through its step-5 header and the reply is
+    the consensus of the drawn candidates (rigged: the last one agrees most with the others), drawn from
+    prompt + header with the turn's media spliced exactly as the greedy prompt had them."""
+    from empatheia_jax.data import templates as tpl
+    from empatheia_jax.serve import generation, reply_choice
+
+    coe = tpl.format_coe({"event_scenario": "a bad smell", "speaker_emotion": "disgusted"}, "oh no")
+    drafts = ["Oh no.", "So sorry, what did you smell?", "Oh no, I am so sorry, what did you smell there?"]
+    calls = []
+
+    def rigged(rows, pad):
+        width = max(len(r) for r in rows)
+        new = np.array([r + [pad] * (width - len(r)) for r in rows], np.int32)
+        return new, np.array([len(r) for r in rows])
+
+    def greedy(llm, prompts, max_new_tokens, temperature=0.0, top_p=1.0, **kw):
+        calls.append(("greedy", prompts, kw["inputs_embeds"]))
+        ids, mask = generation.left_pad(prompts, kw["pad_token_id"])
+        new, n = rigged([tok(coe + tok.eos_token, add_special_tokens=False)["input_ids"]], kw["pad_token_id"])
+        return generation.Generation(np.concatenate([ids, new], 1), np.concatenate([mask, new > -1], 1),
+                                     ids.shape[1], n)
+
+    def drawn(llm, prompts, max_new_tokens, temperature=0.0, top_p=1.0, **kw):
+        calls.append(("drawn", prompts, kw["inputs_embeds"]))
+        k = kw["num_samples"]
+        ids, mask = generation.left_pad(prompts, kw["pad_token_id"])
+        new, n = rigged([tok(d + tok.eos_token, add_special_tokens=False)["input_ids"] for d in drafts],
+                        kw["pad_token_id"])
+        return generation.Generation(np.concatenate([np.repeat(ids, k, 0), new], 1),
+                                     np.concatenate([np.repeat(mask, k, 0), new > -1], 1), ids.shape[1], n)
+
+    monkeypatch.setattr(chat, "generate_tokens", greedy)
+    monkeypatch.setattr(reply_choice, "generate_tokens", drawn)
+    r = chat.respond(model, tok, text="test1 line 2: I feel disgusted", audio=media / "diatest1utt2_7.wav",
+                     video=media / "diatest1utt2_7.mp4", history=_history(media), encoder="lite",
+                     max_new_tokens=64, compiler_options=FAST,
+                     reply_sampling=reply_choice.ReplySampling(temperature=1.0, candidates=3))
+    assert r.reply == drafts[2]
+    assert r.coe["event_scenario"] == "a bad smell" and r.emotion_text == "disgusted"
+    (_, prompts, g_embeds), (_, prefixes, d_embeds) = calls
+    prompt, prefix = prompts[0], prefixes[0]
+    header = tok(coe[: tpl.response_header_end(coe)], add_special_tokens=False)["input_ids"]
+    assert prefix[: len(prompt)] == prompt and tok.decode(prefix[len(prompt):]) == tok.decode(header)
+    # The prompt's embeddings, media spliced, are the same in both calls (each left-padded to its bucket).
+    p, q = np.asarray(g_embeds)[0], np.asarray(d_embeds)[0]
+    start = q.shape[0] - len(prefix)
+    np.testing.assert_allclose(q[start : start + len(prompt)], p[p.shape[0] - len(prompt):], atol=1e-6)

@@ -26,8 +26,9 @@ from empatheia_jax.eval import baselines as eval_baselines
 from empatheia_jax.eval import evaluate as ev
 from empatheia_jax.eval import report as eval_report
 from empatheia_jax.eval.metrics import text as mtext
+from empatheia_jax.serve import reply_choice
 from empatheia_jax.serve.generation import eos_token_ids, generate_tokens, left_pad
-from empatheia_jax.serve.reply_choice import consensus_index
+from empatheia_jax.serve.reply_choice import ReplySampling, consensus_index, reply_header_tokens
 from empatheia_jax.train import objective, stages
 
 ED = list(schema.ED_EMOTIONS_32)
@@ -326,16 +327,17 @@ def test_reply_sampling_draws_the_reply_after_the_greedy_coe(model, tok, shards,
         return real(llm, prompts, max_new_tokens, temperature, top_p, **kw)
 
     monkeypatch.setattr(ev, "generate_tokens", phase)
+    monkeypatch.setattr(reply_choice, "generate_tokens", phase)
     kw = dict(batch_size=2, max_len=MAX_LEN, progress=False, compiler_options=FAST, max_new_tokens=80)
     greedy = ev.generate_predictions(model, tok, shards, "test", **kw)
     narrow = ev.generate_predictions(model, tok, shards, "test", **kw,
-                                     reply_sampling=ev.ReplySampling(temperature=1.0, top_p=1e-6))
+                                     reply_sampling=ReplySampling(temperature=1.0, top_p=1e-6))
     eos = eos_token_ids(model.llm, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     for ex, text, g, p in zip(examples, texts, greedy, narrow, strict=True):
         assert p["text_greedy"] == g["text"] == text
         new = tok(text, add_special_tokens=False)["input_ids"]
-        k = ev.reply_header_tokens(tok, new)
+        k = reply_header_tokens(tok, new)
         if "the response is" not in text:
             assert k is None and p["text"] == text  # no header: the greedy reply stays
             continue
@@ -354,12 +356,12 @@ def test_reply_sampling_draws_the_reply_after_the_greedy_coe(model, tok, shards,
         assert {k: v for k, v in p["coe"].items() if k != "response"} == \
             {k: v for k, v in g["coe"].items() if k != "response"}  # every step but the reply: greedy
     drawn = [ev.generate_predictions(model, tok, shards, "test", **kw,
-                                     reply_sampling=ev.ReplySampling(temperature=1.5, top_p=1.0, seed=s))
+                                     reply_sampling=ReplySampling(temperature=1.5, top_p=1.0, seed=s))
              for s in (0, 0, 1)]
     assert [p["text"] for p in drawn[0]] == [p["text"] for p in drawn[1]]
     assert [p["text"] for p in drawn[0]] != [p["text"] for p in drawn[2]]
     with pytest.raises(ValueError, match="temperature=0"):
-        ev.ReplySampling(temperature=0.0)
+        ReplySampling(temperature=0.0)
 
 
 def test_reply_candidates_keep_the_consensus_of_the_drawn_replies(model, tok, shards, monkeypatch):
@@ -389,9 +391,10 @@ def test_reply_candidates_keep_the_consensus_of_the_drawn_replies(model, tok, sh
                                      ids.shape[1], np.array([len(r) for r in rows]))
 
     monkeypatch.setattr(ev, "generate_tokens", phase)
+    monkeypatch.setattr(reply_choice, "generate_tokens", phase)
     kw = dict(batch_size=2, max_len=MAX_LEN, progress=False, compiler_options=FAST, max_new_tokens=80)
     preds = ev.generate_predictions(model, tok, shards, "test", **kw,
-                                    reply_sampling=ev.ReplySampling(temperature=1.0, candidates=3))
+                                    reply_sampling=ReplySampling(temperature=1.0, candidates=3))
     assert calls and all(c == (2, 3) for c in calls)
     assert consensus_index(drafts) == 2
     for text, p in zip(texts, preds, strict=True):

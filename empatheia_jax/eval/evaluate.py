@@ -58,7 +58,7 @@ from empatheia_jax.serve.generation import (
     prompt_summaries,
     score_continuations,
 )
-from empatheia_jax.serve.reply_choice import consensus_index
+from empatheia_jax.serve.reply_choice import ReplySampling, redraw_replies
 from empatheia_jax.train import losses, objective, stages
 from empatheia_jax.train.stages import TemplateError, eval_stage
 
@@ -488,10 +488,16 @@ def _generate_batch(
     news = [gen.new_tokens[r, : gen.num_new[r]].tolist() for r in range(len(rows))]
     greedy = news
     if reply_sampling is not None:
-        news = _sample_replies(model, tokenizer, rows, prompts, news, reply_sampling, builder=builder,
-                               pcfg=pcfg, spliced=spliced, eos=eos, max_new_tokens=max_new_tokens,
-                               repetition_penalty=repetition_penalty,
-                               no_repeat_ngram_size=no_repeat_ngram_size, compiler_options=compiler_options)
+        # Seeded per batch from (seed, the batch's first record index): a run repeats at the same batch size.
+        seed = int(np.random.SeedSequence([reply_sampling.seed, int(rows[0]["record_index"])]
+                                          ).generate_state(1)[0])
+        news = redraw_replies(
+            model.llm, tokenizer, prompts, news, reply_sampling, seed=seed, eos=eos,
+            pad_token_id=builder.pad_id,
+            embed=lambda prefixes: _prompt_embeds(model, prefixes, rows, builder, pcfg, spliced,
+                                                  compiler_options),
+            max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
+            no_repeat_ngram_size=no_repeat_ngram_size)
     preds = {}
     for r, e in enumerate(chunk):
         new = news[r]
@@ -506,73 +512,6 @@ def _generate_batch(
             pred["signal_complete"] = signal <= set(new)
         preds[e["record_index"]] = pred
     return prompts, preds
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplySampling:
-    """Draw the reply, not the reasoning: after the greedy Chain of Empathy, each reply is generated again
-    from the prompt + the greedy text through the step-5 header ("Finally, the response is:", found in token
-    space: `reply_header_tokens`) with temperature + nucleus sampling. Why: greedy decoding returns the mode,
-    and the mode of an empathetic reply is the same few sentences for every dialogue ("I'm sorry to hear
-    that."); sampling the reply alone spreads the replies while the event, emotion, cause and goal steps,
-    and every emotion figure, stay the greedy ones. A text without the header keeps its greedy reply.
-    Seeded per batch from (`seed`, the batch's first record index), so a run repeats exactly at the same batch
-    size. `candidates` > 1 draws that many replies per turn from one prefill and keeps their consensus
-    (`reply_choice.consensus_index`); the decode then holds batch x candidates rows."""
-
-    temperature: float = 0.8
-    top_p: float = 0.95
-    seed: int = 0
-    candidates: int = 1
-
-    def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"reply sampling: temperature={self.temperature} must be > 0 (0 is greedy: "
-                             "leave sampling off)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"reply sampling: top_p={self.top_p} must be in (0, 1]")
-        if self.candidates < 1:
-            raise ValueError(f"reply sampling: candidates={self.candidates} must be >= 1")
-
-
-def reply_header_tokens(tokenizer: Any, new: Sequence[int]) -> int | None:
-    """How many of the generated tokens `new` run through the CoE's step-5 header (the fewest whose text
-    covers `templates.response_header_end`), None when the text has no such header."""
-    end = tpl.response_header_end(tokenizer.decode(list(new), skip_special_tokens=False))
-    if end is None:
-        return None
-    return next(k for k in range(1, len(new) + 1)
-                if len(tokenizer.decode(list(new[:k]), skip_special_tokens=False)) >= end)
-
-
-def _sample_replies(model, tokenizer, rows, prompts, news, sampling, *, builder, pcfg, spliced, eos,
-                    max_new_tokens, repetition_penalty, no_repeat_ngram_size, compiler_options
-                    ) -> list[list[int]]:
-    """`news` (each row's greedy new tokens) with every reply after a step-5 header drawn again
-    (`ReplySampling`, the consensus of its candidates); one sampled decode for the batch, whose size and
-    hence program never change."""
-    heads = [reply_header_tokens(tokenizer, n) for n in news]
-    if all(k is None for k in heads):
-        return news
-    prefixes = [p + n[: k if k is not None else len(n)] for p, n, k in zip(prompts, news, heads, strict=True)]
-    embeds = _prompt_embeds(model, prefixes, rows, builder, pcfg, spliced, compiler_options)
-    budget = max(1, max_new_tokens - min(k for k in heads if k is not None))
-    seed = int(np.random.SeedSequence([sampling.seed, int(rows[0]["record_index"])]).generate_state(1)[0])
-    m = sampling.candidates
-    drawn = generate_tokens(model.llm, prefixes, budget, sampling.temperature, sampling.top_p, seed=seed,
-                            eos_ids=eos, pad_token_id=builder.pad_id, inputs_embeds=embeds,
-                            repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-                            num_samples=m)
-    out = []
-    for r, (n, k) in enumerate(zip(news, heads, strict=True)):
-        if k is None:
-            out.append(n)
-            continue
-        replies = [drawn.new_tokens[r * m + j, : drawn.num_new[r * m + j]].tolist() for j in range(m)]
-        pick = 0 if m == 1 else consensus_index([tokenizer.decode(x, skip_special_tokens=True).strip()
-                                                 for x in replies])
-        out.append(n[:k] + replies[pick][: max_new_tokens - k])
-    return out
 
 
 _SORT_WINDOW_BATCHES = 16  # prompts are length-sorted within windows of this many batches

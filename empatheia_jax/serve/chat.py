@@ -48,6 +48,7 @@ from empatheia_jax.generators.speech_synth import listener_style
 from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
 from empatheia_jax.serve import forward
 from empatheia_jax.serve.generation import bucket, eos_token_ids, generate_tokens, left_pad
+from empatheia_jax.serve.reply_choice import ReplySampling, redraw_replies
 from empatheia_jax.train import stages
 
 OUTPUT_FORMAT = "empatheia-chat/1"
@@ -387,6 +388,7 @@ def respond(
     video_targets: str = STAND_IN,
     asr_threads: int = 2,
     listener: Mapping[str, str] | None = None,
+    reply_sampling: ReplySampling | None = None,
 ) -> ChatResult:
     """The model's reply to `text` (the speaker's latest utterance; `audio`/`video` its media files) after
     `history` (`load_history` entries, oldest first). See the module docstring for the steps.
@@ -394,6 +396,8 @@ def respond(
     encoder: the name (with `encoder_kwargs`) or an instance; it must be the encoder of the training shards
     (`encoder_from_manifest(shards_dir)`). Greedy at temperature 0, else sampled with `seed`/`top_p`;
     `repetition_penalty`/`no_repeat_ngram_size` are HF's, over the prompt and the reply (generation.py).
+    `reply_sampling` draws the reply again after the CoE's step-5 header, the consensus of its candidates
+    (`reply_choice`, as `empatheia eval --reply_temperature` measures it), seeded with its seed.
     Missing media raise `FileNotFoundError`, unreadable media and a latest utterance that cannot fit in
     `max_len` `ChatInputError` (`PromptTooLongError`), each naming the file or the limit.
     speech_targets / video_targets: the sources of the targets the model was trained on (checkpoint meta
@@ -423,6 +427,17 @@ def respond(
     new = _generate(model, prompt, ids, feats, eos=eos, pad=pad, max_new_tokens=max_new_tokens,
                     temperature=temperature, top_p=top_p, seed=seed, repetition_penalty=repetition_penalty,
                     no_repeat_ngram_size=no_repeat_ngram_size, compiler_options=compiler_options)
+    if reply_sampling is not None:
+        def embed(prefixes: list[list[int]]) -> Any:
+            if not cfg.has_media:
+                return None
+            return forward.embed_prompts(model, left_pad(prefixes, pad)[0], *feats,
+                                         compiler_options=compiler_options)
+
+        new = redraw_replies(model.llm, tokenizer, [prompt.ids], [new], reply_sampling,
+                             seed=reply_sampling.seed, eos=eos, pad_token_id=pad, embed=embed,
+                             max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
+                             no_repeat_ngram_size=no_repeat_ngram_size)[0]
     raw = tokenizer.decode(new, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     final, forced = _with_signal_tokens(cfg, tokenizer, new, eos, notes)
     parsed = parse.parse_generation(raw, schema.EmotionMap.load(emotion_map_name(cfg)),

@@ -1,24 +1,99 @@
-"""Choosing one reply among several drawn for the same turn: the consensus (minimum-Bayes-risk) choice.
+"""How the reply of a Chain of Empathy is decoded: drawn again after the greedy reasoning
+(`ReplySampling`, `redraw_replies`), and chosen among several draws by their consensus (`consensus_index`).
+Eval (`generate_predictions(reply_sampling=)`) and chat (`chat.respond(reply_sampling=)`) share it.
 
-Why: greedy decoding returns the mode token by token, and the mode of an empathetic reply is the same few
-sentences for every dialogue ("I'm sorry to hear that."); one sampled reply is specific but often strays
-(it says less of what a person would have said: lower BLEU-2 and ROUGE-L against the gold reply). Sampling
-n replies and keeping the one that agrees most with the other n - 1 (Kumar & Byrne 2004; Freitag et al.
-2023 for sampled candidates) keeps a reply of THIS dialogue's distribution, near its centre rather than its
-mode. The agreement of a candidate with another is the mean of the two figures the reply is judged by
-against its gold (`eval.metrics.text.reply_overlap`), here with the other candidate as the reference:
-ROUGE-L F1 (`rouge-score`, Porter-stemmed) and sentence BLEU-2 (`sacrebleu`, 13a tokens, lowercased,
-effective order, its default exponential smoothing). On the first half of the ED dev part (448 turns, 8
-draws) this mean put both BLEU-2 and ROUGE-L above the greedy reply, where ROUGE-L alone left BLEU-2 level
-and BLEU-2 alone gained the most BLEU-2 with a smaller ROUGE-L gain (docs/benchmarks.md).
+The consensus (minimum-Bayes-risk) choice. Why: greedy decoding returns the mode token by token, and the
+mode of an empathetic reply is the same few sentences for every dialogue ("I'm sorry to hear that."); one
+sampled reply is specific but often strays (it says less of what a person would have said: lower BLEU-2
+and ROUGE-L against the gold reply). Sampling n replies and keeping the one that agrees most with the
+other n - 1 (Kumar & Byrne 2004; Freitag et al. 2023 for sampled candidates) keeps a reply of THIS
+dialogue's distribution, near its centre rather than its mode. The agreement of a candidate with another
+is the mean of the two figures the reply is judged by against its gold (`eval.metrics.text.reply_overlap`),
+here with the other candidate as the reference: ROUGE-L F1 (`rouge-score`, Porter-stemmed) and sentence
+BLEU-2 (`sacrebleu`, 13a tokens, lowercased, effective order, its default exponential smoothing). On the
+first half of the ED dev part (448 turns, 8 draws) this mean put both BLEU-2 and ROUGE-L above the greedy
+reply, where ROUGE-L alone left BLEU-2 level and BLEU-2 alone gained the most BLEU-2 with a smaller
+ROUGE-L gain (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
+
+from empatheia_jax.data import templates as tpl
+from empatheia_jax.serve.generation import generate_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplySampling:
+    """Draw the reply, not the reasoning: after the greedy Chain of Empathy, each reply is generated again
+    from the prompt + the greedy text through the step-5 header ("Finally, the response is:", found in token
+    space: `reply_header_tokens`) with temperature + nucleus sampling. Why: greedy decoding returns the mode,
+    and the mode of an empathetic reply is the same few sentences for every dialogue ("I'm sorry to hear
+    that."); sampling the reply alone spreads the replies while the event, emotion, cause and goal steps,
+    and every emotion figure, stay the greedy ones. A text without the header keeps its greedy reply.
+    `candidates` > 1 draws that many replies per turn from one prefill and keeps their consensus
+    (`consensus_index`); the decode then holds batch x candidates rows."""
+
+    temperature: float = 0.8
+    top_p: float = 0.95
+    seed: int = 0
+    candidates: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"reply sampling: temperature={self.temperature} must be > 0 (0 is greedy: "
+                             "leave sampling off)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"reply sampling: top_p={self.top_p} must be in (0, 1]")
+        if self.candidates < 1:
+            raise ValueError(f"reply sampling: candidates={self.candidates} must be >= 1")
+
+
+def reply_header_tokens(tokenizer: Any, new: Sequence[int]) -> int | None:
+    """How many of the generated tokens `new` run through the CoE's step-5 header (the fewest whose text
+    covers `templates.response_header_end`), None when the text has no such header."""
+    end = tpl.response_header_end(tokenizer.decode(list(new), skip_special_tokens=False))
+    if end is None:
+        return None
+    return next(k for k in range(1, len(new) + 1)
+                if len(tokenizer.decode(list(new[:k]), skip_special_tokens=False)) >= end)
+
+
+def redraw_replies(llm: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], news: Sequence[list[int]],
+                   sampling: ReplySampling, *, seed: int, eos: Sequence[int], pad_token_id: int,
+                   embed: Callable[[list[list[int]]], Any], max_new_tokens: int,
+                   repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0) -> list[list[int]]:
+    """`news` (each prompt's greedy new tokens) with every reply after a step-5 header drawn again
+    (`ReplySampling`, the consensus of its candidates) in one sampled decode of the whole batch, seeded with
+    `seed`; a text without the header is kept. `embed(prefixes)` gives the prefixes' input embeddings with
+    the prompts' media spliced (None when nothing is spliced); the total stays within `max_new_tokens`."""
+    heads = [reply_header_tokens(tokenizer, n) for n in news]
+    if all(k is None for k in heads):
+        return [list(n) for n in news]
+    prefixes = [list(p) + n[: k if k is not None else len(n)] for p, n, k in zip(prompts, news, heads,
+                                                                                strict=True)]
+    budget = max(1, max_new_tokens - min(k for k in heads if k is not None))
+    m = sampling.candidates
+    drawn = generate_tokens(llm, prefixes, budget, sampling.temperature, sampling.top_p, seed=seed,
+                            eos_ids=eos, pad_token_id=pad_token_id, inputs_embeds=embed(prefixes),
+                            repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+                            num_samples=m)
+    out = []
+    for r, (n, k) in enumerate(zip(news, heads, strict=True)):
+        if k is None:
+            out.append(list(n))
+            continue
+        replies = [drawn.new_tokens[r * m + j, : drawn.num_new[r * m + j]].tolist() for j in range(m)]
+        pick = 0 if m == 1 else consensus_index([tokenizer.decode(x, skip_special_tokens=True).strip()
+                                                 for x in replies])
+        out.append(n[:k] + replies[pick][: max_new_tokens - k])
+    return out
 
 
 @lru_cache(maxsize=1)
