@@ -27,12 +27,14 @@
 # from instead of training one: a workdir or a PEFT export, e.g. the committed reference model, `python -m
 # empatheia_jax.reference`; the ED stages train the CS only, so its LoRA reaches the new export unchanged, and
 # a redesigned CS costs the ccl stage, not the hours of coe), HEAD_FROM (an emotion_head.safetensors fitted
-# to the same LLM, e.g. the committed reference's, copied into the export instead of fitting one).
+# to the same LLM, e.g. the committed reference's, copied into the export instead of fitting one),
+# REPLY_FLAGS (how the final dev evaluation decodes the reply after the greedy CoE; default the consensus of
+# 16 replies drawn at T 0.7, top-p 0.95, seed 0: serve/reply_choice.py, chosen on dev; "" = greedy replies).
 # Exit status: 0 done; 3 a stage stopped early (SIGTERM: checkpointed; re-run the same command to resume).
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-    sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 RUN=$1
@@ -43,6 +45,7 @@ WORK=${WORK:-work}
 ED_CSV=${ED_CSV:-data/ed/empathetic_dialogues_validation.csv}
 HOLDOUT=${HOLDOUT:-dev:0.15}
 read -r -a EXTRA_EVAL <<< "${EVAL_FLAGS:-}"
+read -r -a REPLY <<< "${REPLY_FLAGS---reply_temperature 0.7 --reply_top_p 0.95 --reply_candidates 16 --seed 0}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$RUN/jax_cache}
 
@@ -163,7 +166,8 @@ else
 fi
 echo "[ed_reference] dev evaluation of the export (CoE prompt) -> $RUN/report_final"
 "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template coe \
-    --report "$RUN/report_final" --no_repeat_ngram_size 4 --score_emotions ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
+    --report "$RUN/report_final" --no_repeat_ngram_size 4 --score_emotions ${REPLY[@]+"${REPLY[@]}"} \
+    ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
 echo "[ed_reference] the head's combination with step 2, chosen on those dev predictions"
 "$PY" -m empatheia_jax.eval.fit_emotion_head weights --head "$RUN/export/emotion_head.safetensors" \
     --predictions "$RUN/report_final/predictions_coe.jsonl" --shards "$RUN/ed/shards" \
