@@ -14,8 +14,8 @@ prefix from one prefill (`generate_tokens(num_samples=)`), seeded per batch (see
 Writes one JSON line per record: record_index, gold, speaker_turn, greedy (the greedy reply), samples.
 `score`: files drawn with other seeds on the same records are joined (their samples appended, in file
 order); rows for the greedy reply, the first draw, and the consensus of the first k draws, each with the
-eval's reply rows (`metrics.text`: BLEU-1/2, ROUGE-L, question, reuse and duplicate rates, Dist, words,
-repetition) and the gold replies' own engagement rows as the reference.
+eval's reply rows (`metrics.text.reply_metrics`: BLEU-1/2, ROUGE-L, question, reuse and duplicate rates,
+Dist, words, repetition) and the gold replies' own engagement rows as the reference.
 
 The eval draws from the prefix in token space (`reply_choice.reply_header_tokens`) after decoding the CoE
 in the same run; here the CoE text is re-tokenised, which can split a word differently at the header: the
@@ -34,7 +34,6 @@ import json  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 
@@ -84,16 +83,6 @@ def draw(args: argparse.Namespace) -> None:
             f.flush()
 
 
-def _rows(replies: list[str], golds: list[str], turns: list[str]) -> dict[str, float]:
-    from empatheia_jax.eval.metrics import text as mt
-
-    m = {**mt.reply_overlap(replies, golds), **mt.reply_engagement(replies, turns),
-         **mt.reply_text_metrics(replies)}
-    m["reply_words"] = float(np.mean([mt.reply_length(r) for r in replies]))
-    m["repetition_rate"] = float(np.mean([mt.has_repeated_ngram(r) for r in replies]))
-    return m
-
-
 def score(args: argparse.Namespace) -> None:
     from empatheia_jax.eval.metrics import text as mt
     from empatheia_jax.serve.reply_choice import consensus_index
@@ -109,12 +98,12 @@ def score(args: argparse.Namespace) -> None:
     recs = [records[i] for i in sorted(records)]
     golds, turns = [r["gold"] for r in recs], [r["speaker_turn"] for r in recs]
     have = min(len(r["samples"]) for r in recs)
-    table = {"greedy": _rows([r["greedy"] for r in recs], golds, turns),
-             "first draw": _rows([r["samples"][0] for r in recs], golds, turns)}
+    table = {"greedy": mt.reply_metrics([r["greedy"] for r in recs], golds, turns),
+             "first draw": mt.reply_metrics([r["samples"][0] for r in recs], golds, turns)}
     for k in args.k:
         if 1 < k <= have:
             picks = [r["samples"][consensus_index(r["samples"][:k])] for r in recs]
-            table[f"consensus of {k}"] = _rows(picks, golds, turns)
+            table[f"consensus of {k}"] = mt.reply_metrics(picks, golds, turns)
     table["gold"] = mt.reply_engagement(golds, turns)
     cols = ("reply_bleu1", "reply_bleu2", "reply_rouge_l", "question_rate", "reuse_rate", "duplicate_rate",
             "dist2_corpus", "reply_words", "repetition_rate")

@@ -123,15 +123,30 @@ def text_metrics(predictions: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         for name in ("age", "gender", "timbre"):
             if name in p and gold.get(name, -1) >= 0:
                 m.add(f"{name}_acc_text", p[name] == gold[name], 1)
-        m.add("repetition_rate", has_repeated_ngram(p["reply"]), 1)
-        m.add("reply_words", reply_length(p["reply"]), 1)
     out = m.result()
-    replies = [p["reply"] for p in predictions]
-    out.update(reply_text_metrics(replies))
-    if all("gold_reply" in p for p in predictions):
-        out.update(reply_overlap(replies, [p["gold_reply"] for p in predictions]))
-        out.update(reply_engagement(replies, [p["speaker_turn"] for p in predictions]))
+    with_gold = all("gold_reply" in p for p in predictions)
+    out.update(reply_metrics([p["reply"] for p in predictions],
+                             [p["gold_reply"] for p in predictions] if with_gold else None,
+                             [p["speaker_turn"] for p in predictions] if with_gold else None))
     out["num_generated"] = float(len(predictions))
+    return out
+
+
+def reply_metrics(replies: Sequence[str], golds: Sequence[str] | None = None,
+                  speaker_turns: Sequence[str] | None = None) -> dict[str, float]:
+    """The reply rows of `text_metrics` for bare replies: repetition_rate, reply_words, Dist-n and, with
+    the gold replies and the speaker's last turns, `reply_overlap` and `reply_engagement`."""
+    if not replies:
+        return {}
+    m = Means()
+    for r in replies:
+        m.add("repetition_rate", has_repeated_ngram(r), 1)
+        m.add("reply_words", reply_length(r), 1)
+    out = {**m.result(), **reply_text_metrics(replies)}
+    if golds is not None:
+        out.update(reply_overlap(replies, golds))
+    if speaker_turns is not None:
+        out.update(reply_engagement(replies, speaker_turns))
     return out
 
 
