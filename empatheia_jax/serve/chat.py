@@ -424,20 +424,10 @@ def respond(
     pad = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else eos[0]
     ids, mask = left_pad([prompt.ids], pad)
     feats = _feature_batch(cfg, prompt)
-    new = _generate(model, prompt, ids, feats, eos=eos, pad=pad, max_new_tokens=max_new_tokens,
+    new = _generate(model, tokenizer, prompt, feats, eos=eos, pad=pad, max_new_tokens=max_new_tokens,
                     temperature=temperature, top_p=top_p, seed=seed, repetition_penalty=repetition_penalty,
-                    no_repeat_ngram_size=no_repeat_ngram_size, compiler_options=compiler_options)
-    if reply_sampling is not None:
-        def embed(prefixes: list[list[int]]) -> Any:
-            if not cfg.has_media:
-                return None
-            return forward.embed_prompts(model, left_pad(prefixes, pad)[0], *feats,
-                                         compiler_options=compiler_options)
-
-        new = redraw_replies(model.llm, tokenizer, [prompt.ids], [new], reply_sampling,
-                             seed=reply_sampling.seed, eos=eos, pad_token_id=pad, embed=embed,
-                             max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
-                             no_repeat_ngram_size=no_repeat_ngram_size)[0]
+                    no_repeat_ngram_size=no_repeat_ngram_size, compiler_options=compiler_options,
+                    reply_sampling=reply_sampling)
     raw = tokenizer.decode(new, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     final, forced = _with_signal_tokens(cfg, tokenizer, new, eos, notes)
     parsed = parse.parse_generation(raw, schema.EmotionMap.load(emotion_map_name(cfg)),
@@ -502,7 +492,7 @@ def warm_up(
         ids = [token] * b
         prompt = dataclasses.replace(empty, ids=ids)
         ids_np, mask = left_pad([ids], pad)
-        _generate(model, prompt, ids_np, feats, eos=eos, pad=pad, max_new_tokens=max_new_tokens,
+        _generate(model, tokenizer, prompt, feats, eos=eos, pad=pad, max_new_tokens=max_new_tokens,
                   temperature=0.0, top_p=1.0, seed=0, repetition_penalty=repetition_penalty,
                   no_repeat_ngram_size=no_repeat_ngram_size, compiler_options=compiler_options)
         if cfg.heads:
@@ -572,8 +562,8 @@ def _utterances(text: str, audio: str | os.PathLike | None, video: str | os.Path
 
 def _generate(
     model: Empatheia,
+    tokenizer: Any,
     prompt: ChatPrompt,
-    ids: np.ndarray,
     feats: tuple[np.ndarray, ...],
     *,
     eos: Sequence[int],
@@ -585,16 +575,27 @@ def _generate(
     repetition_penalty: float,
     no_repeat_ngram_size: int,
     compiler_options: Mapping[str, Any] | None,
+    reply_sampling: ReplySampling | None = None,
 ) -> list[int]:
     """The new token ids (up to and including the end token), decoded with the KV cache; a model with media
-    gets its features spliced through `inputs_embeds`, as in the eval generation pass."""
-    embeds = None
-    if model.config.has_media:
-        embeds = forward.embed_prompts(model, ids, *feats, compiler_options=compiler_options)
+    gets its features spliced through `inputs_embeds`, as in the eval generation pass. `reply_sampling`
+    then draws the reply again after the CoE's step-5 header (`redraw_replies`), the media spliced alike."""
+
+    def embed(prompts: list[list[int]]) -> Any:
+        if not model.config.has_media:
+            return None
+        return forward.embed_prompts(model, left_pad(prompts, pad)[0], *feats,
+                                     compiler_options=compiler_options)
+
     gen = generate_tokens(model.llm, [prompt.ids], max_new_tokens, temperature, top_p, seed=seed, eos_ids=eos,
-                          pad_token_id=pad, inputs_embeds=embeds, repetition_penalty=repetition_penalty,
-                          no_repeat_ngram_size=no_repeat_ngram_size)
-    return [int(t) for t in gen.new_tokens[0, : gen.num_new[0]]]
+                          pad_token_id=pad, inputs_embeds=embed([prompt.ids]),
+                          repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size)
+    new = [int(t) for t in gen.new_tokens[0, : gen.num_new[0]]]
+    if reply_sampling is None:
+        return new
+    return redraw_replies(model.llm, tokenizer, [prompt.ids], [new], reply_sampling, seed=reply_sampling.seed,
+                          eos=eos, pad_token_id=pad, embed=embed, max_new_tokens=max_new_tokens,
+                          repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size)[0]
 
 
 def _with_signal_tokens(cfg: EmpatheiaConfig, tokenizer: Any, new: list[int], eos: Sequence[int],

@@ -20,6 +20,7 @@ from typing import Any
 
 from empatheia_jax.data.targets import STAND_IN
 from empatheia_jax.serve import avatar, chat
+from empatheia_jax.serve.reply_choice import ReplySampling
 from empatheia_jax.train.checkpoint import CheckpointError
 
 RENDERS = ("text", "speech", "avatar")  # what a turn produces: the reply only, + its speech, + the video
@@ -108,7 +109,7 @@ def run_turn(
     max_new_tokens: int = 160,
     repetition_penalty: float = 1.0,
     no_repeat_ngram_size: int = 0,
-    reply_sampling: Any = None,
+    reply_sampling: ReplySampling | None = None,
     text_name: str = "--text",
 ) -> Turn:
     """One reply to `text` (with its optional `audio` .wav / `video` .mp4) after `history`, written to
