@@ -29,6 +29,7 @@ bug and keeps its traceback.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import difflib
 import json
 import os
@@ -417,9 +418,9 @@ def _eval_outputs(columns: _Columns, details: dict[str, Any] | None, voters: _Vo
         extra["asr"] = asr
     if _voting():
         extra["voters"] = list(voters)
-    if FLAGS.reply_temperature:
-        extra["reply_sampling"] = {"temperature": FLAGS.reply_temperature, "top_p": FLAGS.reply_top_p,
-                                   "seed": FLAGS.seed, "candidates": FLAGS.reply_candidates}
+    sampling = _reply_sampling()
+    if sampling is not None:
+        extra["reply_sampling"] = dataclasses.asdict(sampling)  # temperature, top_p, seed, candidates
     if FLAGS.json:
         Path(FLAGS.json).parent.mkdir(parents=True, exist_ok=True)
         Path(FLAGS.json).write_text(json.dumps({**columns, **extra}, indent=1))

@@ -331,10 +331,10 @@ def test_emotion_head_fitted_chosen_and_scored_through_the_command_line(trained,
     assert probe["train_records"] == probe["dev_records"] == len(ED_UIDS) and probe["c"] in eh.C_GRID
     assert eh.EmotionHead.load(head).head_weight is None
 
-    def evaluate(report):
+    def evaluate(report, *more):
         return ok(cli(cli_env, "eval", "--ckpt", trained[0], "--shards", ed_shards, "--split", "test",
                       "--template", "coe", "--batch_size", 4, "--max_new_tokens", 6, "--score_emotions",
-                      "--emotion_head", head, "--report", report))
+                      "--emotion_head", head, "--report", report, *more))
 
     p = evaluate(tmp_path / "r1")
     assert_quiet(p.stderr)
@@ -346,8 +346,11 @@ def test_emotion_head_fitted_chosen_and_scored_through_the_command_line(trained,
     weights = json.loads((tmp_path / "weights.json").read_text())
     chosen = eh.EmotionHead.load(head)
     assert chosen.head_weight in eh.HEAD_WEIGHT_GRID and chosen.free_weight in eh.FREE_WEIGHT_GRID
-    evaluate(tmp_path / "r2")
-    second = json.loads((tmp_path / "r2" / "metrics.json").read_text())["trained"]
+    # Replies drawn after the greedy CoE leave every emotion field as it is; the report records the draw.
+    evaluate(tmp_path / "r2", "--reply_temperature", 0.9, "--reply_candidates", 2, "--seed", 3)
+    report = json.loads((tmp_path / "r2" / "metrics.json").read_text())
+    assert report["reply_sampling"] == {"temperature": 0.9, "top_p": 0.95, "seed": 3, "candidates": 2}
+    second = report["trained"]
     preds = [json.loads(x) for x in (tmp_path / "r2" / "predictions_coe.jsonl").read_text().splitlines()]
     a = eh.prediction_arrays(preds)
     combined = eh.combine(a["head"], a["scored"], a["free"], chosen.head_weight, chosen.free_weight)
