@@ -107,6 +107,10 @@ flags.DEFINE_integer("seed", 0, "eval/chat/serve: the seed of the drawn replies 
 flags.DEFINE_string("json", None, "eval: also write the metrics table as JSON here")
 flags.DEFINE_string("report", None, "eval: a report folder: report.md (table, per-class tables and plots), "
                     "metrics.json, per_class.json, per_class_*.png, predictions_*.jsonl")
+flags.DEFINE_string("journal", None, "eval: keep each finished generation batch in this file, so a "
+                    "killed eval, run again with the same model, data and flags, generates only the batches "
+                    "it lacks (default with --report: REPORT/generation.journal.jsonl); removed once the "
+                    "eval is written")
 flags.DEFINE_list("vote_templates", [], "eval: emotion voting (E3RG): these templates also predict each "
                   "record's emotion with the same model; the majority decides (rows emotion*_acc_vote)")
 flags.DEFINE_multi_string("vote_ckpt", [], "eval: emotion voting: these checkpoints also predict each "
@@ -387,7 +391,7 @@ def _eval_columns(model: Any, tokenizer: Any, shards: str, split: str, stage: st
     voting = _voting()
     details: dict[str, Any] | None = {} if FLAGS.report or voting else None
     columns = {"trained": evaluate.evaluate(model, tokenizer, shards, split, speech=speech, video=video,
-                                            details=details, **kwargs)}
+                                            details=details, journal=_journal(), **kwargs)}
     voters: _Voters = {}
     if details is not None and "predictions" in details:
         voters[stage.name] = details["predictions"]
@@ -400,6 +404,13 @@ def _eval_columns(model: Any, tokenizer: Any, shards: str, split: str, stage: st
         columns["untrained"] = evaluate.evaluate(fresh, tok, shards, split, name="untrained",
                                                  **{**kwargs, "emotion_head": None})  # fitted to the trained
     return columns, details, voters
+
+
+def _journal() -> Path | None:
+    """The trained column's generation journal (--journal, else one in the --report folder), or None."""
+    if FLAGS.journal:
+        return Path(FLAGS.journal)
+    return Path(FLAGS.report) / "generation.journal.jsonl" if FLAGS.report else None
 
 
 def _eval_outputs(columns: _Columns, details: dict[str, Any] | None, voters: _Voters, *,
@@ -435,6 +446,9 @@ def _eval_outputs(columns: _Columns, details: dict[str, Any] | None, voters: _Vo
         report = eval_report.write_report(FLAGS.report, columns, notes=notes, per_class=per_class,
                                        predictions=voters, extra=extra)
         print(f"report: {report}", file=sys.stderr)
+    journal = _journal()
+    if journal is not None:  # the eval is written: its predictions are in the report
+        journal.unlink(missing_ok=True)
 
 
 def _voters(model: Any, tokenizer: Any, shards: str, split: str, kwargs: dict[str, Any], *, exclude: str

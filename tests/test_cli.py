@@ -378,6 +378,7 @@ def test_eval_report_with_per_class_plots_and_emotion_voting(trained, ed_csv, cl
                "--vote_ckpt", trained[0], "--max_examples", 3, "--score_emotions"))
     assert_quiet(p.stderr)
     assert f"report: {report / 'report.md'}" in p.stderr
+    assert not (report / "generation.journal.jsonl").exists()  # resumable until written, then removed
     metrics = json.loads((report / "metrics.json").read_text())
     assert metrics["voters"] == ["coe", "template:ccl", "ckpt1:coe"]  # the main template is not voted twice
     voters = [[json.loads(x) for x in (report / f"predictions_{v}.jsonl").read_text().splitlines()]

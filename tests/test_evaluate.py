@@ -680,3 +680,59 @@ def test_bag_of_words_floor_is_fitted_on_the_train_part_only():
     # a floor fitted on train AND test (the leak the test guards against) does use it
     leaked = eval_baselines.bag_of_words(train + planted, planted)
     assert leaked["emotion_acc_text"] > got["emotion_acc_text"], (leaked, got)
+
+
+def test_a_killed_generation_resumes_from_its_journal_as_if_never_stopped(model, tok, shards, tmp_path,
+                                                                         monkeypatch, capsys):
+    """`generate_predictions(journal=)`: killed after its first batch (and mid-way through writing a line),
+    the run started again generates only the missing batch, and its predictions equal an uninterrupted
+    run's; other settings or other weights start the journal over; a damaged line in its middle is named."""
+    from empatheia_jax.eval import journal as journal_lib
+
+    kw = dict(batch_size=2, max_len=MAX_LEN, progress=False, compiler_options=FAST, max_new_tokens=12,
+              reply_sampling=ReplySampling(temperature=1.5, top_p=1.0, seed=3, candidates=2))
+    whole = ev.generate_predictions(model, tok, shards, "test", **kw)
+    real, calls = ev._generate_batch, []
+
+    def killed_at(n):
+        def batch(*a, **k):
+            calls.append(1)
+            if len(calls) == n:
+                raise KeyboardInterrupt
+            return real(*a, **k)
+        return batch
+
+    path = tmp_path / "eval" / "generation.journal.jsonl"
+    monkeypatch.setattr(ev, "_generate_batch", killed_at(2))
+    with pytest.raises(KeyboardInterrupt):
+        ev.generate_predictions(model, tok, shards, "test", **kw, journal=path)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 1 + 2 and json.loads(lines[0])["journal"] == journal_lib.VERSION  # one batch of two
+    with path.open("a") as f:
+        f.write('{"record_index": 1, "te')  # the kill came mid-line
+
+    calls.clear()
+    monkeypatch.setattr(ev, "_generate_batch", killed_at(0))
+    resumed = ev.generate_predictions(model, tok, shards, "test", **kw, journal=path)
+    assert len(calls) == 1  # the missing batch only
+    assert resumed == json.loads(json.dumps(whole))
+    assert "2 predictions already generated" in capsys.readouterr().err
+    kept = [json.loads(x) for x in path.read_text().splitlines()[1:]]  # the cut line is gone
+    assert sorted(p["record_index"] for p in kept) == [0, 1, 2]
+
+    calls.clear()  # other decoding settings: every batch again
+    again = ev.generate_predictions(model, tok, shards, "test", **{**kw, "max_new_tokens": 10}, journal=path)
+    assert len(calls) == 2 and "another model, data or settings" in capsys.readouterr().err
+    assert len(again) == 3
+
+    state = nnx.state(model, nnx.Param)
+    before = journal_lib.fingerprint(state, {"a": 1})
+    leaf = jax.tree_util.tree_leaves(state)[-1]
+    nudged = jax.tree_util.tree_map(lambda x: x.at[(0,) * x.ndim].add(1e-3) if x is leaf else x, state)
+    assert journal_lib.fingerprint(nudged, {"a": 1}) != before != journal_lib.fingerprint(state, {"a": 2})
+    assert journal_lib.fingerprint(state, {"a": 1}) == before
+
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], "{oops", *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match=r"generation.journal.jsonl line 2: not JSON"):
+        ev.generate_predictions(model, tok, shards, "test", **{**kw, "max_new_tokens": 10}, journal=path)

@@ -27,6 +27,7 @@ import math
 import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -45,6 +46,7 @@ from empatheia_jax.eval import emotion_head as emotion_head_lib
 from empatheia_jax.eval import speech as speech_eval
 from empatheia_jax.eval import video as video_eval
 from empatheia_jax.eval.emotion_head import EmotionHead
+from empatheia_jax.eval.journal import Journal, fingerprint
 from empatheia_jax.eval.metrics.names import ACC_NAME, LABELS
 from empatheia_jax.eval.metrics.text import Means, accuracy, feature_distances, speaker_turn, text_metrics
 from empatheia_jax.eval.report import metric_order, write_predictions
@@ -314,6 +316,7 @@ def generate_predictions(
     score_emotions: bool = False,
     emotion_head: EmotionHead | None = None,
     reply_sampling: ReplySampling | None = None,
+    journal: str | os.PathLike | None = None,
 ) -> list[dict[str, Any]]:
     """Greedy generations for the records of `split`, parsed (`parse_generation`), in record order.
 
@@ -335,6 +338,9 @@ def generate_predictions(
 
     `reply_sampling` draws each reply again after the greedy Chain of Empathy (`ReplySampling`): the CoE
     steps, hence every emotion field, are the greedy ones; "text_greedy" keeps the greedy text.
+
+    `journal` (a file, `eval.journal`) keeps each finished batch, so a killed run, started again alike,
+    generates only the batches it lacks.
     """
     ps = _PromptSet.of(model, tokenizer, shards_dir, split, "generate_predictions", batch_size=batch_size,
                        max_len=max_len, template=template, pipeline_overrides=pipeline_overrides,
@@ -352,8 +358,23 @@ def generate_predictions(
         raise emotion_head_lib.EmotionHeadError(
             f"the emotion head reads {emotion_head.num_features} features, this model gives "
             f"{2 * model.llm.config.hidden_size}: it was fitted to another backbone")
+    kept = None
+    if journal is not None:
+        settings = dict(
+            shards=str(Path(shards_dir).resolve()), split=split, manifest=ps.manifest, template=stage.name,
+            batch_size=batch_size, max_len=max_len, max_new_tokens=max_new_tokens,
+            repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+            pipeline_overrides=pipeline_overrides, max_examples=max_examples, score_emotions=score_emotions,
+            reply_sampling=reply_sampling and dataclasses.asdict(reply_sampling),
+            head=emotion_head and (emotion_head.c, emotion_head.head_weight, emotion_head.free_weight))
+        head_arrays = emotion_head and [emotion_head.mean, emotion_head.scale, emotion_head.coef,
+                                        emotion_head.intercept]
+        kept = Journal(journal, fingerprint([nnx.state(model, nnx.Param), head_arrays], settings))
     preds: dict[int, dict[str, Any]] = {}
     for chunk in ps.batches(f"eval {split} (generation)", progress):
+        if kept is not None and kept.complete(e["record_index"] for e in chunk):
+            preds.update({int(e["record_index"]): kept.done[int(e["record_index"])] for e in chunk})
+            continue
         prompts, batch_preds = _generate_batch(
             model, tokenizer, chunk, batch_size=batch_size, builder=builder, pcfg=pcfg, spliced=spliced,
             emap=emap, pipeline_baseline=stage.pipeline_baseline, signal=signal, eos=eos,
@@ -367,6 +388,8 @@ def generate_predictions(
         if emotion_head is not None:
             _add_head_emotions(model, emotion_head, chunk, batch_size, preds, emap, builder, pcfg,
                                spliced, compiler_options)
+        if kept is not None:
+            kept.append(preds[e["record_index"]] for e in chunk)
     return [preds[i] for i in sorted(preds)]
 
 
@@ -660,6 +683,7 @@ def evaluate(
     score_emotions: bool = False,
     emotion_head: EmotionHead | None = None,
     reply_sampling: ReplySampling | None = None,
+    journal: str | os.PathLike | None = None,
 ) -> dict[str, float]:
     """All metrics of `model` on `split` of `shards_dir` (see the module docstring for the definitions).
 
@@ -680,7 +704,8 @@ def evaluate(
     also emotion_acc_scored / emotion32_acc_scored / emotion_scored_rate: step 2 chosen among the 32 ED
     labels by likelihood after the model's own step 1 (`generation.score_continuations`); with an
     `emotion_head`, emotion*_acc_head and (scored, the head's weights chosen) emotion*_acc_combined;
-    `reply_sampling` (`ReplySampling`) draws the replies after the greedy CoE.
+    `reply_sampling` (`ReplySampling`) draws the replies after the greedy CoE; `journal` keeps the finished
+    generation batches (`generate_predictions`), so a killed eval run again alike resumes.
     `generate_batch_size` (default
     `batch_size`) batches the generation apart from the teacher-forced pass: decoding holds a KV cache, not
     [B, T, vocab] logits, so it affords more rows per step, and each decode step reads every weight once
@@ -708,6 +733,7 @@ def evaluate(
                                      repetition_penalty=repetition_penalty,
                                      no_repeat_ngram_size=no_repeat_ngram_size, score_emotions=score_emotions,
                                      emotion_head=emotion_head, reply_sampling=reply_sampling,
+                                     journal=journal,
                                      **{**common, "batch_size": generate_batch_size or batch_size})
         result.update(text_metrics(preds))
         if details is not None:
