@@ -151,31 +151,42 @@ if [[ $prev == "$RUN/coe" || $prev == "${COE_FROM:-}" ]]; then
 fi
 # The export is what gets evaluated, so the card's figures are those of the weights it ships: EXPORT_DTYPE
 # (default bfloat16, half the files of float32) is the stored dtype of the adapter and heads.
-echo "[ed_reference] export of $prev (${EXPORT_DTYPE:-bfloat16}) -> $RUN/export"
-"$PY" -m empatheia_jax.cli export --ckpt "$prev" --out "$RUN/export" --dtype "${EXPORT_DTYPE:-bfloat16}" \
-    --overwrite
+# Each step below is skipped when its output is newer than the export it reads (a resumed run).
+EXPORTED=$RUN/export/heads.safetensors
+if [[ ! $EXPORTED -nt $prev/checkpoints ]]; then
+    echo "[ed_reference] export of $prev (${EXPORT_DTYPE:-bfloat16}) -> $RUN/export"
+    "$PY" -m empatheia_jax.cli export --ckpt "$prev" --out "$RUN/export" --dtype "${EXPORT_DTYPE:-bfloat16}" \
+        --overwrite
+fi
 # The emotion head (empatheia_jax/eval/emotion_head.py): a probe over the model's reading of the dialogue,
 # fitted on the train part with its C chosen on dev; HEAD_FROM reuses a head fitted to the same LLM (the
 # ED stages train the CS only, so the coe stage's head still reads the same states).
 if [[ -n ${HEAD_FROM:-} ]]; then
     cp "$HEAD_FROM" "$RUN/export/emotion_head.safetensors"
-else
+elif [[ ! $RUN/export/emotion_head.safetensors -nt $EXPORTED ]]; then
     echo "[ed_reference] emotion head of the export (train part; C on dev) -> $RUN/export/emotion_head.safetensors"
     "$PY" -m empatheia_jax.eval.fit_emotion_head probe --ckpt "$RUN/export" --shards "$RUN/ed/shards" \
         --json "$RUN/emotion_head_probe.json"
 fi
-echo "[ed_reference] dev evaluation of the export (CoE prompt) -> $RUN/report_final"
-"$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template coe \
-    --report "$RUN/report_final" --no_repeat_ngram_size 4 --score_emotions ${REPLY[@]+"${REPLY[@]}"} \
-    ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
+if [[ ! $RUN/report_avatar.json -nt $EXPORTED ]]; then
+    echo "[ed_reference] the avatar on dev replies: the CS's content spoken and heard (ccl template)" \
+        "-> $RUN/report_avatar.json"
+    "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template ccl \
+        --nogenerate --speech_examples "${SPEECH_EXAMPLES:-32}" --video_examples "${VIDEO_EXAMPLES:-16}" \
+        --json "$RUN/report_avatar.json"
+fi
+# the longest step (hours on a CPU with drawn replies) after the avatar's: it keeps a journal of its finished
+# batches in the report folder, so re-running the command after a kill resumes it (eval/journal.py)
+if [[ ! $RUN/report_final/metrics.json -nt $EXPORTED ]]; then
+    echo "[ed_reference] dev evaluation of the export (CoE prompt) -> $RUN/report_final"
+    "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template coe \
+        --report "$RUN/report_final" --no_repeat_ngram_size 4 --score_emotions ${REPLY[@]+"${REPLY[@]}"} \
+        ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
+fi
 echo "[ed_reference] the head's combination with step 2, chosen on those dev predictions"
 "$PY" -m empatheia_jax.eval.fit_emotion_head weights --head "$RUN/export/emotion_head.safetensors" \
     --predictions "$RUN/report_final/predictions_coe.jsonl" --shards "$RUN/ed/shards" \
     --json "$RUN/emotion_head_weights.json"
-echo "[ed_reference] the avatar on dev replies: the CS's content spoken and heard (ccl template) -> $RUN/report_avatar"
-"$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template ccl \
-    --nogenerate --speech_examples "${SPEECH_EXAMPLES:-32}" --video_examples "${VIDEO_EXAMPLES:-16}" \
-    --json "$RUN/report_avatar.json"
 # the figure the project's test re-measures in CI time: the first CI_SUBSET dev records
 CI_SUBSET=32  # tests/test_reference_model.py SUBSET
 "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template coe \
