@@ -5,7 +5,7 @@ measures it without re-running the greedy CoE.
     python bench/reply_decoding.py draw --ckpt EXPORT --shards SHARDS --predictions PRED.jsonl --out D.jsonl
         [--split dev] [--start 0] [--stop N] [--samples 16] [--temperature 0.7] [--top_p 0.95] [--seed 0]
         [--batch 16] [--max_new 48] [--no_repeat_ngram_size 0]
-    python bench/reply_decoding.py score D.jsonl [D2.jsonl ...] [--k 1 4 8 16] [--json OUT]
+    python bench/reply_decoding.py score D.jsonl [D2.jsonl ...] [--k 1 4 8 16] [--with_greedy] [--json OUT]
 
 `draw`: for the split's records [start, stop) (sorted by prompt length, batches of `--batch`), the prefix is
 the eval prompt (as `empatheia eval --template coe` builds it) + the greedy CoE of an eval's predictions
@@ -13,7 +13,9 @@ the eval prompt (as `empatheia eval --template coe` builds it) + the greedy CoE 
 prefix from one prefill (`generate_tokens(num_samples=)`), seeded per batch (seed + the batch's offset).
 Writes one JSON line per record: record_index, gold, speaker_turn, greedy (the greedy reply), samples.
 `score`: files drawn with other seeds on the same records are joined (their samples appended, in file
-order); rows for the greedy reply, the first draw, and the consensus of the first k draws, each with the
+order; an eval's predictions file with `reply_candidates` reads as a draw file); rows for the greedy reply,
+the first draw, and the consensus of the first k draws (`--with_greedy`: also with the greedy reply as one
+more candidate), each with the
 eval's reply rows (`metrics.text.reply_metrics`: BLEU-1/2, ROUGE-L, question, reuse and duplicate rates,
 Dist, words, repetition) and the gold replies' own engagement rows as the reference.
 
@@ -83,6 +85,21 @@ def draw(args: argparse.Namespace) -> None:
             f.flush()
 
 
+def _as_draws(line: dict) -> dict:
+    """A line of `draw`'s output as is; a line of an eval's predictions file (`empatheia eval
+    --reply_candidates K --report`) as one: its drawn candidates are the samples (a turn whose text had no
+    step-5 header kept its greedy reply, which then stands for every draw)."""
+    if "samples" in line:
+        return line
+    from empatheia_jax.data.parse import parse_generation
+
+    greedy = parse_generation(line.get("text_greedy", line["text"]))["reply"]
+    return {"record_index": line["record_index"], "gold": line["gold_reply"],
+            "speaker_turn": line["speaker_turn"], "greedy": greedy,
+            "samples": line.get("reply_candidates") or [line["reply"]],
+            "kept": "reply_candidates" not in line}
+
+
 def score(args: argparse.Namespace) -> None:
     from empatheia_jax.eval.metrics import text as mt
     from empatheia_jax.serve.reply_choice import consensus_index
@@ -90,20 +107,27 @@ def score(args: argparse.Namespace) -> None:
     records: dict[int, dict] = {}
     for path in args.draws:
         for line in Path(path).read_text().splitlines():
-            d = json.loads(line)
+            d = _as_draws(json.loads(line))
             if d["record_index"] in records:
                 records[d["record_index"]]["samples"] += d["samples"]
             else:
                 records[d["record_index"]] = d
     recs = [records[i] for i in sorted(records)]
     golds, turns = [r["gold"] for r in recs], [r["speaker_turn"] for r in recs]
-    have = min(len(r["samples"]) for r in recs)
+    have = min((len(r["samples"]) for r in recs if not r.get("kept")), default=1)
+    for r in recs:
+        if r.get("kept"):  # no header: the greedy reply was kept, whatever the draws
+            r["samples"] = r["samples"] * have
     table = {"greedy": mt.reply_metrics([r["greedy"] for r in recs], golds, turns),
              "first draw": mt.reply_metrics([r["samples"][0] for r in recs], golds, turns)}
     for k in args.k:
         if 1 < k <= have:
             picks = [r["samples"][consensus_index(r["samples"][:k])] for r in recs]
             table[f"consensus of {k}"] = mt.reply_metrics(picks, golds, turns)
+            if args.with_greedy:  # the greedy reply as one more candidate, last (ties go to the draws)
+                pool = [r["samples"][:k] + [r["greedy"]] for r in recs]
+                table[f"consensus of {k} + greedy"] = mt.reply_metrics([c[consensus_index(c)] for c in pool],
+                                                                       golds, turns)
     table["gold"] = mt.reply_engagement(golds, turns)
     cols = ("reply_bleu1", "reply_bleu2", "reply_rouge_l", "question_rate", "reuse_rate", "duplicate_rate",
             "dist2_corpus", "reply_words", "repetition_rate")
@@ -139,6 +163,8 @@ def main() -> None:
     s.add_argument("draws", nargs="+")
     s.add_argument("--k", type=int, nargs="+", default=[4, 8, 16])
     s.add_argument("--json", default=None)
+    s.add_argument("--with_greedy", action="store_true",
+                   help="also rows for the consensus of k draws and the greedy reply as one more candidate")
     args = ap.parse_args()
     draw(args) if args.cmd == "draw" else score(args)
 

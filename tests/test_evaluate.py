@@ -399,9 +399,10 @@ def test_reply_candidates_keep_the_consensus_of_the_drawn_replies(model, tok, sh
     assert consensus_index(drafts) == 2
     for text, p in zip(texts, preds, strict=True):
         if "the response is" not in text:
-            assert p["text"] == text
+            assert p["text"] == text and "reply_candidates" not in p
             continue
         assert p["reply"] == drafts[2]
+        assert p["reply_candidates"] == drafts  # every draw, in draw order: a reader can choose again
         assert p["text"].startswith(text[: text.index("the response is:")])
 
 

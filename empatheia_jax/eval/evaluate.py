@@ -337,7 +337,8 @@ def generate_predictions(
     and a head whose weights are chosen, "emotion_fine_combined" and "emotion_combined" (`combine`).
 
     `reply_sampling` draws each reply again after the greedy Chain of Empathy (`ReplySampling`): the CoE
-    steps, hence every emotion field, are the greedy ones; "text_greedy" keeps the greedy text.
+    steps, hence every emotion field, are the greedy ones; "text_greedy" keeps the greedy text and
+    "reply_candidates" the drawn replies the kept one was chosen among (where the text had a step-5 header).
 
     `journal` (a file, `eval.journal`) keeps each finished batch, so a killed run, started again alike,
     generates only the batches it lacks.
@@ -509,12 +510,12 @@ def _generate_batch(
                           repetition_penalty=repetition_penalty,
                           no_repeat_ngram_size=no_repeat_ngram_size)
     news = [gen.new_tokens[r, : gen.num_new[r]].tolist() for r in range(len(rows))]
-    greedy = news
+    greedy, candidates = news, [None] * len(rows)
     if reply_sampling is not None:
         # Seeded per batch from (seed, the batch's first record index): a run repeats at the same batch size.
         seed = int(np.random.SeedSequence([reply_sampling.seed, int(rows[0]["record_index"])]
                                           ).generate_state(1)[0])
-        news = redraw_replies(
+        news, candidates = redraw_replies(
             model.llm, tokenizer, prompts, news, reply_sampling, seed=seed, eos=eos,
             pad_token_id=builder.pad_id,
             embed=lambda prefixes: _prompt_embeds(model, prefixes, rows, builder, pcfg, spliced,
@@ -528,6 +529,8 @@ def _generate_batch(
         pred = parse_generation(text, emap, pipeline_baseline=pipeline_baseline)
         if reply_sampling is not None:
             pred["text_greedy"] = tokenizer.decode(greedy[r], skip_special_tokens=False)
+            if candidates[r] is not None:
+                pred["reply_candidates"] = candidates[r]
         pred.update(record_index=e["record_index"], uid=e["uid"], labels=e["labels"],
                     gold_reply=e["gold_reply"], speaker_turn=e["speaker_turn"],
                     prompt_tokens=len(prompts[r]), num_new=len(new), text=text)

@@ -595,7 +595,8 @@ def _generate(
         return new
     return redraw_replies(model.llm, tokenizer, [prompt.ids], [new], reply_sampling, seed=reply_sampling.seed,
                           eos=eos, pad_token_id=pad, embed=embed, max_new_tokens=max_new_tokens,
-                          repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size)[0]
+                          repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size
+                          )[0][0]
 
 
 def _with_signal_tokens(cfg: EmpatheiaConfig, tokenizer: Any, new: list[int], eos: Sequence[int],

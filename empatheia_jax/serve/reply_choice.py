@@ -68,14 +68,17 @@ def reply_header_tokens(tokenizer: Any, new: Sequence[int]) -> int | None:
 def redraw_replies(llm: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], news: Sequence[list[int]],
                    sampling: ReplySampling, *, seed: int, eos: Sequence[int], pad_token_id: int,
                    embed: Callable[[list[list[int]]], Any], max_new_tokens: int,
-                   repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0) -> list[list[int]]:
-    """`news` (each prompt's greedy new tokens) with every reply after a step-5 header drawn again
+                   repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0
+                   ) -> tuple[list[list[int]], list[list[str] | None]]:
+    """(`news` (each prompt's greedy new tokens) with every reply after a step-5 header drawn again
     (`ReplySampling`, the consensus of its candidates) in one sampled decode of the whole batch, seeded with
-    `seed`; a text without the header is kept. `embed(prefixes)` gives the prefixes' input embeddings with
-    the prompts' media spliced (None when nothing is spliced); the total stays within `max_new_tokens`."""
+    `seed`; each row's drawn candidate replies as text, in draw order, None where the text has no header and
+    is kept). `embed(prefixes)` gives the prefixes' input embeddings with the prompts' media spliced (None
+    when nothing is spliced); the total stays within `max_new_tokens`. The candidates let a reader re-choose
+    offline (`bench/reply_decoding.py score` on an eval's predictions)."""
     heads = [reply_header_tokens(tokenizer, n) for n in news]
     if all(k is None for k in heads):
-        return [list(n) for n in news]
+        return [list(n) for n in news], [None] * len(news)
     prefixes = [list(p) + n[: k if k is not None else len(n)] for p, n, k in zip(prompts, news, heads,
                                                                                 strict=True)]
     budget = max(1, max_new_tokens - min(k for k in heads if k is not None))
@@ -84,16 +87,17 @@ def redraw_replies(llm: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], n
                             eos_ids=eos, pad_token_id=pad_token_id, inputs_embeds=embed(prefixes),
                             repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
                             num_samples=m)
-    out = []
+    out, texts = [], []
     for r, (n, k) in enumerate(zip(news, heads, strict=True)):
         if k is None:
             out.append(list(n))
+            texts.append(None)
             continue
         replies = [drawn.new_tokens[r * m + j, : drawn.num_new[r * m + j]].tolist() for j in range(m)]
-        pick = 0 if m == 1 else consensus_index([tokenizer.decode(x, skip_special_tokens=True).strip()
-                                                 for x in replies])
+        texts.append([tokenizer.decode(x, skip_special_tokens=True).strip() for x in replies])
+        pick = 0 if m == 1 else consensus_index(texts[-1])
         out.append(n[:k] + replies[pick][: max_new_tokens - k])
-    return out
+    return out, texts
 
 
 @lru_cache(maxsize=1)
