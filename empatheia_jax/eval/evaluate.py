@@ -360,17 +360,15 @@ def generate_predictions(
             f"the emotion head reads {emotion_head.num_features} features, this model gives "
             f"{2 * model.llm.config.hidden_size}: it was fitted to another backbone")
     kept = None
-    if journal is not None:
-        settings = dict(
-            shards=str(Path(shards_dir).resolve()), split=split, manifest=ps.manifest, template=stage.name,
-            batch_size=batch_size, max_len=max_len, max_new_tokens=max_new_tokens,
-            repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-            pipeline_overrides=pipeline_overrides, max_examples=max_examples, score_emotions=score_emotions,
-            reply_sampling=reply_sampling and dataclasses.asdict(reply_sampling),
-            head=emotion_head and (emotion_head.c, emotion_head.head_weight, emotion_head.free_weight))
-        head_arrays = emotion_head and [emotion_head.mean, emotion_head.scale, emotion_head.coef,
-                                        emotion_head.intercept]
-        kept = Journal(journal, fingerprint([nnx.state(model, nnx.Param), head_arrays], settings))
+    if journal is not None:  # everything the generations depend on: the weights, the head, the settings
+        kept = Journal(journal, fingerprint(
+            [nnx.state(model, nnx.Param), emotion_head and dataclasses.astuple(emotion_head)],
+            dict(shards=str(Path(shards_dir).resolve()), split=split, manifest=ps.manifest,
+                 template=stage.name, batch_size=batch_size, max_len=max_len, max_new_tokens=max_new_tokens,
+                 repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+                 pipeline_overrides=pipeline_overrides, max_examples=max_examples,
+                 score_emotions=score_emotions,
+                 reply_sampling=reply_sampling and dataclasses.asdict(reply_sampling))))
     preds: dict[int, dict[str, Any]] = {}
     for chunk in ps.batches(f"eval {split} (generation)", progress):
         if kept is not None and kept.complete(e["record_index"] for e in chunk):
