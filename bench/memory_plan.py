@@ -425,8 +425,8 @@ def cheap_tracer_errors() -> Iterator[None]:
     flax's `Variable.set_value` probes `getattr(value, "sharding", None)` on every traced write (each rng
     draw, each init). On a tracer that raises an AttributeError whose message JAX builds by walking the
     whole jaxpr traced so far (`_origin_msg`), so the build is quadratic in the model. getattr discards the
-    message; an empty one changes nothing else. (The trainer's own sharded build, `create_sharded`, pays
-    the same cost.)
+    message; an empty one changes nothing else. (`sharding.create_sharded` pays the same cost; the trainer
+    traces no construction: `llama.base_shapes_only`.)
     """
     from jax._src.interpreters import partial_eval as pe
 

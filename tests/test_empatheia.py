@@ -22,8 +22,8 @@ from empatheia_jax import sharding
 from empatheia_jax.data.templates import added_tokens, extend_tokenizer
 from empatheia_jax.models import empatheia as emp_mod
 from empatheia_jax.models import trainable
-from empatheia_jax.models.empatheia import SD_VAES, Empatheia, EmpatheiaConfig, run_vaes
-from empatheia_jax.models.llama import Llama, LlamaConfig
+from empatheia_jax.models.empatheia import SD_VAES, Empatheia, EmpatheiaConfig, copy_backbone, run_vaes
+from empatheia_jax.models.llama import Llama, LlamaConfig, base_shapes_only, is_shape_only
 from empatheia_jax.models.lora import LoraConfig, apply_lora, set_lora_b
 from empatheia_jax.models.vae import TransformerVAE
 from empatheia_jax.serve.generation import generate_tokens, left_pad
@@ -189,6 +189,32 @@ def test_from_llm_extends_tokenizer_copies_weights_and_initialises_added_rows():
     ref = np.asarray(jax.jit(lambda m, x: m(x))(base, ids))
     np.testing.assert_allclose(ours[..., : base.config.vocab_size], ref, rtol=1e-5, atol=1e-5)
     assert ours.shape[-1] == len(tok)
+
+
+def test_the_shapes_only_build_draws_what_a_full_build_draws_and_names_a_weight_it_never_got():
+    """from_llm never draws the backbone's weights (`base_shapes_only`), yet every parameter equals a full
+    random build's followed by the copy (same keys drawn: LoRA, added rows, projections, CS, SD); a source
+    without some weight leaves it a shape, which is an error naming it."""
+    tok = tiny_tokenizer()
+    base = Llama(LLM.replace(vocab_size=len(tok)), rngs=nnx.Rngs(3))
+    over = {k: v for k, v in TINY.items() if k != "lora"}
+    model = Empatheia.from_llm(base, tok, over, rngs=nnx.Rngs(7))
+    full = Empatheia(model.config, rngs=nnx.Rngs(7))
+    copy_backbone(base, full.llm)
+    ours, want = nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(nnx.state(full))
+    for (path, a), (_, b) in zip(ours, want, strict=True):
+        if jax.dtypes.issubdtype(a.get_value().dtype, jax.dtypes.prng_key):
+            a, b = (jax.random.key_data(v.get_value()) for v in (a, b))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg="/".join(map(str, path)))
+    with base_shapes_only():
+        shell = Empatheia(model.config, rngs=nnx.Rngs(7))
+    assert is_shape_only(shell.llm.layers[0].self_attn.q_proj.kernel)  # LoRA's base kernel too
+    assert not is_shape_only(shell.llm.layers[0].self_attn.q_proj.lora.lora_a)
+    short = Llama(base.config.replace(num_hidden_layers=LLM.num_hidden_layers - 1),
+                  rngs=nnx.Rngs(3))
+    last = LLM.num_hidden_layers - 1
+    with pytest.raises(ValueError, match=f"no values for .*layers/{last}/"):
+        copy_backbone(short, shell.llm)
 
 
 def test_from_llm_refuses_a_tokenizer_shorter_than_the_embedding():

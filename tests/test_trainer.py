@@ -190,9 +190,8 @@ def _assert_same_update(a, b, rtol):
 
 
 def _assert_built_in_shards(host, sharded, mesh):
-    """Same parameters, each already on the sharding its logical axes give it. Copied (backbone) values are
-    bit-identical; freshly initialised ones and the added rows (a mean over the sharded embedding) may differ
-    in the last bits (XLA fuses the jitted init and sums in another order)."""
+    """Same parameters, bit for bit, each already on the sharding its logical axes give it (both builds draw
+    the fresh ones eagerly from the same keys; the added rows are a mean over the embedding, exact here)."""
     want = sharding.state_shardings(nnx.state(sharded), mesh)
     host_flat = dict(nnx.to_flat_state(nnx.state(host)))
     for (path, var), (_, spec) in zip(nnx.to_flat_state(nnx.state(sharded)), nnx.to_flat_state(want),
@@ -204,8 +203,7 @@ def _assert_built_in_shards(host, sharded, mesh):
         else:
             expected = host_flat[path].get_value()
         assert value.sharding.is_equivalent_to(spec.get_value(), value.ndim), name
-        np.testing.assert_allclose(np.asarray(value), np.asarray(expected), rtol=1e-5, atol=1e-8,
-                                   err_msg=name)
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(expected), err_msg=name)
 
 
 def test_model_built_in_its_shards_equals_the_host_build(tok, shards):
@@ -218,10 +216,6 @@ def test_model_built_in_its_shards_equals_the_host_build(tok, shards):
     host, _ = trainer.build_model(cfg, manifest)
     sharded, _ = trainer.build_model(cfg, manifest, mesh)
     _assert_built_in_shards(host, sharded, mesh)
-    host_llm = dict(nnx.to_flat_state(nnx.state(host.llm, nnx.Param)))
-    for path, var in nnx.to_flat_state(nnx.state(sharded.llm, nnx.Param)):
-        if not str(path[-1]).endswith("_extra") and not isinstance(var, nnx.LoRAParam):  # restored ones
-            np.testing.assert_array_equal(np.asarray(var.get_value()), np.asarray(host_llm[path].get_value()))
     assert any(len(v.get_value().sharding.device_set) == 8 and not v.get_value().sharding.is_fully_replicated
                for _, v in nnx.to_flat_state(nnx.state(sharded, nnx.Param)))
 

@@ -34,10 +34,10 @@ from jax.sharding import Mesh
 
 from empatheia_jax.data.templates import AUD_PLACEHOLDER, VID_PLACEHOLDER, extend_tokenizer, signal_tokens
 from empatheia_jax.models import trainable
-from empatheia_jax.models.llama import Llama, LlamaConfig, init_added_rows
+from empatheia_jax.models.llama import Llama, LlamaConfig, base_shapes_only, init_added_rows, is_shape_only
 from empatheia_jax.models.lora import LoraConfig, apply_lora, lora_config_of, lora_layers
 from empatheia_jax.models.vae import TransformerVAE, VAEConfig, VAEOutput, as_key, split_keys
-from empatheia_jax.sharding import create_sharded, shard_model
+from empatheia_jax.sharding import shard_model
 
 if TYPE_CHECKING:
     pass
@@ -789,10 +789,11 @@ class Empatheia(nnx.Module):
         copied (LoRA too when both sides have it), the added rows start at the mean of the pretrained rows,
         and rows the backbone already had in `*_extra` keep their values.
 
-        With a `mesh` the new model is created directly in its shards (`sharding.create_sharded`, same values
-        as without) and the copy stays sharded when `llm` is (`checkpoint_io.load_checkpoint(mesh=)`): no
-        host ever holds the whole model, which a 7B backbone needs. Every parameter ends on the sharding the
-        logical-axis rules give it.
+        The new backbone's pretrained weights are never drawn (`llama.base_shapes_only`): they are `llm`'s
+        own arrays, so a backbone restored into its shards (`checkpoint_io.load_checkpoint(mesh=)`) stays
+        there and only the small rest (LoRA, added rows, projections, CS, SD) is built on the host. With a
+        `mesh` every parameter then ends on the sharding the logical-axis rules give it: no host ever holds
+        the whole model, which a 7B backbone needs.
         """
         over = dict(cfg_overrides or {})
         n_signal = int(over.get("n_signal", 16))
@@ -818,13 +819,10 @@ class Empatheia(nnx.Module):
             vid_signal_ids=tuple(ids[t] for t in vid),
             **over,
         )
-        rngs = rngs or nnx.Rngs(0)
-        if mesh is None:
-            model = cls(cfg, rngs=rngs)
-        else:
-            model = create_sharded(lambda: cls(cfg, rngs=nnx.clone(rngs)), mesh)
+        with base_shapes_only():  # the backbone's weights are `llm`'s: drawing them would be wasted
+            model = cls(cfg, rngs=rngs or nnx.Rngs(0))
         copy_backbone(llm, model.llm)
-        if mesh is not None:  # the added rows' mean may come out of XLA on another layout
+        if mesh is not None:
             shard_model(model, mesh)
         return model
 
@@ -857,7 +855,10 @@ def copy_backbone(src: Llama, dst: Llama) -> None:
         target = dst_flat[path]
         if target.shape != var.shape:
             raise ValueError(f"backbone parameter {'/'.join(map(str, path))}: {var.shape} vs {target.shape}")
-        target[...] = jnp.asarray(var[...], target.dtype)
+        target.set_value(jnp.asarray(var.get_value(), target.dtype))
+    unset = ["/".join(map(str, p)) for p, v in dst_flat.items() if is_shape_only(v)]
+    if unset:
+        raise ValueError(f"the backbone has no values for {unset} (built with base_shapes_only)")
     init_added_rows(dst)
     for name, axis in (("embed_extra", 0), ("lm_head_extra", 1)):  # rows the backbone already had
         if hasattr(src, name) and hasattr(dst, name):

@@ -10,9 +10,11 @@ new rows alone while the pretrained table stays bit-identical (NExT-GPT issues #
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -232,6 +234,41 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 # ----------------------------------------------------------------------------------------------------------
 
 
+_SHAPES_ONLY = contextvars.ContextVar("llama_base_shapes_only", default=False)
+
+
+@contextlib.contextmanager
+def base_shapes_only() -> Iterator[None]:
+    """Llamas built inside hold only the shapes of their pretrained weights (embedding, projections, LM
+    head) until a checkpoint's values are set into them (`Empatheia.from_llm` -> `copy_backbone`).
+
+    Why: drawing random values only to overwrite them cost a host-sized init (no 7B fits one host) or, built
+    in shards under jit, minutes of tracing and compiling. Every rng key is still drawn, so the parameters
+    that are initialised (LoRA, added rows, everything around the backbone) get the values they would get
+    otherwise. The norms' scales stay real: ones cost nothing and are overwritten all the same.
+    """
+    token = _SHAPES_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY.reset(token)
+
+
+def shape_only(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.ShapeDtypeStruct:
+    """An initializer that keeps the shape and draws nothing, for weights whose values come later."""
+    del key
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def is_shape_only(var: nnx.Variable) -> bool:
+    return isinstance(var.get_value(), jax.ShapeDtypeStruct)
+
+
+def _base_init(axes: tuple[str | None, ...]):
+    init = shape_only if _SHAPES_ONLY.get() else nnx.initializers.normal(0.02)
+    return nnx.with_partitioning(init, axes)
+
+
 def _linear(cfg: LlamaConfig, d_in: int, d_out: int, axes: tuple[str, str], rngs: nnx.Rngs) -> nnx.Linear:
     return nnx.Linear(
         d_in,
@@ -239,7 +276,7 @@ def _linear(cfg: LlamaConfig, d_in: int, d_out: int, axes: tuple[str, str], rngs
         use_bias=False,
         dtype=cfg.compute_dtype,
         param_dtype=_DTYPES[cfg.param_dtype],
-        kernel_init=nnx.with_partitioning(nnx.initializers.normal(0.02), axes),
+        kernel_init=_base_init(axes),
         rngs=rngs,
     )
 
@@ -405,7 +442,7 @@ class Llama(nnx.Module):
             cfg.hidden_size,
             dtype=cfg.compute_dtype,
             param_dtype=pdt,
-            embedding_init=nnx.with_partitioning(init, ("vocab", "embed")),
+            embedding_init=_base_init(("vocab", "embed")),
             rngs=rngs,
         )
         self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
@@ -602,9 +639,10 @@ def gather_target_nll(
 
 
 def init_added_rows(model: Llama) -> None:
-    """Sets every added-token row to the mean of the pretrained rows (DESIGN §2)."""
+    """Sets every added-token row to the mean of the pretrained rows (DESIGN §2); a no-op while the
+    pretrained rows are only shapes (`base_shapes_only`: `copy_backbone` calls it again once they arrive)."""
     cfg = model.config
-    if not cfg.extra_vocab:
+    if not cfg.extra_vocab or is_shape_only(model.embed_tokens.embedding):
         return
     emb = model.embed_tokens.embedding[...]
     model.embed_extra[...] = jnp.broadcast_to(emb.mean(0, keepdims=True), model.embed_extra.shape).astype(

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from empatheia_jax.models.llama import Llama
+from empatheia_jax.models.llama import Llama, shape_only
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -100,12 +100,12 @@ def apply_lora(model: Llama, cfg: LoraConfig, *, rngs: nnx.Rngs) -> Llama:
                 dtype=base.dtype,
                 param_dtype=base.param_dtype,
                 lora_dtype=base.dtype,
-                kernel_init=nnx.with_partitioning(nnx.initializers.zeros, axes),
+                kernel_init=nnx.with_partitioning(shape_only, axes),  # the base kernel, set below
                 a_metadata={"out_sharding": (axes[0], "lora_rank")},
                 b_metadata={"out_sharding": ("lora_rank", axes[1])},
                 rngs=rngs,
             )
-            wrapped.kernel[...] = base.kernel[...]
+            wrapped.kernel.set_value(base.kernel.get_value())
             setattr(parent, name, wrapped)
     return model
 

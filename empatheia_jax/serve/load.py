@@ -26,7 +26,7 @@ from empatheia_jax.models.empatheia import (
     EmpatheiaConfig,
     copy_backbone,
 )
-from empatheia_jax.models.llama import Llama
+from empatheia_jax.models.llama import Llama, base_shapes_only
 from empatheia_jax.models.lora import lora_layers
 from empatheia_jax.train import config as config_lib
 from empatheia_jax.train.checkpoint import (
@@ -64,7 +64,8 @@ def untrained_model(config: ml_collections.ConfigDict, meta: Mapping[str, Any]) 
     from the run's seed and shards), fresh heads, LoRA B = 0. Shared by training checkpoints and exports."""
     if not meta["backbone"]:
         return build_model(config, model_manifest(config))[0]
-    model = Empatheia(EmpatheiaConfig.from_dict(meta["model_config"]), rngs=nnx.Rngs(config.seed + 1))
+    with base_shapes_only():  # the converted backbone's values are copied in below
+        model = Empatheia(EmpatheiaConfig.from_dict(meta["model_config"]), rngs=nnx.Rngs(config.seed + 1))
     llm, _ = load_checkpoint(meta["backbone"])
     copy_backbone(llm, model.llm)
     return model

@@ -59,7 +59,7 @@ from empatheia_jax.models.empatheia import (
     Empatheia,
     EmpatheiaConfig,
 )
-from empatheia_jax.models.llama import Llama, LlamaConfig
+from empatheia_jax.models.llama import Llama, LlamaConfig, base_shapes_only
 from empatheia_jax.models.lora import LoraConfig
 from empatheia_jax.models.trainable import groups as all_groups
 from empatheia_jax.models.trainable import trainable_filter
@@ -252,10 +252,10 @@ def build_model(
 ) -> tuple[Empatheia, Any]:
     """(model, tokenizer): the backbone (converted or random) wrapped by `Empatheia.from_llm`, on `mesh`.
 
-    A converted backbone on a mesh of more than one device is restored straight into its shards and the
-    rest of the model is created there (`checkpoint_io.load_checkpoint(mesh=)`, `sharding.create_sharded`):
-    no host holds the whole model, as a 7B run needs. A random backbone (tests, tiny configs) is built on
-    the host and then placed: eager init of a small model beats compiling its init program.
+    A converted backbone on a mesh of more than one device is restored straight into its shards
+    (`checkpoint_io.load_checkpoint(mesh=)`) and `from_llm` builds only the small rest on the host
+    (`llama.base_shapes_only`): no host holds the whole model, as a 7B run needs. A random backbone (tests,
+    tiny configs) is built on the host and then placed.
     """
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.backbone)
     llm_fields = dict(config.model.llm)
@@ -1027,7 +1027,8 @@ def _export_params(path: Path, run: _Run) -> tuple[Path, int, dict[str, Any], nn
                               "backbone; export with --mode peft to start a stage from it")
     if run.include_backbone:
         raise CheckpointError(f"--init_from {path}: an export holds no backbone, and this run trains it")
-    source = Empatheia(EmpatheiaConfig.from_dict(meta["model_config"]), rngs=nnx.Rngs(0))
+    with base_shapes_only():  # only the adapter and the heads are read from it
+        source = Empatheia(EmpatheiaConfig.from_dict(meta["model_config"]), rngs=nnx.Rngs(0))
     for name, fill in ((ADAPTER_FILE, lambda t, w: load_peft_tensors(source.llm, source.config.lora, t, w)),
                        (HEADS_FILE, lambda t, w: load_head_tensors(source, t, w))):
         try:
