@@ -351,24 +351,14 @@ def generate_predictions(
     eos = eos_token_ids(model.llm, tokenizer)
     spec = pcfg.template_spec()
     signal = set(cfg.signal_ids) if spec.has_signal else None  # signal_rate only where the target has them
-    if score_emotions and not (spec.use_coe and spec.has_response and not spec.pipeline_baseline):
-        raise TemplateError(f"score_emotions needs a Chain-of-Empathy target; template {stage.name!r} "
-                            "has none")
+    _check_emotion_readers(model, spec, stage.name, score_emotions, emotion_head)
     labels = label_continuations(tokenizer) if score_emotions else None
-    if emotion_head is not None and emotion_head.num_features != 2 * model.llm.config.hidden_size:
-        raise emotion_head_lib.EmotionHeadError(
-            f"the emotion head reads {emotion_head.num_features} features, this model gives "
-            f"{2 * model.llm.config.hidden_size}: it was fitted to another backbone")
-    kept = None
-    if journal is not None:  # everything the generations depend on: the weights, the head, the settings
-        kept = Journal(journal, fingerprint(
-            [nnx.state(model, nnx.Param), emotion_head and dataclasses.astuple(emotion_head)],
-            dict(shards=str(Path(shards_dir).resolve()), split=split, manifest=ps.manifest,
-                 template=stage.name, batch_size=batch_size, max_len=max_len, max_new_tokens=max_new_tokens,
-                 repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-                 pipeline_overrides=pipeline_overrides, max_examples=max_examples,
-                 score_emotions=score_emotions,
-                 reply_sampling=reply_sampling and dataclasses.asdict(reply_sampling))))
+    kept = None if journal is None else _journal_of(journal, model, emotion_head, dict(
+        shards=str(Path(shards_dir).resolve()), split=split, manifest=ps.manifest, template=stage.name,
+        batch_size=batch_size, max_len=max_len, max_new_tokens=max_new_tokens,
+        repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+        pipeline_overrides=pipeline_overrides, max_examples=max_examples, score_emotions=score_emotions,
+        reply_sampling=reply_sampling and dataclasses.asdict(reply_sampling)))
     preds: dict[int, dict[str, Any]] = {}
     for chunk in ps.batches(f"eval {split} (generation)", progress):
         if kept is not None and kept.complete(e["record_index"] for e in chunk):
@@ -390,6 +380,25 @@ def generate_predictions(
         if kept is not None:
             kept.append(preds[e["record_index"]] for e in chunk)
     return [preds[i] for i in sorted(preds)]
+
+
+def _check_emotion_readers(model: Empatheia, spec: Any, template: str, score_emotions: bool,
+                           emotion_head: EmotionHead | None) -> None:
+    """Fails before any generation when a requested emotion reader cannot read this model's prompts."""
+    if score_emotions and not (spec.use_coe and spec.has_response and not spec.pipeline_baseline):
+        raise TemplateError(f"score_emotions needs a Chain-of-Empathy target; template {template!r} has none")
+    if emotion_head is not None and emotion_head.num_features != 2 * model.llm.config.hidden_size:
+        raise emotion_head_lib.EmotionHeadError(
+            f"the emotion head reads {emotion_head.num_features} features, this model gives "
+            f"{2 * model.llm.config.hidden_size}: it was fitted to another backbone")
+
+
+def _journal_of(path: str | os.PathLike, model: Empatheia, emotion_head: EmotionHead | None,
+                settings: Mapping[str, Any]) -> Journal:
+    """The journal of a generation pass, keyed by everything its predictions depend on: the weights, the
+    emotion head (its tensors and choices, whole) and the settings."""
+    return Journal(path, fingerprint(
+        [nnx.state(model, nnx.Param), emotion_head and dataclasses.astuple(emotion_head)], settings))
 
 
 @dataclasses.dataclass(frozen=True)
