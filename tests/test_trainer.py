@@ -190,8 +190,9 @@ def _assert_same_update(a, b, rtol):
 
 
 def _assert_built_in_shards(host, sharded, mesh):
-    """Same parameters, bit for bit, each already on the sharding its logical axes give it (both builds draw
-    the fresh ones eagerly from the same keys; the added rows are a mean over the embedding, exact here)."""
+    """Same parameters, each already on the sharding its logical axes give it: bit for bit (both builds draw
+    the fresh ones eagerly from the same keys), but for the added rows, a mean over the embedding that the
+    sharded build sums in another order (the last bits)."""
     want = sharding.state_shardings(nnx.state(sharded), mesh)
     host_flat = dict(nnx.to_flat_state(nnx.state(host)))
     for (path, var), (_, spec) in zip(nnx.to_flat_state(nnx.state(sharded)), nnx.to_flat_state(want),
@@ -203,7 +204,11 @@ def _assert_built_in_shards(host, sharded, mesh):
         else:
             expected = host_flat[path].get_value()
         assert value.sharding.is_equivalent_to(spec.get_value(), value.ndim), name
-        np.testing.assert_array_equal(np.asarray(value), np.asarray(expected), err_msg=name)
+        if name.endswith("_extra"):
+            np.testing.assert_allclose(np.asarray(value), np.asarray(expected), rtol=1e-5, atol=1e-7,
+                                       err_msg=name)
+        else:
+            np.testing.assert_array_equal(np.asarray(value), np.asarray(expected), err_msg=name)
 
 
 def test_model_built_in_its_shards_equals_the_host_build(tok, shards):
