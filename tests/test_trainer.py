@@ -205,7 +205,7 @@ def _assert_built_in_shards(host, sharded, mesh):
             expected = host_flat[path].get_value()
         assert value.sharding.is_equivalent_to(spec.get_value(), value.ndim), name
         if name.endswith("_extra"):
-            np.testing.assert_allclose(np.asarray(value), np.asarray(expected), rtol=1e-5, atol=1e-7,
+            np.testing.assert_allclose(np.asarray(value), np.asarray(expected), rtol=1e-5, atol=1e-8,
                                        err_msg=name)
         else:
             np.testing.assert_array_equal(np.asarray(value), np.asarray(expected), err_msg=name)

@@ -235,6 +235,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 _SHAPES_ONLY = contextvars.ContextVar("llama_base_shapes_only", default=False)
+_NORMAL = nnx.initializers.normal(0.02)  # every drawn weight: the base ones and the added rows
 
 
 @contextlib.contextmanager
@@ -265,7 +266,7 @@ def is_shape_only(var: nnx.Variable) -> bool:
 
 
 def _base_init(axes: tuple[str | None, ...]):
-    init = shape_only if _SHAPES_ONLY.get() else nnx.initializers.normal(0.02)
+    init = shape_only if _SHAPES_ONLY.get() else _NORMAL
     return nnx.with_partitioning(init, axes)
 
 
@@ -436,7 +437,6 @@ class Llama(nnx.Module):
     def _build(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
         self.config = cfg
         pdt = _DTYPES[cfg.param_dtype]
-        init = nnx.initializers.normal(0.02)
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size,
             cfg.hidden_size,
@@ -451,11 +451,11 @@ class Llama(nnx.Module):
             self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), rngs)
         if cfg.extra_vocab:
             self.embed_extra = nnx.Param(
-                init(rngs.params(), (cfg.extra_vocab, cfg.hidden_size), pdt), out_sharding=(None, "embed")
+                _NORMAL(rngs.params(), (cfg.extra_vocab, cfg.hidden_size), pdt), out_sharding=(None, "embed")
             )
             if not cfg.tie_word_embeddings:
                 self.lm_head_extra = nnx.Param(
-                    init(rngs.params(), (cfg.hidden_size, cfg.extra_vocab), pdt),
+                    _NORMAL(rngs.params(), (cfg.hidden_size, cfg.extra_vocab), pdt),
                     out_sharding=("embed", None),
                 )
 
