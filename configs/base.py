@@ -59,11 +59,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             # the same for the CS's video rows (25-fps frames): each frame's unit on its clip's Kokoro
             # timeline (targets kind video_units, from face_targets --mouth phonemes); 0 = position-only
             "cv_units": 0,
+            # the leading dims of a video content row the face generator reads; the CS's video rows are 0
+            # beyond them (the embedded generator: 2 of 256, face_render.CONTENT_USED); 0 = every dim
+            "cv_dims": 0,
             # width of a depthwise row convolution in every CS layer, 0 = none (the paper's block)
             "cs_conv": 0,
             # read each unit-aligned CS block's units in context (convolutions + a BiLSTM, Kokoro's text
             # encoder shape) instead of one table row per unit (models/unit_context.py)
             "cs_unit_context": False,
+            # the speech block's unit reader width (0 = vae_d_model): Kokoro's text encoder reads at 512
+            "cs_context_width": 0,
             # positions per chunk of the token loss's logits (0: all at once): memory for one more
             # output projection a step (models/llama.py `token_nll`, docs/benchmarks.md "chunked")
             "ce_chunk": 0,

@@ -35,6 +35,10 @@ def get_config(arg: str | None = None):
     # Demo-sized VAEs: a quarter of the default depth x width (faster CCL, SAC and overall steps).
     c.model.empatheia.vae_layers = 2
     c.model.empatheia.vae_d_model = 128
+    # the face generator's video targets (converters.face_targets) use 2 of their 256 dims, mouth and
+    # eyelids: the CS's video rows are 0 beyond them (face_render.CONTENT_USED, docs/design.md "The face's
+    # unused control dims")
+    c.model.empatheia.cv_dims = 2
     c.schedule.sac.steps = 30
     c.schedule.sac.lr = 3e-3
     c.schedule.overall.steps = 10

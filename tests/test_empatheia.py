@@ -454,6 +454,10 @@ def test_unit_aligned_video_block_reads_video_units_per_frame():
         EmpatheiaConfig(llm=LLM, **{**TINY, "cv_units": 9}, cs_video=CFG.cs_video)
     with pytest.raises(ValueError, match="cv_units=-1"):
         EmpatheiaConfig(llm=LLM, **TINY, cv_units=-1)
+    # cv_dims: the video block's rows hold only the dims the face generator reads (VAEConfig.d_used)
+    assert EmpatheiaConfig(llm=LLM, **TINY, cv_dims=2).cs_video.d_used == 2
+    with pytest.raises(ValueError, match="cs_video.d_used=0 but the block should have 2"):
+        EmpatheiaConfig(llm=LLM, **TINY, cv_dims=2, cs_video=CFG.cs_video)
     alone = model.content_sync.video_block(b["r_t"], b["r_t_mask"], jnp.asarray(units))
     np.testing.assert_allclose(np.asarray(alone.out), vb, rtol=1e-5, atol=1e-5)
     # inference: a first pass without the video block, then C^v from the units known after speaking
@@ -491,9 +495,13 @@ def test_cs_unit_context_reads_the_units_of_the_aligned_content_blocks_only():
     assert EmpatheiaConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="cs_unit_context=True reads content units"):
         EmpatheiaConfig(llm=LLM, **TINY, cs_unit_context=True)
-    # both blocks aligned and read in context: the forward and the inference path (video after speech) agree
-    both = EmpatheiaConfig(llm=LLM, **TINY, cs_units=9, cv_units=9, cs_unit_context=True)
+    # both blocks aligned and read in context (the speech block's reader wider than the block: Kokoro's
+    # shape): the forward and the inference path (video after speech) agree
+    both = EmpatheiaConfig(llm=LLM, **TINY, cs_units=9, cv_units=9, cs_unit_context=True, cs_context_width=6)
     assert both.cs_speech.unit_context and both.cs_video.unit_context
+    assert (both.cs_speech.context_width, both.cs_video.context_width) == (6, 0)
+    with pytest.raises(ValueError, match="cs_context_width=6 is the speech block's unit reader's width"):
+        EmpatheiaConfig(llm=LLM, **TINY, cv_units=9, cs_unit_context=True, cs_context_width=6)
     model = build(cfg=both)
     rng = np.random.default_rng(2)
     s_units = rng.integers(0, 9, (B, both.max_speech_len)).astype(np.int32)

@@ -251,6 +251,22 @@ def test_bf16_compute_keeps_fp32_params_and_outputs(model):
     assert not np.array_equal(np.asarray(b.out), np.asarray(a.out))  # bf16 really was used
 
 
+def test_unused_output_dims_are_exactly_zero_and_get_no_gradient(model):
+    """d_used=k: the first k dims of every row are the full block's, the rest exactly 0 (a generator that
+    reads k control dims), and the output projection's unused columns learn nothing."""
+    h, mask = _inputs()
+    k = 2
+    used = _with_config(model, CFG.replace(d_used=k))
+    full, cut = run(model, h, mask), run(used, h, mask)
+    np.testing.assert_array_equal(np.asarray(cut.out[..., :k]), np.asarray(full.out[..., :k]))
+    assert np.abs(np.asarray(full.out[..., k:])).min() > 0 and not np.asarray(cut.out[..., k:]).any()
+    graphdef, params = nnx.split(used)
+    target = jnp.ones((B, CFG.num_queries, CFG.d_out))
+    grads = _grad_jit(graphdef, params, jnp.asarray(h), jnp.asarray(mask), target, jax.random.key(1), KL_W)
+    kernel = np.asarray(grads["out_proj"]["kernel"][...])
+    assert np.abs(kernel[:, :k]).max() > 0 and not kernel[:, k:].any()
+
+
 def test_dropout_only_when_sampling(model):
     h, mask = _inputs()
     dropped = _with_config(model, CFG.replace(dropout=0.3))
@@ -324,6 +340,8 @@ def test_config_is_validated():
         CFG.replace(dtype="int8")
     with pytest.raises(ValueError, match="enc_layers"):
         CFG.replace(enc_layers=0)
+    with pytest.raises(ValueError, match=r"d_used=8 must be in \[0, d_out=7\]"):
+        CFG.replace(d_used=8)
 
 
 def test_default_depth_builds_four_layer_stacks():
@@ -440,7 +458,8 @@ def test_row_convolution_is_a_zero_padded_depthwise_convolution():
 
 def test_unit_context_equals_torch_convolutions_and_bidirectional_lstm():
     """`unit_context` reads the unit rows as Kokoro's text encoder reads phonemes: residual width-5
-    convolutions (LayerNorm over channels, LeakyReLU 0.2), then x + a bidirectional LSTM. Checked against
+    convolutions (LayerNorm over channels, LeakyReLU 0.2), then x + a bidirectional LSTM; a reader wider
+    than the rows (`context_width`) does so between x @ widen and @ narrow, added to x. Checked against
     torch's own Conv1d, layer_norm and nn.LSTM(bidirectional) given the same weights (torch's gate order
     i, f, g, o; its two biases summed in ours); then, inside a block, row i's query moves when a
     neighbour's unit changes (a table alone keeps it), and the config refuses it without units."""
@@ -448,31 +467,39 @@ def test_unit_context_equals_torch_convolutions_and_bidirectional_lstm():
     from empatheia_jax.models.unit_context import CONV_LAYERS, CONV_WIDTH, UnitContext
 
     d, q = 8, 7
-    with nnx.use_eager_sharding(False):  # as the block builds it: placement comes at jit time
-        ctx = UnitContext(d, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(11)
-    for var in (ctx.conv_bias, ctx.norm_scale, ctx.norm_bias, ctx.lstm_bias):
-        var[...] = jnp.asarray(rng.normal(size=var.shape).astype(np.float32) * 0.5)
     x = rng.normal(size=(2, q, d)).astype(np.float32)
-    got = np.asarray(ctx(jnp.asarray(x)))
+    # at the rows' width, and at a reader width of its own between a widening and a narrowing projection
+    for width in (d, 12):
+        with nnx.use_eager_sharding(False):  # as the block builds it: placement comes at jit time
+            ctx = UnitContext(d, width=width, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+        if width != d:  # a wide reader starts as the identity: its narrowing projection is 0
+            np.testing.assert_array_equal(np.asarray(ctx(jnp.asarray(x))), x)
+        for var in (ctx.conv_bias, ctx.norm_scale, ctx.norm_bias, ctx.lstm_bias,
+                    *((ctx.narrow,) if width != d else ())):
+            var[...] = jnp.asarray(rng.normal(size=var.shape).astype(np.float32) * 0.5)
+        got = np.asarray(ctx(jnp.asarray(x)))
 
-    p = {k: torch.from_numpy(np.asarray(getattr(ctx, k)[...]).copy()) for k in
-         ("conv", "conv_bias", "norm_scale", "norm_bias", "lstm_in", "lstm_rec", "lstm_bias")}
-    with torch.no_grad():
-        h = torch.from_numpy(x)
-        for layer in range(CONV_LAYERS):
-            y = torch.nn.functional.conv1d(h.transpose(1, 2), p["conv"][layer].permute(2, 1, 0),
-                                           p["conv_bias"][layer], padding=CONV_WIDTH // 2).transpose(1, 2)
-            y = torch.nn.functional.layer_norm(y, (d,), p["norm_scale"][layer], p["norm_bias"][layer], 1e-5)
-            h = h + torch.nn.functional.leaky_relu(y, 0.2)
-        lstm = torch.nn.LSTM(d, d // 2, batch_first=True, bidirectional=True)
-        for direction, suffix in ((0, ""), (1, "_reverse")):
-            getattr(lstm, f"weight_ih_l0{suffix}").copy_(p["lstm_in"][direction].T)
-            getattr(lstm, f"weight_hh_l0{suffix}").copy_(p["lstm_rec"][direction].T)
-            getattr(lstm, f"bias_ih_l0{suffix}").copy_(p["lstm_bias"][direction])
-            getattr(lstm, f"bias_hh_l0{suffix}").zero_()
-        want = (h + lstm(h)[0]).numpy()
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        names = ("conv", "conv_bias", "norm_scale", "norm_bias", "lstm_in", "lstm_rec", "lstm_bias",
+                 *(("widen", "narrow") if width != d else ()))
+        p = {k: torch.from_numpy(np.asarray(getattr(ctx, k)[...]).copy()) for k in names}
+        with torch.no_grad():
+            h = torch.from_numpy(x) @ p["widen"] if width != d else torch.from_numpy(x)
+            for layer in range(CONV_LAYERS):
+                y = torch.nn.functional.conv1d(h.transpose(1, 2), p["conv"][layer].permute(2, 1, 0),
+                                               p["conv_bias"][layer], padding=CONV_WIDTH // 2).transpose(1, 2)
+                y = torch.nn.functional.layer_norm(y, (width,), p["norm_scale"][layer], p["norm_bias"][layer],
+                                                   1e-5)
+                h = h + torch.nn.functional.leaky_relu(y, 0.2)
+            lstm = torch.nn.LSTM(width, width // 2, batch_first=True, bidirectional=True)
+            for direction, suffix in ((0, ""), (1, "_reverse")):
+                getattr(lstm, f"weight_ih_l0{suffix}").copy_(p["lstm_in"][direction].T)
+                getattr(lstm, f"weight_hh_l0{suffix}").copy_(p["lstm_rec"][direction].T)
+                getattr(lstm, f"bias_ih_l0{suffix}").copy_(p["lstm_bias"][direction])
+                getattr(lstm, f"bias_hh_l0{suffix}").zero_()
+            want = h + lstm(h)[0]
+            want = (torch.from_numpy(x) + want @ p["narrow"] if width != d else want).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
     cfg = CFG.replace(num_units=11, unit_context=True)
     block = _build(cfg)
@@ -484,3 +511,7 @@ def test_unit_context_equals_torch_convolutions_and_bidirectional_lstm():
         assert (np.abs(q0[0, 2] - q1[0, 2]).max() > 1e-6) == should_move
     with pytest.raises(ValueError, match="unit_context=True needs num_units > 0"):
         CFG.replace(unit_context=True)
+    with pytest.raises(ValueError, match="context_width=12 is the unit_context reader's"):
+        CFG.replace(num_units=11, context_width=12)
+    wide = _build(CFG.replace(num_units=11, unit_context=True, context_width=12))
+    assert wide.unit_context.widen.shape == (CFG.d_model, 12)

@@ -1,7 +1,9 @@
-"""How the generator targets of a split of shards are spread: the per-dimension variance of the content rows.
+"""How the generator targets of a split of shards are spread: the per-dimension mean and variance of the
+content rows.
 
 Why: the content loss can weigh each dimension by its spread (`losses.balanced_dim_weights`, config
-`loss.ccl_scale`), and that spread is a property of the data the run trains on, not of the model. It is
+`loss.ccl_scale`), a model that fixes the dims its generator never reads (`EmpatheiaConfig.cv_dims`) must
+find them at 0 in its targets, and both are properties of the data the run trains on, not of the model. It is
 read from the shards, not stored in them, so shards prepared before it existed serve as they are; a fixed
 sample of records (evenly spaced over the split, at most `max_records`) keeps the cost bounded on a large
 corpus and makes the result the same on every host and on every resume.
@@ -25,12 +27,21 @@ def row_variance(
 ) -> np.ndarray | None:
     """Variance over all rows of `kind` (e.g. speech_content [T, D]) of the split's records, float64 [D];
     None when no record in the sample carries `kind`. A record whose rows have another width names itself."""
-    var = _row_variance(os.fspath(shards_dir), split, kind, max_records)
-    return None if var is None else var.copy()
+    moments = _row_moments(os.fspath(shards_dir), split, kind, max_records)
+    return None if moments is None else moments[1].copy()
+
+
+def row_mean(
+    shards_dir: str | os.PathLike[str], split: str, kind: str, *, max_records: int = MAX_RECORDS
+) -> np.ndarray | None:
+    """Mean over the same rows as `row_variance`, float64 [D]; None when no record carries `kind`."""
+    moments = _row_moments(os.fspath(shards_dir), split, kind, max_records)
+    return None if moments is None else moments[0].copy()
 
 
 @functools.lru_cache(maxsize=16)
-def _row_variance(shards_dir: str, split: str, kind: str, max_records: int) -> np.ndarray | None:
+def _row_moments(shards_dir: str, split: str, kind: str, max_records: int
+                 ) -> tuple[np.ndarray, np.ndarray] | None:
     reader = ShardReader.for_split(shards_dir, split)
     n = len(reader)
     if n == 0:
@@ -57,4 +68,4 @@ def _row_variance(shards_dir: str, split: str, kind: str, max_records: int) -> n
     if not rows:
         return None
     mean = total / rows
-    return np.maximum(total_sq / rows - np.square(mean), 0.0)
+    return mean, np.maximum(total_sq / rows - np.square(mean), 0.0)

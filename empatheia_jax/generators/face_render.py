@@ -551,6 +551,8 @@ CONTENT_MOUTH, CONTENT_BLINK = 0, 1
 """video_content [T, 256] per 25-fps frame: dim 0 = mouth opening in [0, 1] (drawn at MOUTH_LEVELS steps),
 dim 1 = eyelid closure (0 open, 0.6 half, 1 closed: the three drawn states); dims 2-255 are zero (reserved
 for head motion, which no control draws: the user-facing avatar's idle motion is the renderer's own)."""
+CONTENT_USED = 2
+"""The leading video_content dims `render_controls` reads (the model's `EmpatheiaConfig.cv_dims`)."""
 BLINK_LEVELS = (0.0, 0.6, 1.0)
 _PALETTE = len(_SKIN)  # skin index = ID % 5, hair index = (ID // 5) % 5: the ID's whole visible effect
 STYLE_GROUPS: dict[str, tuple[int, tuple]] = {

@@ -121,6 +121,10 @@ class EmpatheiaConfig:
     # unit id on the timeline its gold clip was drawn with (`visemes.frame_units`); at inference the
     # durations Kokoro spoke the reply with give them (`Empatheia.video_content`). 0 = position-only.
     cv_units: int = 0
+    # The leading dims of a video content row the face generator reads (the embedded one: 2, mouth and
+    # eyelids, `face_render.CONTENT_USED`); the video block's rows are 0 beyond them (`VAEConfig.d_used`).
+    # 0 = every one of video_content_dim (a generator whose whole row is control, e.g. DreamTalk's).
+    cv_dims: int = 0
     # Width of the depthwise row convolution in every layer of both CS blocks (0 = none, the paper's block):
     # a content row depends on its neighbours (`VAEConfig.conv_kernel`, docs/design.md "Aligned Content
     # Synchronizer").
@@ -128,6 +132,10 @@ class EmpatheiaConfig:
     # Read the units of each unit-aligned CS block in context (`VAEConfig.unit_context`: convolutions and a
     # BiLSTM over the unit rows, Kokoro's text-encoder shape) instead of one table row per unit.
     cs_unit_context: bool = False
+    # The width of the speech block's unit reader (`VAEConfig.context_width`; 0 = vae_d_model). What a
+    # listener hears is Kokoro's t_en, its 512-wide text encoder's reading of the phonemes; the video
+    # block's reader keeps vae_d_model (its mouth is a simpler function of the frame's phoneme).
+    cs_context_width: int = 0
     cs_speech: VAEConfig | None = None
     cs_video: VAEConfig | None = None
     sd_speech_emotion: VAEConfig | None = None
@@ -166,6 +174,9 @@ class EmpatheiaConfig:
                      "sd_queries", "sd_code_dim", "sd_latent", "fuse_dim"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
+        if not 0 <= self.cv_dims <= self.video_content_dim:
+            problems.append(f"cv_dims={self.cv_dims} must be in [0, video_content_dim="
+                            f"{self.video_content_dim}] (0 = every dim)")
         for name in ("cs_units", "cv_units"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} must be >= 0 (0 = position-only queries)")
@@ -173,6 +184,9 @@ class EmpatheiaConfig:
             problems.append(f"cs_conv={self.cs_conv} must be 0 (none) or a positive odd width")
         if self.cs_unit_context and not (self.cs_units or self.cv_units):
             problems.append("cs_unit_context=True reads content units: set cs_units and/or cv_units")
+        if self.cs_context_width and not (self.cs_unit_context and self.cs_units):
+            problems.append(f"cs_context_width={self.cs_context_width} is the speech block's unit reader's "
+                            "width: set cs_units and cs_unit_context=True")
         if self.ce_chunk < 0:
             problems.append(f"ce_chunk={self.ce_chunk} must be >= 0 (0: the whole logits at once)")
         if self.ce_targets < 0:
@@ -219,22 +233,25 @@ class EmpatheiaConfig:
         d = self.llm.hidden_size
         dtypes = {"dtype": self.llm.dtype, "param_dtype": self.llm.param_dtype}
 
-        def vae(q: int, latent: int, out: int, units: int, conv: int) -> VAEConfig:
+        def vae(q: int, latent: int, out: int, units: int, conv: int, used: int, width: int) -> VAEConfig:
             return VAEConfig(d_in=d, d_model=self.vae_d_model, num_queries=q, d_latent=latent, d_out=out,
                              num_heads=self.vae_heads, enc_layers=self.vae_layers, dec_layers=self.vae_layers,
                              dropout=self.vae_dropout, num_units=units, conv_kernel=conv,
-                             unit_context=bool(units) and self.cs_unit_context, **dtypes)
+                             unit_context=bool(units) and self.cs_unit_context, context_width=width,
+                             d_used=used, **dtypes)
 
         conv = self.cs_conv
         wanted = {
-            "cs_speech": (self.max_speech_len, self.cs_latent, self.speech_content_dim, self.cs_units, conv),
-            "cs_video": (self.max_video_len, self.cs_latent, self.video_content_dim, self.cv_units, conv),
-            **{name: (self.sd_queries, self.sd_latent, self.sd_code_dim, 0, 0) for name in SD_VAES},
+            "cs_speech": (self.max_speech_len, self.cs_latent, self.speech_content_dim, self.cs_units, conv,
+                          0, self.cs_context_width),
+            "cs_video": (self.max_video_len, self.cs_latent, self.video_content_dim, self.cv_units, conv,
+                         self.cv_dims, 0),
+            **{name: (self.sd_queries, self.sd_latent, self.sd_code_dim, 0, 0, 0, 0) for name in SD_VAES},
         }
-        for name, (q, latent, out, units, conv) in wanted.items():
+        for name, (q, latent, out, units, conv, used, width) in wanted.items():
             c = getattr(self, name)
             if c is None:
-                object.__setattr__(self, name, vae(q, latent, out, units, conv))
+                object.__setattr__(self, name, vae(q, latent, out, units, conv, used, width))
                 continue
             if isinstance(c, Mapping):
                 c = VAEConfig(**c)
@@ -247,6 +264,12 @@ class EmpatheiaConfig:
             if c.conv_kernel != conv:
                 problems.append(f"{name}.conv_kernel={c.conv_kernel} but cs_conv={self.cs_conv} (the block "
                                 f"should have {conv})")
+            if c.context_width != width:
+                problems.append(f"{name}.context_width={c.context_width} but the block should have {width} "
+                                f"(cs_context_width={self.cs_context_width})")
+            if c.d_used != used:
+                problems.append(f"{name}.d_used={c.d_used} but the block should have {used} (cv_dims="
+                                f"{self.cv_dims})")
             if c.unit_context != (bool(units) and self.cs_unit_context):
                 problems.append(f"{name}.unit_context={c.unit_context} but cs_unit_context="
                                 f"{self.cs_unit_context} with {units} units")

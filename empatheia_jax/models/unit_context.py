@@ -29,14 +29,24 @@ CONV_WIDTH = 5
 
 
 class UnitContext(nnx.Module):
-    """[B, Q, d] unit embeddings -> [B, Q, d] the same rows with their context (d even)."""
+    """[B, Q, d] unit embeddings -> [B, Q, d] the same rows with their context.
 
-    def __init__(self, d_model: int, *, dtype, param_dtype, rngs: nnx.Rngs):
-        if d_model % 2:
-            raise ValueError(f"UnitContext needs an even width for its two LSTM directions, got {d_model}")
+    `width` (even; default d) is the reader's own width. Kokoro's text encoder reads at 512, and a reader
+    of that width was heard better than one at the block's 128-256 (docs/benchmarks.md "units read in
+    context"); a wider reader takes the rows in through `widen` and gives them back through `narrow`,
+    added to the rows it read (`narrow` starts at 0, so such a reader starts as the identity)."""
+
+    def __init__(self, d_model: int, *, width: int | None = None, dtype, param_dtype, rngs: nnx.Rngs):
+        width = d_model if width is None else width
+        if width % 2:
+            raise ValueError(f"UnitContext needs an even width for its two LSTM directions, got {width}")
         self.dtype = dtype
-        h = d_model // 2
-        n, k, d = CONV_LAYERS, CONV_WIDTH, d_model
+        if width != d_model:
+            widen = nnx.initializers.lecun_normal()(rngs.params(), (d_model, width), param_dtype)
+            self.widen = nnx.Param(widen, out_sharding=("embed", None))
+            self.narrow = nnx.Param(jnp.zeros((width, d_model), param_dtype), out_sharding=(None, "embed"))
+        h = width // 2
+        n, k, d = CONV_LAYERS, CONV_WIDTH, width
         conv_init = nnx.initializers.normal(1.0 / math.sqrt(k * d))
         self.conv = nnx.Param(conv_init(rngs.params(), (n, k, d, d), param_dtype),
                               out_sharding=(None, "conv", "embed", None))
@@ -88,5 +98,9 @@ class UnitContext(nnx.Module):
         return jnp.concatenate([fwd, bwd], -1).transpose(1, 0, 2).astype(self.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = self._convs(x.astype(self.dtype))
-        return x + self._bilstm(x)
+        x = x.astype(self.dtype)
+        if not hasattr(self, "widen"):
+            y = self._convs(x)
+            return y + self._bilstm(y)
+        y = self._convs(x @ self.widen[...].astype(self.dtype))
+        return x + (y + self._bilstm(y)) @ self.narrow[...].astype(self.dtype)

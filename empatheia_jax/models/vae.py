@@ -53,6 +53,11 @@ class VAEConfig:
     (`models.unit_context.UnitContext`: Kokoro's text-encoder shape, convolutions and a BiLSTM over the
     units); needs num_units > 0. Such a block's encoder cross-attention to h starts silent (zero output
     projection): the units alone define its first function, and h refines it.
+    context_width: the width of the unit_context reader (0 = d_model); Kokoro's own text encoder reads at 512.
+    d_used: the leading dims of an output row its consumer reads (0 = all d_out); the rest are exactly 0.
+    The embedded face generator reads 2 of its 256 content dims (mouth, eyelids) and its targets hold 0 in
+    the others: a learnt projection there only adds noise on unseen inputs, which on ED dev was half the
+    video rows' error (docs/benchmarks.md "The face's unused control dims").
     dtype: compute dtype (bf16 on accelerators); param_dtype: parameter dtype (fp32 master weights).
     The mu/logvar heads always compute in float32 and every output is float32.
     """
@@ -72,6 +77,8 @@ class VAEConfig:
     num_units: int = 0
     conv_kernel: int = 0
     unit_context: bool = False
+    context_width: int = 0
+    d_used: int = 0
     dtype: str = "float32"
     param_dtype: str = "float32"
 
@@ -94,9 +101,17 @@ class VAEConfig:
             problems.append(f"conv_kernel={self.conv_kernel} must be 0 (none) or a positive odd width")
         if self.unit_context and self.num_units <= 0:
             problems.append("unit_context=True needs num_units > 0 (it reads the units of the rows)")
-        if self.unit_context and self.d_model % 2:
+        if self.context_width < 0 or self.context_width % 2:
+            problems.append(f"context_width={self.context_width} must be 0 (d_model) or a positive even "
+                            "width (two LSTM directions)")
+        if self.context_width and not self.unit_context:
+            problems.append(f"context_width={self.context_width} is the unit_context reader's: set "
+                            "unit_context=True")
+        if self.unit_context and not self.context_width and self.d_model % 2:
             problems.append(f"unit_context=True needs an even d_model (two LSTM directions), got "
                             f"{self.d_model}")
+        if not 0 <= self.d_used <= self.d_out:
+            problems.append(f"d_used={self.d_used} must be in [0, d_out={self.d_out}] (0 = every dim)")
         if self.logvar_limit <= 0:
             problems.append(f"logvar_limit={self.logvar_limit} must be positive")
         for name in ("dtype", "param_dtype"):
@@ -406,7 +421,8 @@ class TransformerVAE(nnx.Module):
                 out_sharding=("queries", "embed"),
             )
         if cfg.unit_context:
-            self.unit_context = UnitContext(cfg.d_model, dtype=cfg.compute_dtype, param_dtype=pdt, rngs=rngs)
+            self.unit_context = UnitContext(cfg.d_model, width=cfg.context_width or None,
+                                            dtype=cfg.compute_dtype, param_dtype=pdt, rngs=rngs)
         self.in_ffn = FFN(cfg, cfg.d_in, cfg.d_model, "embed", rngs=rngs)
         # A block that reads its units in context is a whole function of the units (Kokoro's text encoder
         # is): its cross-attention to h starts silent, so a block pre-trained without h (stage ccl_units)
@@ -463,7 +479,10 @@ class TransformerVAE(nnx.Module):
         """Eq 2: output rows, float32 [B, Q, d_out], from z [B, Q, d_latent]; the encoder's `queries`."""
         mask = jnp.ones(z.shape[:2], bool)
         x = self.decoder(queries, self._memory(self.z_ffn, z, mask), mask, dropout_key)
-        return self.out_proj(x).astype(jnp.float32)
+        out = self.out_proj(x).astype(jnp.float32)
+        if self.config.d_used:
+            out = jnp.where(jnp.arange(out.shape[-1]) < self.config.d_used, out, 0.0)
+        return out
 
     def __call__(
         self, h: jax.Array, h_mask: jax.Array, *, sample: bool, rng: jax.Array | None = None,

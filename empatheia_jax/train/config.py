@@ -243,11 +243,13 @@ def _validate_model(config: ml_collections.ConfigDict, bad: _Bad) -> None:
         bad("model.lora.rank", config.model.lora.rank, "must be >= 1")
     if config.model.empatheia.n_signal < 1:
         bad("model.empatheia.n_signal", config.model.empatheia.n_signal, "must be >= 1")
-    for key, what in (("cs_units", "the CS speech block's unit table"),
-                      ("cv_units", "the CS video block's unit table")):
+    for key, what in (("cs_units", "the CS speech block's unit table; 0 = no alignment"),
+                      ("cv_units", "the CS video block's unit table; 0 = no alignment"),
+                      ("cv_dims", "the video content dims the face generator reads; 0 = all"),
+                      ("cs_context_width", "the speech block's unit reader width; 0 = vae_d_model")):
         units = config.model.empatheia.get(key, 0)
         if not isinstance(units, int) or isinstance(units, bool) or units < 0:
-            bad(f"model.empatheia.{key}", units, f"must be an int >= 0 ({what}; 0 = no alignment)")
+            bad(f"model.empatheia.{key}", units, f"must be an int >= 0 ({what})")
     cs_conv = config.model.empatheia.get("cs_conv", 0)
     odd_or_zero = isinstance(cs_conv, int) and cs_conv >= 0 and (cs_conv == 0 or cs_conv % 2 == 1)
     if isinstance(cs_conv, bool) or not odd_or_zero:

@@ -400,6 +400,26 @@ def loss_weights(config: ml_collections.ConfigDict) -> losses.LossWeights:
     return losses.LossWeights(**loss, ccl_dims=tuple(dims))
 
 
+def check_unused_dims(config: ml_collections.ConfigDict) -> None:
+    """A model whose video rows are 0 beyond `cv_dims` (the dims its face generator reads) must train on
+    targets that are 0 there too, or it would be taught what it cannot say: checked on the train split's
+    rows (`target_stats`) before anything is built."""
+    used = config.model.empatheia.get("cv_dims", 0)
+    if not used or config.ablations.no_cs:
+        return
+    shards, split = config.data.shards, config.data.train_split
+    mean = target_stats.row_mean(shards, split, "video_content")
+    if mean is None:  # text-only shards: no video targets to hold to it
+        return
+    var = target_stats.row_variance(shards, split, "video_content")
+    moving = np.flatnonzero((np.abs(mean[used:]) > 0) | (var[used:] > 0)) + used
+    if moving.size:
+        raise config_lib.ConfigError(
+            f"config.model.empatheia.cv_dims={used}: the video_content targets of {shards} split {split!r} "
+            f"are not 0 in dims {moving[:8].tolist()}{' ...' if moving.size > 8 else ''} (set cv_dims to "
+            "the dims the face generator reads, or 0 for every dim)")
+
+
 def make_step(stage: stages.Stage, weights: losses.LossWeights) -> stages.TrainStep:
     """`step(graphs, params, frozen, opt_state, batch [A, m, ...], key) -> (params, opt_state, metrics)`.
 
@@ -891,6 +911,7 @@ def _build_run(config: ml_collections.ConfigDict, workdir: Path) -> _Run:
     schedule = config_lib.stage_schedule(config)
     manifest = model_manifest(config)
     check_splits(config, manifest)
+    check_unused_dims(config)
     lead = jax.process_index() == 0
     if lead:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -964,7 +985,8 @@ def _restore(run: _Run) -> tuple[int, int, bool]:
 
 # The fields of the Content Synchronizer's design. A stage that trains the CS may start from a run whose CS
 # was built otherwise (e.g. the coe stage of a run before `cs_units`): the CS heads that differ start fresh.
-CS_DESIGN_FIELDS = frozenset({"cs_units", "cv_units", "cs_conv", "cs_unit_context", *CS_VAES})
+CS_DESIGN_FIELDS = frozenset({"cs_units", "cv_units", "cs_conv", "cs_unit_context", "cs_context_width",
+                              "cv_dims", *CS_VAES})
 
 
 def _init_from(run: _Run) -> None:
