@@ -733,6 +733,20 @@ def test_a_killed_generation_resumes_from_its_journal_as_if_never_stopped(model,
     assert journal_lib.fingerprint(nudged, {"a": 1}) != before != journal_lib.fingerprint(state, {"a": 2})
     assert journal_lib.fingerprint(state, {"a": 1}) == before
 
+    # a template that splices no media decodes with the LLM alone: the CS and SD are not in its key
+    def key(spliced):
+        return ev._journal_of(tmp_path / f"k{spliced}.jsonl", model, None, {"a": 1}, spliced).fingerprint
+
+    keys = {s: key(s) for s in (False, True)}
+    cs_weight, llm_weight = model.content_sync.speech.out_proj.kernel, model.llm.norm.scale
+    for var, same_unspliced in ((cs_weight, True), (llm_weight, False)):
+        saved = var[...]
+        var[...] = saved.at[(0,) * saved.ndim].add(1e-3)
+        try:
+            assert (key(False) == keys[False]) == same_unspliced and key(True) != keys[True]
+        finally:
+            var[...] = saved
+
     lines = path.read_text().splitlines()
     path.write_text("\n".join([lines[0], "{oops", *lines[1:]]) + "\n")
     with pytest.raises(ValueError, match=r"generation.journal.jsonl line 2: not JSON"):

@@ -358,7 +358,7 @@ def generate_predictions(
         batch_size=batch_size, max_len=max_len, max_new_tokens=max_new_tokens,
         repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
         pipeline_overrides=pipeline_overrides, max_examples=max_examples, score_emotions=score_emotions,
-        reply_sampling=reply_sampling and dataclasses.asdict(reply_sampling)))
+        reply_sampling=reply_sampling and dataclasses.asdict(reply_sampling)), spliced)
     preds: dict[int, dict[str, Any]] = {}
     for chunk in ps.batches(f"eval {split} (generation)", progress):
         if kept is not None and kept.complete(e["record_index"] for e in chunk):
@@ -394,11 +394,14 @@ def _check_emotion_readers(model: Empatheia, spec: Any, template: str, score_emo
 
 
 def _journal_of(path: str | os.PathLike, model: Empatheia, emotion_head: EmotionHead | None,
-                settings: Mapping[str, Any]) -> Journal:
-    """The journal of a generation pass, keyed by everything its predictions depend on: the weights, the
-    emotion head (its tensors and choices, whole) and the settings."""
-    return Journal(path, fingerprint(
-        [nnx.state(model, nnx.Param), emotion_head and dataclasses.astuple(emotion_head)], settings))
+                settings: Mapping[str, Any], spliced: bool) -> Journal:
+    """The journal of a generation pass, keyed by everything its predictions depend on: the weights it
+    reads, the emotion head (its tensors and choices, whole) and the settings. The weights are the LLM's
+    (backbone, LoRA, added rows) when the template splices no media, every parameter otherwise: the
+    decoding never reads the CS or the SD, so models that differ only there (a retrained avatar on the same
+    LoRA) share one text evaluation, hours on a CPU."""
+    weights = nnx.state(model if spliced else model.llm, nnx.Param)
+    return Journal(path, fingerprint([weights, emotion_head and dataclasses.astuple(emotion_head)], settings))
 
 
 @dataclasses.dataclass(frozen=True)
