@@ -51,9 +51,11 @@ MOUTHS = ("speech", "phonemes", "replies")
 MOUTH_METHOD = {
     "speech": "mouth opening = the RMS envelope of the utterance's wav (speech_synth.speech_envelope)",
     "phonemes": ("mouth opening = generators.visemes.mouth_track of the utterance's Kokoro phonemes, laid "
-                 "out with Kokoro's predicted durations in kokoro_voices.voice(profile, style); no media"),
+                 "out with Kokoro's predicted durations in kokoro_voices.voice(profile, style) and opening "
+                 "with its predicted loudness (Kokoro.energy); no media"),
     "replies": ("listener utterances (the replies): generators.visemes.mouth_track of their Kokoro phonemes "
-                "at kokoro_voices.LISTENER_SPEED, the gold speech's timeline; speaker utterances: the RMS "
+                "at kokoro_voices.LISTENER_SPEED, the gold speech's timeline, with its predicted loudness; "
+                "speaker utterances: the RMS "
                 "envelope of their wav"),
 }
 METHOD = {
@@ -119,8 +121,11 @@ def text_targets(text: str, profile: dict, style: str, speed: float | None = Non
     phonemes = kokoro.phonemize(text)
     voice = kokoro_voices.voice(profile, style)
     rate = voice.speed if speed is None else float(speed)
-    frames = kokoro.frames_of(engine.durations(engine.content_features(phonemes), voice.style, rate))
-    content, style_vec = face_controls(visemes.mouth_track(phonemes, frames), profile, style, smooth=False)
+    features = engine.content_features(phonemes)
+    durations = engine.durations(features, voice.style, rate)
+    frames = kokoro.frames_of(durations)
+    mouth = visemes.mouth_track(phonemes, frames, energy=engine.energy(features, voice.style, durations))
+    content, style_vec = face_controls(mouth, profile, style, smooth=False)
     units = visemes.frame_units(phonemes, frames).astype(np.float32)[:, None]
     if len(units) != len(content):
         raise AssertionError(f"{len(units)} frame units for {len(content)} video_content rows")
@@ -164,14 +169,16 @@ def export_face_targets(raw: str | Path, out: str | Path, *, splits: list[str] |
     if mouth != "speech":
         from empatheia_jax.generators import kokoro
 
-        kokoro.cut_model("durations")  # built once here, not raced by the workers
+        for cut in ("durations", "energy"):  # built once here, not raced by the workers
+            kokoro.cut_model(cut)
     errors: list[str] = []
     with contextlib.ExitStack() as stack:
+        from empatheia_jax.generators import visemes
         from empatheia_jax.generators.kokoro_voices import MAP_VERSION
 
         # the style rule (utterance_style) and the phoneme mouth's voice speed follow the voice map
         meta = {"raw": str(Path(raw).resolve()), "mouth": MOUTH_METHOD[mouth],
-                "voice_map_version": MAP_VERSION}
+                "voice_map_version": MAP_VERSION, "mouth_version": visemes.MOUTH_VERSION}
         kinds = (*KINDS, "video_units") if mouth != "speech" else KINDS
         writers = {k: stack.enter_context(TargetWriter(out, k, SOURCE, None, shard_size,
                                                        {**meta, "method": METHOD[k]}))

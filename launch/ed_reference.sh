@@ -81,16 +81,19 @@ if [[ ! -f "$RUN/ed/raw/dev.json" ]]; then
     "$PY" -m data.import_ed --csv "$ED_CSV" --out "$RUN/ed/raw" --split train --holdout "$HOLDOUT"
 fi
 # Targets are (re)made when missing, incomplete or made with another voice map (the listener's style rule and
-# voices live there: kokoro_voices.MAP_VERSION); the shards that embed them are then prepared again.
+# voices live there: kokoro_voices.MAP_VERSION) or mouth rule (visemes.MOUTH_VERSION); the shards that embed
+# them are then prepared again.
 if ! "$PY" - "$RUN/ed/targets/meta.json" <<'EOF'
 import json, sys
 from empatheia_jax.generators.kokoro_voices import MAP_VERSION
+from empatheia_jax.generators.visemes import MOUTH_VERSION
 try:
     meta = json.load(open(sys.argv[1]))
 except OSError:
     sys.exit(1)
 sys.exit(0 if all(meta.get(k, {}).get("voice_map_version") == MAP_VERSION
-                  for k in ("speech_style", "video_content", "video_style")) else 1)
+                  for k in ("speech_style", "video_content", "video_style"))
+         and meta.get("video_content", {}).get("mouth_version") == MOUTH_VERSION else 1)
 EOF
 then
     echo "[ed_reference] reply targets: Kokoro speech features, the face generator's mouth on Kokoro's timeline"
@@ -141,7 +144,8 @@ for stage in ${STAGES/#0/}; do
     "$PY" -m empatheia_jax.cli train --config configs/smollm2_demo.py --config.stage="$stage" \
         --config.init_from="$prev" --workdir "$RUN/$stage" --config.model.backbone="$WORK/smollm2" \
         --config.data.shards="$WORK/shards" --config.model.empatheia.cs_units=178 \
-        --config.model.empatheia.cv_units=178 --config.model.empatheia.cs_unit_context=True
+        --config.model.empatheia.cv_units=178 --config.model.empatheia.cs_unit_context=True \
+        --config.model.empatheia.cs_context_width=512
     finished "$RUN/$stage" "$stage"
     prev=$RUN/$stage
     WORKDIRS+=(--workdir "$RUN/$stage")

@@ -152,3 +152,40 @@ def test_frame_units_by_hand():
     assert got[:2].tolist() == [m, b]
     with pytest.raises(ValueError, match="row units"):
         visemes.row_frame_units(np.array([0, 1]), np.array([1, 1, 1]))
+
+
+def test_loudness_by_hand():
+    """The rows of `test_frame_sampling_by_hand` with an energy curve of two values per duration frame
+    (300 samples each): pad 0 0 | ɑ 8 8 8 8 | p 2 2 | ɑ 4 4 4 4 | pad 0 0, scaled between its 5th and 95th
+    percentiles (0 and 8). Frame 0 [0, 960): 360 samples at 8 -> 0.375; frame 1: 840 at 8 and 120 at 2 ->
+    0.906; frame 3: 720 at 4 -> 0.375. Open frames take the mean of the phoneme opening and that loudness;
+    the shut frame and the resting one stay 0."""
+    frames = np.array([1, 2, 1, 2, 1])
+    energy = np.array([0, 0, 8, 8, 8, 8, 2, 2, 4, 4, 4, 4, 0, 0], np.float32)
+    got = visemes.mouth_track("ɑpɑ", frames, coarticulation=0.0, energy=energy)
+    raw, loud = np.array([0.375, 0.875, 0, 0.75, 0]), np.array([0.375, 6960 / 960 / 8, 0, 0.375, 0])
+    np.testing.assert_allclose(got, np.where(raw > 0, 0.5 * raw + 0.5 * loud, 0), atol=1e-6)
+    flat = visemes.mouth_track("ɑpɑ", frames, coarticulation=0.0, energy=np.ones(14))  # says nothing: 0.5
+    np.testing.assert_allclose(flat, np.where(raw > 0, 0.5 * raw + 0.25, 0), atol=1e-6)
+    with pytest.raises(ValueError, match=r"2 finite values per duration frame \(14\), got 13"):
+        visemes.mouth_track("ɑpɑ", frames, energy=energy[:13])
+
+
+def test_the_loudness_of_kokoros_predictor_moves_the_mouth_with_its_audio(spoken):
+    """Kokoro's own energy curve (`Kokoro.energy`, the predictor alone) lies on the audio's timeline, two
+    values per duration frame, and the track that follows it moves with the synthesized audio's loudness
+    (lip sync, the eval's measure) better than the phonemes alone, while every p, b, m still shuts."""
+    from empatheia_jax.eval.metrics.video import lip_sync
+    from empatheia_jax.generators.speech_synth import speech_envelope
+
+    phonemes, frames, audio = spoken
+    engine = kokoro.shared()
+    voice = kokoro_voices.voice(LISTENER, "empathetic")
+    content = engine.content_features(phonemes)
+    energy = engine.energy(content, voice.style, engine.durations(content, voice.style, voice.speed))
+    assert energy.shape == (2 * frames.sum(),)
+    plain = visemes.mouth_track(phonemes, frames)
+    loud = visemes.mouth_track(phonemes, frames, energy=energy)
+    assert len(loud) == len(plain) and np.array_equal(loud == 0, plain == 0)
+    env = speech_envelope(kokoro_voices.to_pcm16(audio), kokoro.SAMPLE_RATE)
+    assert lip_sync(loud, env) > lip_sync(plain, env) + 0.05

