@@ -210,8 +210,8 @@ def _frame_loudness(energy: np.ndarray, frames: np.ndarray, edges: np.ndarray, f
     axis), scaled between the reply's 5th and 95th percentiles; a flat curve says nothing (0.5 everywhere)."""
     e = np.asarray(energy, np.float64).reshape(-1)
     if e.size != 2 * int(frames.sum()) or not np.isfinite(e).all():
-        raise ValueError(f"energy must hold 2 finite values per duration frame ({2 * int(frames.sum())}), got "
-                         f"{e.size}: pass Kokoro.energy on the same durations")
+        raise ValueError(f"energy must hold 2 finite values per duration frame ({2 * int(frames.sum())}), "
+                         f"got {e.size}: pass Kokoro.energy on the same durations")
     step = frame_samples // 2 * fps  # one energy value's span on the time axis
     area = np.concatenate([[0.0], np.cumsum(e * step)])
     mean = np.diff(np.interp(edges, np.arange(e.size + 1) * step, area)) / np.diff(edges)
