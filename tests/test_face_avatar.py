@@ -124,3 +124,24 @@ def test_face_renderer_draws_the_avatar_for_as_long_as_the_speech(tmp_path):
     with av.open(str(tmp_path / "reply.mp4")) as c:
         frames = [f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])]
     assert len(frames) == n and frames[0].shape == (fr.AVATAR_SIZE, fr.AVATAR_SIZE, 3)
+
+
+def test_a_pinned_listener_is_drawn_as_the_avatar_the_corpus_gives_its_profile():
+    """`chat --listener` names a profile, not a person: the face is that profile's identity in the sample and
+    ED (ID = combo index), the avatar the model saw answer with it; an ID given explicitly is kept."""
+    from empatheia_jax.data import ed
+
+    looks = set()
+    for i, (age, gender, timbre) in enumerate(ed.PROFILE_COMBOS):
+        style, rate = fr.FaceRenderer.avatar_style({"age": age, "gender": gender, "timbre": timbre}, "happy")
+        np.testing.assert_array_equal(style, fr.face_controls(np.zeros(1), ed.profile_json(i), "happy")[1])
+        assert rate == 1.0
+        avatar = fr.decode_style(style)
+        assert (avatar["age"], avatar["gender"], avatar["timbre"], avatar["emotion"]) == (age, gender, timbre,
+                                                                                          "happy")
+        looks.add((avatar["skin"], avatar["hair"], avatar["iris"]))
+    assert len(looks) > 12
+    chosen, _ = fr.FaceRenderer.avatar_style(PROFILE, "sad")
+    np.testing.assert_array_equal(chosen, fr.face_controls(np.zeros(1), PROFILE, "sad")[1])
+    with pytest.raises(ValueError, match="age"):
+        fr.FaceRenderer.avatar_style({"age": "teen", "gender": "male", "timbre": "low"}, "sad")

@@ -116,6 +116,7 @@ def test_listener_pins_the_voice_and_the_face_and_the_emotion_sets_the_style(tmp
     """`--listener`: the avatar's voice map and face replace the predicted S^s/S^v (whatever they were), in
     the style the reply's emotion calls for (CoE step 2 "lonely" -> sad: slower, lower, a sad face);
     a child's voice is measurably higher than an elderly man's; bad values name the flag."""
+    from empatheia_jax.data import ed
     from empatheia_jax.eval.metrics.speech import f0_stats
     from empatheia_jax.generators.face_render import (
         AVATAR_SIZE,
@@ -149,7 +150,7 @@ def test_listener_pins_the_voice_and_the_face_and_the_emotion_sets_the_style(tmp
     assert heard["child"] > 1.8 * heard["elder"], heard
     mp4, n_frames, notes = render_avatar(npz, tmp_path / "elder.wav", tmp_path / "elder.mp4", listener=elder)
     assert any("elderly/male/low pinned" in n for n in notes), notes
-    drawn = face_controls(np.zeros(1), elder, "sad")[1]
+    drawn = face_controls(np.zeros(1), ed.profile_json(ed.combo_index(**elder)), "sad")[1]  # as the corpus
     assert {k: decode_style(drawn)[k] for k in ("age", "gender", "timbre", "emotion")} == {
         "age": "elderly", "gender": "male", "timbre": "low", "emotion": "sad"}
     import av

@@ -138,6 +138,15 @@ def profile_json(combo_index: int) -> dict[str, Any]:
     return {"age": age, "gender": gender, "timbre": timbre, "ID": combo_index}
 
 
+def combo_index(age: str, gender: str, timbre: str) -> int:
+    """The profile ID this corpus (and the sample built from it) gives every avatar of that profile: one
+    identity per (age, gender, timbre). A pinned `--listener` is drawn as that avatar."""
+    try:
+        return PROFILE_COMBOS.index((age, gender, timbre))
+    except ValueError:
+        raise ValueError(f"no avatar combo ({age}, {gender}, {timbre})") from None
+
+
 def profile_pair(i: int) -> tuple[int, int]:
     """(speaker, listener) combo of the i-th kept conversation; always distinct, each balanced within +-1."""
     n = len(PROFILE_COMBOS)

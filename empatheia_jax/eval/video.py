@@ -79,7 +79,7 @@ class VideoEval:
     def __init__(self, shards_dir: str | os.PathLike, split: str = "test", *, train_split: str = "train",
                  examples: int = 6, progress: bool = True):
         from empatheia_jax.data.splits import check_split, emotion_map_of
-        from empatheia_jax.generators.face_render import decode_style, face_controls
+        from empatheia_jax.generators.face_render import FaceRenderer, decode_style
         manifest = check_split(shards_dir, split)
         self.emotion_classes = tuple(emotion_map_of(manifest).classes)
         sources = {k: target_source(manifest, k) for k in ("video_content", "video_style")}
@@ -125,8 +125,8 @@ class VideoEval:
             raise VideoEvalUnavailable(f"{shards_dir}: the {train_split} split has no video_style targets")
         self.mean_style = np.mean(styles, axis=0).astype(np.float32)
         age, gender, timbre = collections.Counter(profiles).most_common(1)[0][0]
-        _, self.pipeline_style = face_controls(np.zeros(1), {"age": age, "gender": gender, "timbre": timbre,
-                                                             "ID": 0}, LISTENER_EXPRESSION)
+        self.pipeline_style, _ = FaceRenderer.avatar_style({"age": age, "gender": gender, "timbre": timbre},
+                                                          LISTENER_EXPRESSION)
         self.probe = self._fit_probe(probe_clips)
         self.gold = [self._draw(it["content"], it["style"]) for it in self.items]
 

@@ -704,8 +704,16 @@ class FaceRenderer(VideoGenerator):
 
     @classmethod
     def avatar_style(cls, profile: dict[str, str], style: str) -> tuple[np.ndarray, float]:
-        """The one-hot groups of that avatar and expression (`face_controls`' style); rate 1."""
-        return face_controls(np.zeros(1), profile, style)[1], 1.0
+        """The one-hot groups of that avatar and expression (`face_controls`' style); rate 1.
+
+        A profile without an ID is drawn as the avatar the corpora give it (`ed.combo_index`: the sample
+        and ED have one identity per profile), so the pinned listener looks like the person the model saw
+        answer with that profile, not one stock identity (skin, hair, iris) for all 24 (docs/design.md)."""
+        from empatheia_jax.data.ed import combo_index
+
+        age, gender, timbre = check_profile(profile)
+        who = {"ID": combo_index(age, gender, timbre), **profile}
+        return face_controls(np.zeros(1), who, style)[1], 1.0
 
     @classmethod
     def expressed(cls, style_vector: np.ndarray, style: str) -> np.ndarray:
