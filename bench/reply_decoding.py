@@ -5,7 +5,8 @@ measures it without re-running the greedy CoE.
     python bench/reply_decoding.py draw --ckpt EXPORT --shards SHARDS --predictions PRED.jsonl --out D.jsonl
         [--split dev] [--start 0] [--stop N] [--samples 16] [--temperature 0.7] [--top_p 0.95] [--seed 0]
         [--batch 16] [--max_new 48] [--no_repeat_ngram_size 0]
-    python bench/reply_decoding.py score D.jsonl [D2.jsonl ...] [--k 1 4 8 16] [--with_greedy] [--json OUT]
+    python bench/reply_decoding.py score D.jsonl [D2.jsonl ...] [--k 1 4 8 16] [--with_greedy]
+        [--greedy_votes 1 2] [--json OUT]
 
 `draw`: for the split's records [start, stop) (sorted by prompt length, batches of `--batch`), the prefix is
 the eval prompt (as `empatheia eval --template coe` builds it) + the greedy CoE of an eval's predictions
@@ -15,7 +16,8 @@ Writes one JSON line per record: record_index, gold, speaker_turn, greedy (the g
 `score`: files drawn with other seeds on the same records are joined (their samples appended, in file
 order; an eval's predictions file with `reply_candidates` reads as a draw file); rows for the greedy reply,
 the first draw, and the consensus of the first k draws (`--with_greedy`: also with the greedy reply as one
-more candidate), each with the
+more candidate; `--greedy_votes W`: the greedy reply adds W times its agreement with each draw to
+that draw's score, never chosen itself), each with the
 eval's reply rows (`metrics.text.reply_metrics`: BLEU-1/2, ROUGE-L, question, reuse and duplicate rates,
 Dist, words, repetition) and the gold replies' own engagement rows as the reference.
 
@@ -101,8 +103,10 @@ def _as_draws(line: dict) -> dict:
 
 
 def score(args: argparse.Namespace) -> None:
+    import numpy as np
+
     from empatheia_jax.eval.metrics import text as mt
-    from empatheia_jax.serve.reply_choice import consensus_index
+    from empatheia_jax.serve.reply_choice import agreement, consensus_index
 
     records: dict[int, dict] = {}
     for path in args.draws:
@@ -128,6 +132,11 @@ def score(args: argparse.Namespace) -> None:
                 pool = [r["samples"][:k] + [r["greedy"]] for r in recs]
                 table[f"consensus of {k} + greedy"] = mt.reply_metrics([c[consensus_index(c)] for c in pool],
                                                                        golds, turns)
+            for w in args.greedy_votes:  # the greedy reply votes with weight w but is never chosen
+                pools = [r["samples"][:k] + [r["greedy"]] for r in recs]
+                scores = [(lambda a: a[:k, :k].sum(1) + w * a[:k, k])(agreement(c)) for c in pools]
+                table[f"consensus of {k}, greedy votes x{w:g}"] = mt.reply_metrics(
+                    [c[int(np.argmax(v))] for c, v in zip(pools, scores, strict=True)], golds, turns)
     table["gold"] = mt.reply_engagement(golds, turns)
     cols = ("reply_bleu1", "reply_bleu2", "reply_rouge_l", "question_rate", "reuse_rate", "duplicate_rate",
             "dist2_corpus", "reply_words", "repetition_rate")
@@ -163,6 +172,9 @@ def main() -> None:
     s.add_argument("draws", nargs="+")
     s.add_argument("--k", type=int, nargs="+", default=[4, 8, 16])
     s.add_argument("--json", default=None)
+    s.add_argument("--greedy_votes", type=float, nargs="*", default=[],
+                   help="also rows where the greedy reply adds its agreement with each draw, times W, to the "
+                        "draw's consensus score without being a candidate")
     s.add_argument("--with_greedy", action="store_true",
                    help="also rows for the consensus of k draws and the greedy reply as one more candidate")
     args = ap.parse_args()
