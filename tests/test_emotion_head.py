@@ -71,6 +71,24 @@ def test_choose_weights_takes_the_most_accurate_pair_and_the_smaller_on_ties():
     assert fw == 0.0  # no free step: every free weight ties; the smallest is kept
 
 
+def test_the_cross_fitted_figure_judges_each_record_by_weights_it_did_not_choose():
+    """Four records the free step gets right against a head that leans away by 0.1 nats, one the head gets
+    right by 5 nats against the free step (gold 2 throughout, nothing scored). Chosen on all five, the
+    weights (0.25, 0.5) get every record right; the fold of the fifth record chooses on the other four alone,
+    whose first perfect pair in grid order is (0, 0.5), and that pair gets the fifth wrong: 4 of 5."""
+    head = np.full((5, K), -10.0)
+    head[:4, 3], head[:4, 2] = -1.0, -1.1
+    head[4, 2], head[4, 3] = -1.0, -6.0
+    scored = np.full((5, K), np.nan)
+    free, gold = np.array([2, 2, 2, 2, 3]), np.full(5, 2)
+    (hw, fw), table = eh.choose_weights(head, scored, free, gold)
+    assert (hw, fw) == (0.25, 0.5) and table[(hw, fw)] == 1.0
+    assert eh.choose_weights(head[:4], scored[:4], free[:4], gold[:4])[0] == (0.0, 0.5)
+    assert eh.cross_fitted_accuracy(head, scored, free, gold) == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="fewer than 5 folds"):
+        eh.cross_fitted_accuracy(head[:4], scored[:4], free[:4], gold[:4])
+
+
 def test_the_probe_is_sklearns_multinomial_fit_with_unseen_labels_ruled_out():
     from sklearn.linear_model import LogisticRegression
 
@@ -159,6 +177,8 @@ def test_fit_emotion_head_weights_chooses_on_the_dev_predictions(tmp_path, capsy
     (hw, fw), table = eh.choose_weights(a["head"], a["scored"], a["free"], a["gold"])
     assert (summary["head_weight"], summary["free_weight"]) == (hw, fw)
     assert summary["emotion32_acc_combined"] == pytest.approx(table[(hw, fw)])
+    assert summary["emotion32_acc_combined_cv"] == pytest.approx(eh.cross_fitted_accuracy(
+        a["head"], a["scored"], a["free"], a["gold"]))
     assert summary["scored_records"] == n - 1
     assert summary["alone"]["free"] == pytest.approx(np.mean(a["free"] == gold))
     assert summary["alone"]["head"] == pytest.approx(np.mean(head_lp.argmax(-1) == gold))

@@ -121,6 +121,7 @@ def test_card_carries_the_combined_emotion_decision_chosen_on_dev(tmp_path):
     chosen by, beside each decision alone, through the command line; a summary without them is refused."""
     export = _export(tmp_path)
     summary = {"head_weight": 0.5, "free_weight": 2.0, "emotion32_acc_combined": 0.4512, "records": 881,
+               "emotion32_acc_combined_cv": 0.4401,
                "alone": {"free": 0.403, "scored": 0.3757, "head": 0.391}, "scored_records": 881,
                "table": {"0.5,2": 0.4512}}
     metrics = {"trained": {"emotion32_acc_head": 0.391, "question_rate": 0.31}, "template": "coe",
@@ -130,11 +131,14 @@ def test_card_carries_the_combined_emotion_decision_chosen_on_dev(tmp_path):
     assert model_card.main([str(export), "--metrics", str(tmp_path / "m.json"), "--emotion_head_weights",
                             str(tmp_path / "w.json")]) == 0
     card = model_card.read_card(export)
-    assert card["emotion_head"] == {k: summary[k] for k in ("head_weight", "free_weight",
-                                                            "emotion32_acc_combined", "alone", "records")}
+    assert card["emotion_head"] == {k: summary[k] for k in (
+        "head_weight", "free_weight", "emotion32_acc_combined", "emotion32_acc_combined_cv", "alone",
+        "records")}
     text = (export / "README.md").read_text()
     for line in ("Combined decision (head weight 0.5000, free-step weight 2, chosen on these 881 dev "
-                 "predictions): emotion32 0.4512; alone: free step 0.4030, scored step 0.3757, head 0.3910.",
+                 "predictions): emotion32 0.4512 (0.4401 with each fifth of the records judged by the "
+                 "weights the other four fifths choose); alone: free step 0.4030, scored step 0.3757, "
+                 "head 0.3910.",
                  "| emotion32_acc_head | 0.3910 |", "| question_rate | 0.3100 |", "reads the dialogue alone"):
         assert line in text, line
     with pytest.raises(model_card.CardError, match="lacks head_weight"):

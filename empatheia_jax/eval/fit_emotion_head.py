@@ -104,6 +104,8 @@ def choose_head_weights(head: eh.EmotionHead, predictions: list[dict[str, Any]],
     alone = {name: float(np.mean(pred[labelled] == a["gold"][labelled])) for name, pred in (
         ("free", a["free"]), ("scored", scored), ("head", a["head"].argmax(-1)))}
     summary = {"head_weight": hw, "free_weight": fw, "emotion32_acc_combined": table[(hw, fw)],
+               "emotion32_acc_combined_cv": eh.cross_fitted_accuracy(
+                   *(a[k][labelled] for k in ("head", "scored", "free", "gold"))),
                "alone": alone, "records": int(labelled.sum()),
                "scored_records": int((~np.isnan(a["scored"][labelled]).all(-1)).sum()),
                "table": {f"{h:g},{f:g}": acc for (h, f), acc in table.items()}}

@@ -209,15 +209,18 @@ def _head_figures(summary: Mapping[str, Any]) -> dict[str, Any]:
     if missing:
         raise CardError(f"the emotion head summary lacks {', '.join(missing)} (write it with "
                         "`python -m empatheia_jax.eval.fit_emotion_head weights --json`)")
-    return {k: summary[k] for k in keys}
+    return {k: summary[k] for k in (*keys, "emotion32_acc_combined_cv") if k in summary}
 
 
 def _head_lines(head: Mapping[str, Any]) -> list[str]:
     alone = head["alone"]
     return ["", f"Combined decision (head weight {_fmt(float(head['head_weight']))}, free-step weight "
                 f"{_fmt(float(head['free_weight']))}, chosen on these {head['records']} dev predictions): "
-                f"emotion32 {_fmt(head['emotion32_acc_combined'])}; alone: free step "
-                f"{_fmt(alone['free'])}, scored step {_fmt(alone['scored'])}, head {_fmt(alone['head'])}."]
+                f"emotion32 {_fmt(head['emotion32_acc_combined'])}"
+                + (f" ({_fmt(head['emotion32_acc_combined_cv'])} with each fifth of the records judged by "
+                   "the weights the other four fifths choose)" if "emotion32_acc_combined_cv" in head else "")
+                + f"; alone: free step {_fmt(alone['free'])}, scored step {_fmt(alone['scored'])}, head "
+                  f"{_fmt(alone['head'])}."]
 
 
 def _avatar_lines(avatar: Mapping[str, Any]) -> list[str]:
