@@ -344,6 +344,7 @@ def test_emotion_head_fitted_chosen_and_scored_through_the_command_line(trained,
     ok(fit("weights", "--head", head, "--predictions", tmp_path / "r1" / "predictions_coe.jsonl", "--shards",
            ed_shards, "--json", tmp_path / "weights.json"))
     weights = json.loads((tmp_path / "weights.json").read_text())
+    assert "emotion32_acc_combined_cv" not in weights  # 4 records: fewer than the folds
     chosen = eh.EmotionHead.load(head)
     assert chosen.head_weight in eh.HEAD_WEIGHT_GRID and chosen.free_weight in eh.FREE_WEIGHT_GRID
     # Replies drawn after the greedy CoE leave every emotion field as it is; the report records the draw.

@@ -92,7 +92,8 @@ def choose_head_weights(head: eh.EmotionHead, predictions: list[dict[str, Any]],
                         ) -> tuple[eh.EmotionHead, dict[str, Any]]:
     """(the head with the combination weights that are most often right on `predictions`, the summary):
     `predictions` are an eval's of the dev part with this head and --score_emotions. With the shards'
-    `emotion_map`, the summary also has the combined decision's class accuracy (emotion_acc_combined)."""
+    `emotion_map`, the summary also has the combined decision's class accuracy (emotion_acc_combined); with at
+    least CV_FOLDS labelled records, its cross-fitted accuracy (emotion32_acc_combined_cv)."""
     a = eh.prediction_arrays(predictions)
     labelled = a["gold"] >= 0
     if not labelled.any():
@@ -104,11 +105,12 @@ def choose_head_weights(head: eh.EmotionHead, predictions: list[dict[str, Any]],
     alone = {name: float(np.mean(pred[labelled] == a["gold"][labelled])) for name, pred in (
         ("free", a["free"]), ("scored", scored), ("head", a["head"].argmax(-1)))}
     summary = {"head_weight": hw, "free_weight": fw, "emotion32_acc_combined": table[(hw, fw)],
-               "emotion32_acc_combined_cv": eh.cross_fitted_accuracy(
-                   *(a[k][labelled] for k in ("head", "scored", "free", "gold"))),
                "alone": alone, "records": int(labelled.sum()),
                "scored_records": int((~np.isnan(a["scored"][labelled]).all(-1)).sum()),
                "table": {f"{h:g},{f:g}": acc for (h, f), acc in table.items()}}
+    if labelled.sum() >= eh.CV_FOLDS:  # the figure to expect on records the choice never saw
+        summary["emotion32_acc_combined_cv"] = eh.cross_fitted_accuracy(
+            *(a[k][labelled] for k in ("head", "scored", "free", "gold")))
     if emotion_map is not None:
         fine = eh.combine(a["head"], a["scored"], a["free"], hw, fw)
         gold = np.asarray([p.get("labels", {}).get("emotion", -1) for p in predictions])
