@@ -1,6 +1,7 @@
 """What a Content Synchronizer can reach: oracle predictors of Kokoro content rows, spoken, heard by Whisper.
 
-    python bench/cs_oracles.py --raw RUN/ed/raw --targets RUN/ed/targets [--replies 24] [--json OUT]
+    python bench/cs_oracles.py --raw RUN/ed/raw --targets RUN/ed/targets [--replies 24] [--ranks 128,256]
+        [--oracles gold,unit_mean,...] [--json OUT]
 
 RAW is an imported ED folder (train.json, dev.json) and TARGETS its reply targets
 (`converters.styletts2_targets --responses-only`). Each oracle is fitted on the train replies' speech_content
@@ -13,7 +14,11 @@ targets and predicts every row of a dev reply; Kokoro speaks the prediction in t
   queries) can do without reading which phoneme comes where from r^t;
 - `mean`: one mean row everywhere (what a CS that learnt the mean says);
 - `unit_mean_t_en` / `unit_mean_d_en`: the table's t_en (d_en) half with the other half gold, and
-  `gold_shrunk_0.6`: gold rows pulled 40 % towards the mean row: where in a row intelligibility lives.
+  `gold_shrunk_0.6`: gold rows pulled 40 % towards the mean row: where in a row intelligibility lives;
+- `rank_k` (`--ranks`): gold rows projected on the mean + the top k principal directions of the train rows,
+  the best affine function of k numbers per row: what a CS whose rows leave a k-wide layer
+  (`vae_d_model`, then the linear `out_proj`) can say at best, however well it reads.
+`--oracles` keeps a subset (speaking is the slow part).
 Rows: corpus speech_wer / speech_cer over the dev replies, and the mean squared row L2 (the ccl loss's
 measure) over every dev row, so a trained CS's dev ccl_speech can be read against them.
 """
@@ -61,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--targets", required=True, type=Path)
     ap.add_argument("--replies", type=int, default=24, help="dev replies spoken and heard")
     ap.add_argument("--max_rows", type=int, default=256, help="rows a CS predicts (max_speech_len)")
+    ap.add_argument("--ranks", default="", help="comma-separated k of the rank_k oracles (none by default)")
+    ap.add_argument("--oracles", default="", help="comma-separated oracles to speak (default: all)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     from tqdm import tqdm
@@ -75,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     n_units, dim, L = KokoroSpeech.num_units, kokoro.CONTENT_DIM, args.max_rows
     unit_sum, unit_n = np.zeros((n_units, dim)), np.zeros(n_units)
     pos_sum, pos_n = np.zeros((L, dim)), np.zeros(L)
+    second = np.zeros((dim, dim))  # sum of row outer products: the rows' covariance for the rank_k oracles
     for uid, text in tqdm(_replies(args.raw, "train"), desc="fit oracles", unit="reply"):
         rows = reader.get("speech_content", uid)[:L].astype(np.float64)
         units = KokoroSpeech.content_units(text)[:L]
@@ -84,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         np.add.at(unit_n, units, 1)
         pos_sum[: len(rows)] += rows
         pos_n[: len(rows)] += 1
+        second += rows.T @ rows
     mean = unit_sum.sum(0) / unit_n.sum()
+    _, vectors = np.linalg.eigh(second / unit_n.sum() - np.outer(mean, mean))  # ascending eigenvalues
     unit_mean = np.where(unit_n[:, None] > 0, unit_sum / np.maximum(unit_n, 1)[:, None], mean)
     position_mean = np.where(pos_n[:, None] > 0, pos_sum / np.maximum(pos_n, 1)[:, None], mean)
 
@@ -99,6 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         # a regression's shrinkage towards the mean, on gold rows
         "gold_shrunk_0.6": lambda rows, units: 0.6 * rows + 0.4 * mean,
     }
+    for k in (int(k) for k in args.ranks.split(",") if k):
+        basis = vectors[:, -k:]  # the top k principal directions
+        oracles[f"rank_{k}"] = lambda rows, units, b=basis: mean + (rows - mean) @ b @ b.T
+    if args.oracles:
+        unknown = set(args.oracles.split(",")) - oracles.keys()
+        if unknown:
+            raise SystemExit(f"--oracles: no oracle {sorted(unknown)}; there are {sorted(oracles)}")
+        oracles = {name: f for name, f in oracles.items() if name in args.oracles.split(",")}
     dev = _replies(args.raw, "dev")
     l2 = {name: [] for name in oracles}
     for uid, text in dev:

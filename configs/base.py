@@ -69,6 +69,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             "cs_unit_context": False,
             # the speech block's unit reader width (0 = vae_d_model): Kokoro's text encoder reads at 512
             "cs_context_width": 0,
+            # the speech block's reader also reaches its output rows directly (VAEConfig.context_skip)
+            "cs_context_skip": False,
             # positions per chunk of the token loss's logits (0: all at once): memory for one more
             # output projection a step (models/llama.py `token_nll`, docs/benchmarks.md "chunked")
             "ce_chunk": 0,

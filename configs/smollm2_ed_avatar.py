@@ -11,9 +11,11 @@ frames to the unit each frame shows (`cv_units`), as in `configs/smollm2_ed.py`;
 its units in context (`cs_unit_context`: convolutions + a BiLSTM, Kokoro's text-encoder shape), the first
 learnt predictor heard better than a table of unit means (docs/benchmarks.md "units read in context"); the
 speech block's reader is 512 wide (`cs_context_width`), Kokoro's own width, at which a reader alone was heard
-at WER 0.162 where the block's 128 (64 per LSTM direction) gave the first reference CS 0.220. That
-CS design differs from the coe run's, so `init_from` a coe run (or the committed reference export, COE_FROM
-in launch/ed_reference.sh) starts the CS fresh and keeps everything else.
+at WER 0.162 where the block's 128 (64 per LSTM direction) gave the first reference CS 0.220; and its
+features reach the output rows straight (`cs_context_skip`), since every other path to a row passes a
+128-wide layer, and the gold rows on their best 128 principal directions are heard at WER 0.306 (0.155 on
+256). That CS design differs from the coe run's, so `init_from` a coe run (or the committed reference
+export, COE_FROM in launch/ed_reference.sh) starts the CS fresh and keeps everything else.
 
 Two stages, because what is heard is learnt from the units and a ccl step is mostly the frozen LLM's
 forward (4-5 s at batch 8 on 2 cores):
@@ -36,6 +38,9 @@ def get_config(arg: str | None = None):
     c.data.shards = "work/ed_avatar_shards"
     c.model.empatheia.cs_unit_context = True
     c.model.empatheia.cs_context_width = 512
+    # ... whose features also reach the rows directly: past the block's 128-wide stacks (docs/benchmarks.md
+    # "How wide a row must come from": gold rows on their best 128 directions are heard at WER 0.31)
+    c.model.empatheia.cs_context_skip = True
     c.optim.lr = 1e-3
     c.optim.warmup_steps = 50
     c.schedule.ccl_units.steps = 6000

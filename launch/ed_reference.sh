@@ -145,7 +145,7 @@ for stage in ${STAGES/#0/}; do
         --config.init_from="$prev" --workdir "$RUN/$stage" --config.model.backbone="$WORK/smollm2" \
         --config.data.shards="$WORK/shards" --config.model.empatheia.cs_units=178 \
         --config.model.empatheia.cv_units=178 --config.model.empatheia.cs_unit_context=True \
-        --config.model.empatheia.cs_context_width=512
+        --config.model.empatheia.cs_context_width=512 --config.model.empatheia.cs_context_skip=True
     finished "$RUN/$stage" "$stage"
     prev=$RUN/$stage
     WORKDIRS+=(--workdir "$RUN/$stage")

@@ -502,6 +502,15 @@ def test_cs_unit_context_reads_the_units_of_the_aligned_content_blocks_only():
     assert (both.cs_speech.context_width, both.cs_video.context_width) == (6, 0)
     with pytest.raises(ValueError, match="cs_context_width=6 is the speech block's unit reader's width"):
         EmpatheiaConfig(llm=LLM, **TINY, cv_units=9, cs_unit_context=True, cs_context_width=6)
+    skip = EmpatheiaConfig(llm=LLM, **TINY, cs_units=9, cv_units=9, cs_unit_context=True,
+                           cs_context_skip=True)
+    assert skip.cs_speech.context_skip and not skip.cs_video.context_skip
+    assert EmpatheiaConfig.from_dict(skip.to_dict()) == skip
+    with pytest.raises(ValueError, match="cs_context_skip=True sends the speech block's unit reader"):
+        EmpatheiaConfig(llm=LLM, **TINY, cv_units=9, cs_unit_context=True, cs_context_skip=True)
+    with pytest.raises(ValueError, match="cs_speech.context_skip=False but the block should have True"):
+        EmpatheiaConfig(llm=LLM, **TINY, cs_units=9, cs_unit_context=True, cs_context_skip=True,
+                        cs_speech=cfg.cs_speech)
     model = build(cfg=both)
     rng = np.random.default_rng(2)
     s_units = rng.integers(0, 9, (B, both.max_speech_len)).astype(np.int32)

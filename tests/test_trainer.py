@@ -92,6 +92,7 @@ def tiny_config(tok, shards, **overrides):
         ({"model.empatheia.cs_conv": 4}, "config.model.empatheia.cs_conv=4: must be 0"),
         ({"model.empatheia.cv_units": -1}, "config.model.empatheia.cv_units=-1: must be an int >= 0"),
         ({"model.empatheia.cs_unit_context": True}, "cs_unit_context=True: reads content units"),
+        ({"model.empatheia.cs_context_skip": True}, "cs_context_skip=True: sends the speech block's unit"),
         ({"model.empatheia.cv_dims": -2}, "config.model.empatheia.cv_dims=-2: must be an int >= 0"),
         # the tiny shards' stand-in video targets use all their dims: a model fixing all but 2 at 0 can't
         ({"model.empatheia.cv_dims": 2}, "config.model.empatheia.cv_dims=2: the video_content targets of"),

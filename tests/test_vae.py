@@ -507,7 +507,7 @@ def test_unit_context_equals_torch_convolutions_and_bidirectional_lstm():
     moved = units.copy()
     moved[0, 3] = 7  # row 2's neighbour
     for blk, should_move in ((block, True), (_build(CFG.replace(num_units=11)), False)):
-        q0, q1 = (np.asarray(blk._queries(jnp.asarray(u))) for u in (units, moved))
+        q0, q1 = (np.asarray(blk._queries(jnp.asarray(u))[0]) for u in (units, moved))
         assert (np.abs(q0[0, 2] - q1[0, 2]).max() > 1e-6) == should_move
     with pytest.raises(ValueError, match="unit_context=True needs num_units > 0"):
         CFG.replace(unit_context=True)
@@ -515,3 +515,32 @@ def test_unit_context_equals_torch_convolutions_and_bidirectional_lstm():
         CFG.replace(num_units=11, context_width=12)
     wide = _build(CFG.replace(num_units=11, unit_context=True, context_width=12))
     assert wide.unit_context.widen.shape == (CFG.d_model, 12)
+
+
+def test_context_skip_adds_the_readers_features_to_the_rows_through_a_map_that_starts_at_0():
+    """`context_skip`: a row is no longer only a linear function of the d_model-wide decoder output. The
+    block starts exactly as the same block without it; with the map's weights set, its rows are those rows
+    plus read @ W + b, read being the reader's own features (`UnitContext.read`, wider than d_model here);
+    the map gets a gradient from the first step, and the config refuses it without a reader."""
+    cfg = CFG.replace(num_units=11, unit_context=True, context_width=12)
+    skip = cfg.replace(context_skip=True)
+    plain, block = _build(cfg), _build(skip)
+    assert block.context_out.kernel.shape == (12, cfg.d_out)
+    h, mask = _inputs()
+    units = jnp.asarray(np.random.default_rng(5).integers(0, 11, (B, cfg.num_queries)).astype(np.int32))
+    run = nnx.jit(lambda m: m(jnp.asarray(h), jnp.asarray(mask), sample=False, units=units).out)
+    base = np.asarray(run(plain))
+    np.testing.assert_array_equal(np.asarray(run(block)), base)  # same init keys, the map at 0
+    rng = np.random.default_rng(6)
+    w = rng.normal(size=(12, cfg.d_out)).astype(np.float32)
+    b = rng.normal(size=cfg.d_out).astype(np.float32)
+    block.context_out.kernel[...], block.context_out.bias[...] = jnp.asarray(w), jnp.asarray(b)
+    rows = jnp.take(block.unit_embed[...], units, axis=0)
+    read = np.asarray(block.unit_context.read(rows)[1])
+    assert read.shape == (B, cfg.num_queries, 12)
+    np.testing.assert_allclose(np.asarray(run(block)), base + read @ w + b, rtol=1e-4, atol=1e-4)
+    block.context_out.kernel[...] = jnp.zeros((12, cfg.d_out))
+    grad = nnx.grad(lambda m: jnp.sum(run(m) ** 2))(block)
+    assert float(jnp.abs(grad.context_out.kernel[...]).max()) > 0
+    with pytest.raises(ValueError, match="context_skip=True sends the unit_context reader"):
+        CFG.replace(num_units=11, context_skip=True)

@@ -136,6 +136,9 @@ class EmpatheiaConfig:
     # listener hears is Kokoro's t_en, its 512-wide text encoder's reading of the phonemes; the video
     # block's reader keeps vae_d_model (its mouth is a simpler function of the frame's phoneme).
     cs_context_width: int = 0
+    # The speech block's reader also reaches its output rows directly (`VAEConfig.context_skip`), past the
+    # vae_d_model-wide stacks: a row that leaves a 128-wide layer is heard worse than Kokoro's own.
+    cs_context_skip: bool = False
     cs_speech: VAEConfig | None = None
     cs_video: VAEConfig | None = None
     sd_speech_emotion: VAEConfig | None = None
@@ -187,6 +190,9 @@ class EmpatheiaConfig:
         if self.cs_context_width and not (self.cs_unit_context and self.cs_units):
             problems.append(f"cs_context_width={self.cs_context_width} is the speech block's unit reader's "
                             "width: set cs_units and cs_unit_context=True")
+        if self.cs_context_skip and not (self.cs_unit_context and self.cs_units):
+            problems.append("cs_context_skip=True sends the speech block's unit reader to its rows: set "
+                            "cs_units and cs_unit_context=True")
         if self.ce_chunk < 0:
             problems.append(f"ce_chunk={self.ce_chunk} must be >= 0 (0: the whole logits at once)")
         if self.ce_targets < 0:
@@ -233,25 +239,27 @@ class EmpatheiaConfig:
         d = self.llm.hidden_size
         dtypes = {"dtype": self.llm.dtype, "param_dtype": self.llm.param_dtype}
 
-        def vae(q: int, latent: int, out: int, units: int, conv: int, used: int, width: int) -> VAEConfig:
+        def vae(q: int, latent: int, out: int, units: int, conv: int, used: int, width: int, skip: bool
+                ) -> VAEConfig:
             return VAEConfig(d_in=d, d_model=self.vae_d_model, num_queries=q, d_latent=latent, d_out=out,
                              num_heads=self.vae_heads, enc_layers=self.vae_layers, dec_layers=self.vae_layers,
                              dropout=self.vae_dropout, num_units=units, conv_kernel=conv,
                              unit_context=bool(units) and self.cs_unit_context, context_width=width,
-                             d_used=used, **dtypes)
+                             context_skip=skip, d_used=used, **dtypes)
 
         conv = self.cs_conv
         wanted = {
             "cs_speech": (self.max_speech_len, self.cs_latent, self.speech_content_dim, self.cs_units, conv,
-                          0, self.cs_context_width),
+                          0, self.cs_context_width, self.cs_context_skip),
             "cs_video": (self.max_video_len, self.cs_latent, self.video_content_dim, self.cv_units, conv,
-                         self.cv_dims, 0),
-            **{name: (self.sd_queries, self.sd_latent, self.sd_code_dim, 0, 0, 0, 0) for name in SD_VAES},
+                         self.cv_dims, 0, False),
+            **{name: (self.sd_queries, self.sd_latent, self.sd_code_dim, 0, 0, 0, 0, False)
+               for name in SD_VAES},
         }
-        for name, (q, latent, out, units, conv, used, width) in wanted.items():
+        for name, (q, latent, out, units, conv, used, width, skip) in wanted.items():
             c = getattr(self, name)
             if c is None:
-                object.__setattr__(self, name, vae(q, latent, out, units, conv, used, width))
+                object.__setattr__(self, name, vae(q, latent, out, units, conv, used, width, skip))
                 continue
             if isinstance(c, Mapping):
                 c = VAEConfig(**c)
@@ -267,6 +275,9 @@ class EmpatheiaConfig:
             if c.context_width != width:
                 problems.append(f"{name}.context_width={c.context_width} but the block should have {width} "
                                 f"(cs_context_width={self.cs_context_width})")
+            if c.context_skip != skip:
+                problems.append(f"{name}.context_skip={c.context_skip} but the block should have {skip} "
+                                f"(cs_context_skip={self.cs_context_skip})")
             if c.d_used != used:
                 problems.append(f"{name}.d_used={c.d_used} but the block should have {used} (cv_dims="
                                 f"{self.cv_dims})")

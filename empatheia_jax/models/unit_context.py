@@ -97,10 +97,17 @@ class UnitContext(nnx.Module):
         fwd, bwd = hs[:, 0], hs[::-1, 1]
         return jnp.concatenate([fwd, bwd], -1).transpose(1, 0, 2).astype(self.dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def read(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(the rows with their context [B, Q, d], the reader's own features [B, Q, width]): the second is
+        what a `VAEConfig.context_skip` block also sends straight to its output rows."""
         x = x.astype(self.dtype)
         if not hasattr(self, "widen"):
             y = self._convs(x)
-            return y + self._bilstm(y)
+            read = y + self._bilstm(y)
+            return read, read
         y = self._convs(x @ self.widen[...].astype(self.dtype))
-        return x + (y + self._bilstm(y)) @ self.narrow[...].astype(self.dtype)
+        read = y + self._bilstm(y)
+        return x + read @ self.narrow[...].astype(self.dtype), read
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.read(x)[0]

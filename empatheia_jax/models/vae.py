@@ -54,6 +54,11 @@ class VAEConfig:
     units); needs num_units > 0. Such a block's encoder cross-attention to h starts silent (zero output
     projection): the units alone define its first function, and h refines it.
     context_width: the width of the unit_context reader (0 = d_model); Kokoro's own text encoder reads at 512.
+    context_skip: the reader's features also reach the output rows directly, through a linear map from its
+    width to d_out that starts at 0, past the d_model-wide stacks. An output row is otherwise a linear
+    function of one d_model-wide vector, and the rows a listener hears (Kokoro's 512-wide t_en) are heard
+    worse when projected on fewer principal directions than that (docs/benchmarks.md "How wide a row must
+    come from"); a reader alone, mapped linearly to the rows, was heard at WER 0.162.
     d_used: the leading dims of an output row its consumer reads (0 = all d_out); the rest are exactly 0.
     The embedded face generator reads 2 of its 256 content dims (mouth, eyelids) and its targets hold 0 in
     the others: a learnt projection there only adds noise on unseen inputs, which on ED dev was half the
@@ -78,6 +83,7 @@ class VAEConfig:
     conv_kernel: int = 0
     unit_context: bool = False
     context_width: int = 0
+    context_skip: bool = False
     d_used: int = 0
     dtype: str = "float32"
     param_dtype: str = "float32"
@@ -106,6 +112,9 @@ class VAEConfig:
                             "width (two LSTM directions)")
         if self.context_width and not self.unit_context:
             problems.append(f"context_width={self.context_width} is the unit_context reader's: set "
+                            "unit_context=True")
+        if self.context_skip and not self.unit_context:
+            problems.append("context_skip=True sends the unit_context reader's features to the output: set "
                             "unit_context=True")
         if self.unit_context and not self.context_width and self.d_model % 2:
             problems.append(f"unit_context=True needs an even d_model (two LSTM directions), got "
@@ -435,6 +444,10 @@ class TransformerVAE(nnx.Module):
         self.z_ffn = FFN(cfg, cfg.d_latent, cfg.d_model, "features", rngs=rngs)
         self.decoder = QueryStack(cfg, cfg.dec_layers, rngs=rngs)
         self.out_proj = _linear(cfg, cfg.d_model, cfg.d_out, ("embed", "features"), rngs)
+        if cfg.context_skip:  # starts at 0: the block's function is unchanged until the map learns
+            self.context_out = nnx.Linear(
+                cfg.context_width or cfg.d_model, cfg.d_out, dtype=cfg.compute_dtype, param_dtype=pdt,
+                kernel_init=_zeros((None, "features")), bias_init=_zeros(("features",)), rngs=rngs)
 
     def _memory(self, ffn: FFN, x: jax.Array, mask: jax.Array) -> jax.Array:
         cfg = self.config
@@ -447,21 +460,23 @@ class TransformerVAE(nnx.Module):
             mem = mem + sinusoidal_positions(pos, cfg.d_model).astype(mem.dtype)
         return jnp.where(mask[..., None], mem, jnp.zeros((), mem.dtype))
 
-    def _queries(self, units: jax.Array | None) -> jax.Array:
-        """q [Q, d], or q + U[units] [B, Q, d] for a unit-aligned block (ids outside the table clip), the
-        U rows read in context first with `unit_context`."""
+    def _queries(self, units: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+        """(q [Q, d], or q + U[units] [B, Q, d] for a unit-aligned block (ids outside the table clip), the
+        U rows read in context first with `unit_context`; the reader's features for `context_skip`, else
+        None)."""
         if not self.config.num_units:
             if units is not None:
                 raise ValueError("units given to a block without unit alignment (num_units=0)")
-            return self.queries[...]
+            return self.queries[...], None
         if units is None or units.ndim != 2 or units.shape[1] != self.config.num_queries:
             got = None if units is None else list(units.shape)
             raise ValueError(f"this block aligns its {self.config.num_queries} rows to content units: pass "
                              f"units [B, {self.config.num_queries}] (got {got})")
         rows = jnp.take(self.unit_embed[...], units.astype(jnp.int32), axis=0, mode="clip")
+        read = None
         if self.config.unit_context:
-            rows = self.unit_context(rows)
-        return self.queries[...][None] + rows
+            rows, read = self.unit_context.read(rows)
+        return self.queries[...][None] + rows, read if self.config.context_skip else None
 
     def encode(
         self, h: jax.Array, h_mask: jax.Array, queries: jax.Array, *, dropout_key: jax.Array | None = None
@@ -475,11 +490,15 @@ class TransformerVAE(nnx.Module):
         logvar = cfg.logvar_limit * jnp.tanh(self.logvar_head(x) / cfg.logvar_limit)
         return mu, logvar
 
-    def decode(self, z: jax.Array, queries: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
-        """Eq 2: output rows, float32 [B, Q, d_out], from z [B, Q, d_latent]; the encoder's `queries`."""
+    def decode(self, z: jax.Array, queries: jax.Array, *, read: jax.Array | None = None,
+               dropout_key: jax.Array | None = None) -> jax.Array:
+        """Eq 2: output rows, float32 [B, Q, d_out], from z [B, Q, d_latent]; the encoder's `queries`, and
+        the unit reader's features `read` of a `context_skip` block."""
         mask = jnp.ones(z.shape[:2], bool)
         x = self.decoder(queries, self._memory(self.z_ffn, z, mask), mask, dropout_key)
         out = self.out_proj(x).astype(jnp.float32)
+        if read is not None:
+            out = out + self.context_out(read).astype(jnp.float32)
         if self.config.d_used:
             out = jnp.where(jnp.arange(out.shape[-1]) < self.config.d_used, out, 0.0)
         return out
@@ -514,12 +533,12 @@ class TransformerVAE(nnx.Module):
         if drop_key is not None:
             enc_key, dec_key = split_keys(drop_key)
         # once for both stacks: a unit-aligned block's queries may hold a BiLSTM scan (`unit_context`)
-        queries = self._queries(units)
+        queries, read = self._queries(units)
         mu, logvar = self.encode(h, h_mask, queries, dropout_key=enc_key)
         if sample:
             eps = normal_draw(eps_key, mu.shape, jnp.float32)
             z = mu + jnp.exp(0.5 * logvar) * eps
         else:
             z = mu
-        out = self.decode(z, queries, dropout_key=dec_key)
+        out = self.decode(z, queries, read=read, dropout_key=dec_key)
         return VAEOutput(out=out, mu=mu, logvar=logvar, z=z)

@@ -262,6 +262,12 @@ def _validate_model(config: ml_collections.ConfigDict, bad: _Bad) -> None:
                                or config.model.empatheia.get("cv_units", 0)):
         bad("model.empatheia.cs_unit_context", unit_context,
             "reads content units: set model.empatheia.cs_units and/or cv_units")
+    skip = config.model.empatheia.get("cs_context_skip", False)
+    if not isinstance(skip, bool):
+        bad("model.empatheia.cs_context_skip", skip, "must be True or False")
+    elif skip and not (unit_context is True and config.model.empatheia.get("cs_units", 0)):
+        bad("model.empatheia.cs_context_skip", skip, "sends the speech block's unit reader to its rows: set "
+            "model.empatheia.cs_units and cs_unit_context=True")
     if config.stage in STAGES and not STAGES[config.stage].reads_llm:
         units = {k: config.model.empatheia.get(k, 0) for k in ("cs_units", "cv_units")}
         if not all(units.values()):

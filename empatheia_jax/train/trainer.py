@@ -986,7 +986,7 @@ def _restore(run: _Run) -> tuple[int, int, bool]:
 # The fields of the Content Synchronizer's design. A stage that trains the CS may start from a run whose CS
 # was built otherwise (e.g. the coe stage of a run before `cs_units`): the CS heads that differ start fresh.
 CS_DESIGN_FIELDS = frozenset({"cs_units", "cv_units", "cs_conv", "cs_unit_context", "cs_context_width",
-                              "cv_dims", *CS_VAES})
+                              "cs_context_skip", "cv_dims", *CS_VAES})
 
 
 def _init_from(run: _Run) -> None:
