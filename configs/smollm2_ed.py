@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from configs import smollm2_demo
 
+KOKORO_UNITS = 178  # Kokoro's phoneme token ids (KokoroSpeech.num_units): the CS's unit tables
+
 
 def get_config(arg: str | None = None):
     c = smollm2_demo.get_config(arg)
@@ -31,8 +33,8 @@ def get_config(arg: str | None = None):
     # frame shows (Kokoro's durations), so the avatar stages that init_from this run
     # (configs/smollm2_ed_avatar.py) build the same model (docs/design.md "Aligned Content Synchronizer");
     # the coe stage itself does not train the CS
-    c.model.empatheia.cs_units = 178
-    c.model.empatheia.cv_units = 178
+    c.model.empatheia.cs_units = KOKORO_UNITS
+    c.model.empatheia.cv_units = KOKORO_UNITS
     c.data.max_len = 320  # ED turns with their CoE target: ~120-300 tokens; longer histories lose old turns
     # target-only logits: the coe loss reads 26 % of a step's positions (68 a row on average, a batch's total
     # far below 128 x 8); exact, and a batch with more projects every position (docs/benchmarks.md

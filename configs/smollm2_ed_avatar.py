@@ -32,15 +32,23 @@ from __future__ import annotations
 from configs import smollm2_ed
 
 
-def get_config(arg: str | None = None):
-    c = smollm2_ed.get_config(arg)
-    c.stage = "ccl"
-    c.data.shards = "work/ed_avatar_shards"
-    c.model.empatheia.cs_unit_context = True
-    c.model.empatheia.cs_context_width = 512
+def reference_cs(c):
+    """The reference model's CS design, set on config `c`: every stage that trains or loads it builds the
+    same blocks (this config's, and the sample stages' `configs/smollm2_ed_sample.py`)."""
+    e = c.model.empatheia
+    e.cs_units = e.cv_units = smollm2_ed.KOKORO_UNITS
+    e.cs_unit_context = True
+    e.cs_context_width = 512
     # ... whose features also reach the rows directly: past the block's 128-wide stacks (docs/benchmarks.md
     # "How wide a row must come from": gold rows on their best 128 directions are heard at WER 0.31)
-    c.model.empatheia.cs_context_skip = True
+    e.cs_context_skip = True
+    return c
+
+
+def get_config(arg: str | None = None):
+    c = reference_cs(smollm2_ed.get_config(arg))
+    c.stage = "ccl"
+    c.data.shards = "work/ed_avatar_shards"
     c.optim.lr = 1e-3
     c.optim.warmup_steps = 50
     c.schedule.ccl_units.steps = 6000

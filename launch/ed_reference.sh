@@ -139,13 +139,10 @@ done
 STAGES=${SAMPLE_STAGES:-sac}
 for stage in ${STAGES/#0/}; do
     echo "[ed_reference] stage $stage on the sample -> $RUN/$stage"
-    # the model of the ED stages: the CS's rows aligned to Kokoro's phonemes and read in context
-    # (configs/smollm2_ed_avatar.py)
-    "$PY" -m empatheia_jax.cli train --config configs/smollm2_demo.py --config.stage="$stage" \
+    # the demo's config with the CS of the ED stages (configs/smollm2_ed_sample.py)
+    "$PY" -m empatheia_jax.cli train --config configs/smollm2_ed_sample.py --config.stage="$stage" \
         --config.init_from="$prev" --workdir "$RUN/$stage" --config.model.backbone="$WORK/smollm2" \
-        --config.data.shards="$WORK/shards" --config.model.empatheia.cs_units=178 \
-        --config.model.empatheia.cv_units=178 --config.model.empatheia.cs_unit_context=True \
-        --config.model.empatheia.cs_context_width=512 --config.model.empatheia.cs_context_skip=True
+        --config.data.shards="$WORK/shards"
     finished "$RUN/$stage" "$stage"
     prev=$RUN/$stage
     WORKDIRS+=(--workdir "$RUN/$stage")

@@ -134,10 +134,12 @@ def test_config_errors_list_every_problem(tok, shards):
 
 
 def test_every_shipped_config_resolves():
-    from configs import base, smollm2_demo, vicuna7b
+    from configs import base, smollm2_demo, smollm2_ed, smollm2_ed_avatar, smollm2_ed_sample, vicuna7b
 
-    for mod in (base, tiny, smollm2_demo, vicuna7b):
-        for arg in (None, "no_cs", "no_coe,no_sd", "pipeline"):
+    ablated = (None, "no_cs", "no_coe,no_sd", "pipeline")
+    for mod in (base, tiny, smollm2_demo, smollm2_ed, smollm2_ed_avatar, smollm2_ed_sample, vicuna7b):
+        # the reference's configs name a stage that trains the CS: they run unablated
+        for arg in ablated if mod in (base, tiny, smollm2_demo, vicuna7b) else (None,):
             c = mod.get_config(arg)
             config_lib.validate(c, device_count=8 if mod is vicuna7b else 1, check_paths=False)
             for stage in stages.STAGE_ORDER:
@@ -147,6 +149,12 @@ def test_every_shipped_config_resolves():
     assert vicuna7b.get_config().optim.lr == 5e-5 and vicuna7b.get_config().optim.weight_decay == 1e-3
     with pytest.raises(ValueError, match="no_everything"):
         base.get_config("no_everything")
+    # the reference's sample stages build the CS its ED stages trained (init_from keeps every CS weight)
+    design = [f for f in trainer.CS_DESIGN_FIELDS if f in smollm2_ed_avatar.get_config().model.empatheia]
+    ed = smollm2_ed_avatar.get_config().model.empatheia
+    sample = smollm2_ed_sample.get_config().model.empatheia
+    assert design and {f: sample[f] for f in design} == {f: ed[f] for f in design}
+    assert ed.cs_context_skip and smollm2_ed_sample.get_config().data == smollm2_demo.get_config().data
 
 
 # ----------------------------------------------------------------------------------------------------------
