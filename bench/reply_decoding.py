@@ -128,15 +128,15 @@ def score(args: argparse.Namespace) -> None:
         if 1 < k <= have:
             picks = [r["samples"][consensus_index(r["samples"][:k])] for r in recs]
             table[f"consensus of {k}"] = mt.reply_metrics(picks, golds, turns)
-            if args.with_greedy:  # the greedy reply as one more candidate, last (ties go to the draws)
-                pool = [r["samples"][:k] + [r["greedy"]] for r in recs]
+            pool = [r["samples"][:k] + [r["greedy"]] for r in recs]  # the greedy reply last
+            if args.with_greedy:  # the greedy reply as one more candidate (ties go to the draws)
                 table[f"consensus of {k} + greedy"] = mt.reply_metrics([c[consensus_index(c)] for c in pool],
                                                                        golds, turns)
+            agree = [agreement(c) for c in pool] if args.greedy_votes else []
             for w in args.greedy_votes:  # the greedy reply votes with weight w but is never chosen
-                pools = [r["samples"][:k] + [r["greedy"]] for r in recs]
-                scores = [(lambda a: a[:k, :k].sum(1) + w * a[:k, k])(agreement(c)) for c in pools]
-                table[f"consensus of {k}, greedy votes x{w:g}"] = mt.reply_metrics(
-                    [c[int(np.argmax(v))] for c, v in zip(pools, scores, strict=True)], golds, turns)
+                picks = [c[int(np.argmax(a[:k, :k].sum(1) + w * a[:k, k]))] for c, a in zip(pool, agree,
+                                                                                               strict=True)]
+                table[f"consensus of {k}, greedy votes x{w:g}"] = mt.reply_metrics(picks, golds, turns)
     table["gold"] = mt.reply_engagement(golds, turns)
     cols = ("reply_bleu1", "reply_bleu2", "reply_rouge_l", "question_rate", "reuse_rate", "duplicate_rate",
             "dist2_corpus", "reply_words", "repetition_rate")

@@ -100,7 +100,8 @@ def choose_head_weights(head: eh.EmotionHead, predictions: list[dict[str, Any]],
         raise eh.EmotionHeadError("no prediction has a gold ED label (labels.emotion_fine)")
     if not any("emotion_fine_scored" in p for p in predictions):
         raise eh.EmotionHeadError("the predictions were not scored: evaluate with --score_emotions")
-    (hw, fw), table = eh.choose_weights(*(a[k][labelled] for k in ("head", "scored", "free", "gold")))
+    chosen_on = tuple(a[k][labelled] for k in ("head", "scored", "free", "gold"))
+    (hw, fw), table = eh.choose_weights(*chosen_on)
     scored = np.asarray([p.get("emotion_fine_scored", -1) for p in predictions])  # the eval's own: -1 = wrong
     alone = {name: float(np.mean(pred[labelled] == a["gold"][labelled])) for name, pred in (
         ("free", a["free"]), ("scored", scored), ("head", a["head"].argmax(-1)))}
@@ -109,8 +110,7 @@ def choose_head_weights(head: eh.EmotionHead, predictions: list[dict[str, Any]],
                "scored_records": int((~np.isnan(a["scored"][labelled]).all(-1)).sum()),
                "table": {f"{h:g},{f:g}": acc for (h, f), acc in table.items()}}
     if labelled.sum() >= eh.CV_FOLDS:  # the figure to expect on records the choice never saw
-        summary["emotion32_acc_combined_cv"] = eh.cross_fitted_accuracy(
-            *(a[k][labelled] for k in ("head", "scored", "free", "gold")))
+        summary["emotion32_acc_combined_cv"] = eh.cross_fitted_accuracy(*chosen_on)
     if emotion_map is not None:
         fine = eh.combine(a["head"], a["scored"], a["free"], hw, fw)
         gold = np.asarray([p.get("labels", {}).get("emotion", -1) for p in predictions])
