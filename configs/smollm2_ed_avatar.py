@@ -19,11 +19,14 @@ export, COE_FROM in launch/ed_reference.sh) starts the CS fresh and keeps everyt
 
 Two stages, because what is heard is learnt from the units and a ccl step is mostly the frozen LLM's
 forward (4-5 s at batch 8 on 2 cores):
-- ccl_units: the CS from its units alone, no LLM (`Empatheia.content_from_units`). 6,000 steps at batch 8,
-  48k examples (~10 epochs of the train replies): the budget at which the standalone reader of the same
-  shape was heard at WER 0.162, where the CS block at 19.2k examples was at 0.190.
+- ccl_units: the CS from its units alone, no LLM (`Empatheia.content_from_units`). 1,500 steps at batch 8
+  (12k examples, ~2.5 epochs of the train replies), chosen on the dev curve of a 6,000-step schedule of
+  the same design: dev ccl_speech 202 / 172 / 157 / 149 / 142 at steps 250-1,250 with the lr still near its
+  peak, already under the first reference CS's 155.6 after 6,000 steps, and heard at WER 0.124 at step 750
+  (docs/benchmarks.md "The third reference run"). 1,500 steps with the whole cosine decay fit one CPU
+  session (~40 min) where 6,000 took three.
 - ccl: the same CS with r^t, `init_from` ccl_units. The encoders' cross-attention to r^t starts silent, so
-  step 0 is ccl_units' function; 500 steps at a quarter of the lr refine it.
+  step 0 is ccl_units' function; 100 steps at a quarter of the lr let r^t in (a ccl step is 4-5 s).
 Both: lr with cosine decay, dev loss every 250 steps, the best-dev-loss checkpoint kept.
 """
 
@@ -51,9 +54,9 @@ def get_config(arg: str | None = None):
     c.data.shards = "work/ed_avatar_shards"
     c.optim.lr = 1e-3
     c.optim.warmup_steps = 50
-    c.schedule.ccl_units.steps = 6000
+    c.schedule.ccl_units.steps = 1500
     c.schedule.ccl_units.warmup_steps = 100
-    c.schedule.ccl.steps = 500
+    c.schedule.ccl.steps = 100
     c.schedule.ccl.lr = 2.5e-4
     c.train.eval_every = 250
     c.checkpoint.every = 250

@@ -28,13 +28,16 @@
 # empatheia_jax.reference`; the ED stages train the CS only, so its LoRA reaches the new export unchanged, and
 # a redesigned CS costs the ccl stage, not the hours of coe), HEAD_FROM (an emotion_head.safetensors fitted
 # to the same LLM, e.g. the committed reference's, copied into the export instead of fitting one),
-# REPLY_FLAGS (how the final dev evaluation decodes the reply after the greedy CoE; default the consensus of
-# 16 replies drawn at T 0.7, top-p 0.95, seed 0: serve/reply_choice.py, chosen on dev; "" = greedy replies).
+# TEXT_EVAL=1 (measure the text figures even when the export's adapter is COE_FROM's: by default they are
+# then carried from COE_FROM's card, e.g. `COE_FROM=$(python -m empatheia_jax.reference) SAMPLE_STAGES=0`
+# retrains the CS alone and re-measures only the avatar), REPLY_FLAGS (how the final dev evaluation decodes
+# the reply after the greedy CoE; default the consensus of 16 replies drawn at T 0.7, top-p 0.95, seed 0:
+# serve/reply_choice.py, chosen on dev; "" = greedy replies).
 # Exit status: 0 done; 3 a stage stopped early (SIGTERM: checkpointed; re-run the same command to resume).
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-    sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 RUN=$1
@@ -159,10 +162,31 @@ if [[ ! $EXPORTED -nt $prev/checkpoints ]]; then
     "$PY" -m empatheia_jax.cli export --ckpt "$prev" --out "$RUN/export" --dtype "${EXPORT_DTYPE:-bfloat16}" \
         --overwrite
 fi
+# Every text figure is a function of the PEFT adapter (the LoRA and the added token rows). When the export's
+# adapter holds COE_FROM's values exactly (the ED stages train the CS only; SAMPLE_STAGES=0 keeps the sample
+# stages from touching the added rows), COE_FROM's card already measured them on these weights: the card
+# carries them (`model_card --text_from`) and the head, dev and subset evaluations below are skipped.
+# TEXT_EVAL=1 measures them anyway.
+TEXT_FROM=
+if [[ -n ${COE_FROM:-} && -f $COE_FROM/card.json && ${TEXT_EVAL:-0} != 1 ]] && "$PY" - "$RUN/export" "$COE_FROM" <<'EOF'
+import sys
+from empatheia_jax.eval.model_card import CardError, text_figures_from
+try:
+    text_figures_from(sys.argv[1], sys.argv[2])
+except CardError as e:
+    print(f"[ed_reference] the text figures are measured again: {e}", file=sys.stderr)
+    sys.exit(1)
+EOF
+then
+    TEXT_FROM=$COE_FROM
+    echo "[ed_reference] the export's adapter is COE_FROM's: its card's text figures are carried ($COE_FROM)"
+fi
 # The emotion head (empatheia_jax/eval/emotion_head.py): a probe over the model's reading of the dialogue,
 # fitted on the train part with its C chosen on dev; HEAD_FROM reuses a head fitted to the same LLM (the
 # ED stages train the CS only, so the coe stage's head still reads the same states).
-if [[ -n ${HEAD_FROM:-} ]]; then
+if [[ -n $TEXT_FROM ]]; then
+    :  # the head is read only by the text evaluation
+elif [[ -n ${HEAD_FROM:-} ]]; then
     cp "$HEAD_FROM" "$RUN/export/emotion_head.safetensors"
 elif [[ ! $RUN/export/emotion_head.safetensors -nt $EXPORTED ]]; then
     echo "[ed_reference] emotion head of the export (train part; C on dev) -> $RUN/export/emotion_head.safetensors"
@@ -176,27 +200,34 @@ if [[ ! $RUN/report_avatar.json -nt $EXPORTED ]]; then
         --nogenerate --speech_examples "${SPEECH_EXAMPLES:-32}" --video_examples "${VIDEO_EXAMPLES:-16}" \
         --json "$RUN/report_avatar.json"
 fi
-# the longest step (hours on a CPU with drawn replies) after the avatar's: it keeps a journal of its finished
-# batches in the report folder, so re-running the command after a kill resumes it (eval/journal.py)
-if [[ ! $RUN/report_final/metrics.json -nt $EXPORTED ]]; then
-    echo "[ed_reference] dev evaluation of the export (CoE prompt) -> $RUN/report_final"
+if [[ -z $TEXT_FROM ]]; then
+    # the longest step (hours on a CPU with drawn replies) after the avatar's: it keeps a journal of its finished
+    # batches in the report folder, so re-running the command after a kill resumes it (eval/journal.py)
+    if [[ ! $RUN/report_final/metrics.json -nt $EXPORTED ]]; then
+        echo "[ed_reference] dev evaluation of the export (CoE prompt) -> $RUN/report_final"
+        "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template coe \
+            --report "$RUN/report_final" --no_repeat_ngram_size 4 --score_emotions ${REPLY[@]+"${REPLY[@]}"} \
+            ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
+    fi
+    echo "[ed_reference] the head's combination with step 2, chosen on those dev predictions"
+    "$PY" -m empatheia_jax.eval.fit_emotion_head weights --head "$RUN/export/emotion_head.safetensors" \
+        --predictions "$RUN/report_final/predictions_coe.jsonl" --shards "$RUN/ed/shards" \
+        --json "$RUN/emotion_head_weights.json"
+    # the figure the project's test re-measures in CI time: the first CI_SUBSET dev records
+    CI_SUBSET=32  # tests/test_reference_model.py SUBSET
     "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template coe \
-        --report "$RUN/report_final" --no_repeat_ngram_size 4 --score_emotions ${REPLY[@]+"${REPLY[@]}"} \
+        --max_examples $CI_SUBSET --json "$RUN/report_final/subset.json" --no_repeat_ngram_size 4 --score_emotions \
         ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
 fi
-echo "[ed_reference] the head's combination with step 2, chosen on those dev predictions"
-"$PY" -m empatheia_jax.eval.fit_emotion_head weights --head "$RUN/export/emotion_head.safetensors" \
-    --predictions "$RUN/report_final/predictions_coe.jsonl" --shards "$RUN/ed/shards" \
-    --json "$RUN/emotion_head_weights.json"
-# the figure the project's test re-measures in CI time: the first CI_SUBSET dev records
-CI_SUBSET=32  # tests/test_reference_model.py SUBSET
-"$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template coe \
-    --max_examples $CI_SUBSET --json "$RUN/report_final/subset.json" --no_repeat_ngram_size 4 --score_emotions \
-    ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
 echo "[ed_reference] model card -> $RUN/export"
-"$PY" -m empatheia_jax.eval.model_card "$RUN/export" --metrics "$RUN/report_final/metrics.json" \
-    "${WORKDIRS[@]}" \
-    --subset_metrics "$RUN/report_final/subset.json" --subset_examples $CI_SUBSET \
-    --avatar_metrics "$RUN/report_avatar.json" --emotion_head_weights "$RUN/emotion_head_weights.json" \
-    --command "${COE_FROM:+COE_FROM=$COE_FROM }bash launch/ed_reference.sh $RUN${*:+ $*}" --device "${DEVICE:-$(nproc)-core CPU}"
+if [[ -n $TEXT_FROM ]]; then
+    TEXT=(--text_from "$TEXT_FROM")
+else
+    TEXT=(--metrics "$RUN/report_final/metrics.json" --subset_metrics "$RUN/report_final/subset.json"
+          --subset_examples $CI_SUBSET --emotion_head_weights "$RUN/emotion_head_weights.json")
+fi
+"$PY" -m empatheia_jax.eval.model_card "$RUN/export" "${TEXT[@]}" "${WORKDIRS[@]}" \
+    --avatar_metrics "$RUN/report_avatar.json" \
+    --command "${COE_FROM:+COE_FROM=$COE_FROM }${SAMPLE_STAGES:+SAMPLE_STAGES=$SAMPLE_STAGES }bash launch/ed_reference.sh $RUN${*:+ $*}" \
+    --device "${DEVICE:-$(nproc)-core CPU}"
 echo "[ed_reference] done: $RUN/export (chat: empatheia chat --ckpt $RUN/export --text ...)"

@@ -175,3 +175,52 @@ def test_card_records_the_sha256_of_each_weight_file(tmp_path):
     assert f"`heads.safetensors`: `{hashlib.sha256(b'heads').hexdigest()}`" in model_card.render(card)
     (export / "heads.safetensors").write_bytes(b"heads, retrained")
     assert model_card.weight_digests(export) != card["weights"]
+
+
+def test_card_carries_the_text_figures_of_an_earlier_export_with_the_same_adapter(tmp_path, capsys):
+    """--text_from: an export whose adapter (LoRA + added rows) holds an earlier card's values exactly gets
+    that card's text figures and its LoRA stages' training rows, and says where they come from; one value
+    changed in the adapter, or the earlier card's own adapter not the one it names, refuses."""
+    import numpy as np
+    from ml_dtypes import bfloat16
+    from safetensors.numpy import save_file
+
+    tensors = {"lora_A": np.arange(6, dtype=np.float32).reshape(2, 3).astype(bfloat16),
+               "trainable_tokens_delta": np.ones((2, 4), bfloat16)}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    earlier = _export(tmp_path / "a")
+    save_file(tensors, str(earlier / "adapter_model.safetensors"), metadata={"format": "pt"})
+    coe = _workdir(tmp_path, "coe", "coe", [{"step": 50, "perf/step_time_s": 4.0}])
+    ccl = _workdir(tmp_path, "ccl", "ccl", [{"step": 10, "perf/step_time_s": 2.0}])
+    metrics = {"trained": {"emotion32_acc_text": 0.403, "num_examples": 881.0}, "template": "coe",
+               "shards": "/runs/ref/ed/shards", "split": "dev"}
+    model_card.write_card(earlier, model_card.build_card(
+        earlier, metrics, [coe, ccl], subset={"trained": {"emotion32_acc_text": 0.28}, "split": "dev"},
+        subset_examples=32, command="bash launch/ed_reference.sh OLD"))
+
+    export = _export(tmp_path / "b")
+    save_file(tensors, str(export / "adapter_model.safetensors"))  # other header metadata, same values
+    units = _workdir(tmp_path, "ed_ccl_units", "ccl_units", [{"step": 100, "perf/step_time_s": 1.5}])
+    avatar = {"trained": {"speech_wer": 0.1}, "template": "ccl", "shards": "s", "split": "dev"}
+    card = model_card.build_card(export, None, [units], avatar=avatar, text_from=earlier)
+    assert card["eval"]["metrics"] == metrics["trained"] and card["ci_subset"]["metrics"] == {
+        "emotion32_acc_text": 0.28}
+    assert [t["stage"] for t in card["training"]] == ["coe", "ccl_units"]  # not the earlier ccl: no LoRA
+    assert card["avatar"]["columns"]["trained"] == {"speech_wer": 0.1}
+    assert card["text_from"]["command"] == "bash launch/ed_reference.sh OLD"
+    assert "measured on this LoRA adapter (the same sha256) for the card of" in model_card.render(card)
+    assert model_card.main([str(export), "--text_from", str(earlier)]) == 0
+
+    with pytest.raises(model_card.CardError, match="not both"):
+        model_card.build_card(export, metrics, text_from=earlier)
+    changed = dict(tensors, trainable_tokens_delta=np.full((2, 4), 2, bfloat16))
+    save_file(changed, str(export / "adapter_model.safetensors"))
+    with pytest.raises(model_card.CardError, match="holds other values"):
+        model_card.build_card(export, None, text_from=earlier)
+    save_file(changed, str(earlier / "adapter_model.safetensors"))  # same values, but not its card's bytes
+    with pytest.raises(model_card.CardError, match="not the one its card was measured on"):
+        model_card.build_card(export, None, text_from=earlier)
+    with pytest.raises(SystemExit):
+        model_card.main([str(export)])  # neither --metrics nor --text_from
+    capsys.readouterr()

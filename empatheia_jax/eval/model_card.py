@@ -1,6 +1,7 @@
 """The model card of an exported Empatheia: what it was trained on, for how long, and what it scores.
 
-    python -m empatheia_jax.eval.model_card EXPORT --metrics REPORT/metrics.json [--workdir RUN/coe ...]
+    python -m empatheia_jax.eval.model_card EXPORT (--metrics REPORT/metrics.json | --text_from EARLIER_EXPORT)
+        [--workdir RUN/coe ...]
         [--avatar_metrics AVATAR.json] [--command "bash launch/ed_reference.sh ~/runs/ed_reference"]
         [--device "2-core CPU"] [--notes TEXT]
 
@@ -47,6 +48,8 @@ AVATAR_METRICS = ("speech_wer", "speech_cer", "speech_content_l2", "video_conten
                   "video_emotion_acc", "speech_examples", "video_examples")
 AVATAR_COLUMNS = {"trained": "model", "baseline": "mean predictor", "gold": "gold",
                   "mean_style": "mean_style", "pipeline_tts": "pipeline_tts"}
+# The stages that train the LoRA (train/stages.py STAGES): what decides every text figure.
+LORA_STAGES = ("coe", "overall", "pipeline")
 LICENSES = {
     "ed": "EmpatheticDialogues (Rashkin et al., ACL 2019) is CC BY-NC 4.0: weights trained on it are for "
           "non-commercial use.",
@@ -122,22 +125,68 @@ def stage_summary(workdir: str | Path) -> dict[str, Any]:
     }
 
 
-def build_card(export: str | Path, metrics: Mapping[str, Any], workdirs: Sequence[str | Path] = (), *,
+def text_figures_from(export: str | Path, earlier: str | Path) -> dict[str, Any]:
+    """The text part of an earlier export's card ("eval", "ci_subset", "emotion_head" and the training rows of
+    the stages that trained its LoRA), for an export whose PEFT adapter (the LoRA and the added token rows)
+    holds the earlier one's values exactly.
+
+    Why: every text figure (CoE, emotion, reply) is a function of the LLM alone, which the adapter's bytes
+    and its added rows fix; the ccl stages train the CS only (`train.stages`), so a redesigned CS chained from
+    a finished run (COE_FROM in launch/ed_reference.sh) would otherwise re-run hours of dev evaluation to
+    write the same figures. The tensor check is what makes this a copy of a measurement, not a guess."""
+    card = read_card(earlier)
+    name = "adapter_model.safetensors"
+    if weight_digests(earlier).get(name) != card.get("weights", {}).get(name):
+        raise CardError(f"{earlier}: its {name} is not the one its card was measured on (sha256)")
+    if not _same_tensors(Path(export) / name, Path(earlier) / name):
+        raise CardError(f"{export}: its {name} holds other values than {earlier}'s, whose card's text figures "
+                        "are therefore not its own: evaluate it instead")
+    return {"eval": card["eval"], "ci_subset": card.get("ci_subset"), "emotion_head": card.get("emotion_head"),
+            "training": [t for t in card.get("training", []) if t.get("stage") in LORA_STAGES],
+            "text_from": {"card": str(earlier), "date": card.get("date"), "command": card.get("command")}}
+
+
+def _same_tensors(a: Path, b: Path) -> bool:
+    """Whether two safetensors files hold the same names, dtypes and values (the bytes of the header may
+    differ: an export writes its own metadata)."""
+    import ml_dtypes  # noqa: F401  (numpy learns "bfloat16", the exports' stored dtype)
+    from safetensors.numpy import load_file
+
+    if not (a.is_file() and b.is_file()):
+        return False
+    x, y = load_file(str(a)), load_file(str(b))
+    return x.keys() == y.keys() and all(
+        x[k].dtype == y[k].dtype and x[k].shape == y[k].shape and x[k].tobytes() == y[k].tobytes() for k in x)
+
+
+def build_card(export: str | Path, metrics: Mapping[str, Any] | None, workdirs: Sequence[str | Path] = (), *,
                command: str = "", device: str = "", notes: str = "",
                subset: Mapping[str, Any] | None = None, subset_examples: int | None = None,
                avatar: Mapping[str, Any] | None = None,
-               emotion_head: Mapping[str, Any] | None = None) -> dict[str, Any]:
+               emotion_head: Mapping[str, Any] | None = None,
+               text_from: str | Path | None = None) -> dict[str, Any]:
     """card.json's content: the export's meta, the eval report's trained column and where it was measured,
     and each training workdir's summary. `subset` (an eval report of the same data with `--max_examples
     subset_examples`) is kept as "ci_subset": a figure a test can re-measure in CI time. `avatar` (an eval
     report with speech/video rows) gives "avatar": its `AVATAR_METRICS` in each `AVATAR_COLUMNS` column.
     `emotion_head` (`fit_emotion_head weights --json`: the combination chosen on the eval's predictions)
-    gives "emotion_head": its weights and the dev figures it was chosen by."""
+    gives "emotion_head": its weights and the dev figures it was chosen by. `text_from` (an earlier export
+    with the same adapter, `text_figures_from`) stands for `metrics`, `subset` and `emotion_head`: its text
+    figures and the training rows of its LoRA stages are carried over, and "text_from" says from where."""
     export = Path(export)
     meta_path = export / "empatheia_config.json"
     if not meta_path.is_file():
         raise CardError(f"{export}: not an Empatheia export (no empatheia_config.json)")
-    if "trained" not in metrics:
+    if text_from is not None:
+        if metrics is not None or subset is not None or emotion_head is not None:
+            raise CardError("text figures come either from an eval (--metrics ...) or from --text_from, not both")
+        text = text_figures_from(export, text_from)
+        card = build_card(export, {"trained": {}}, workdirs, command=command, device=device, notes=notes,
+                          avatar=avatar)
+        card.update(eval=text["eval"], ci_subset=text["ci_subset"], emotion_head=text["emotion_head"],
+                    training=text["training"] + card["training"], text_from=text["text_from"])
+        return card
+    if metrics is None or "trained" not in metrics:
         raise CardError("the eval report has no 'trained' column (write it with `empatheia eval --json`)")
     meta = json.loads(meta_path.read_text())
     model_config = meta.get("model_config", {})
@@ -281,10 +330,14 @@ def render(card: Mapping[str, Any]) -> str:
         lines += ["", f"Device: {card['device']}."]
     if card.get("command"):
         lines += ["", "Command:", "", "```", card["command"], "```"]
+    carried = card.get("text_from")
     lines += [
         "",
         "## Evaluation",
         "",
+        *([f"The text figures below were measured on this LoRA adapter (the same sha256) for the card of "
+           f"{carried['date']} (`{carried['command']}`): the stages after it train the CS and SD only.",
+           ""] if carried else []),
         f"Template {ev['template']}, data {Path(str(ev['data'])).name} split {ev['split']}. "
         "The model reads the dialogue alone (never ED's situation text: it writes the event itself in CoE "
         "step 1). `emotion32_acc_text` is CoE step 2 decoded freely; `emotion32_acc_scored` the step "
@@ -340,7 +393,10 @@ def read_card(export: str | Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("export", help="an `empatheia export` folder")
-    parser.add_argument("--metrics", required=True, help="`empatheia eval --json` or --report's metrics.json")
+    parser.add_argument("--metrics", default=None, help="`empatheia eval --json` or --report's metrics.json")
+    parser.add_argument("--text_from", default=None,
+                        help="an earlier export with the same LoRA adapter (sha256): its card's text figures "
+                             "instead of --metrics / --subset_metrics / --emotion_head_weights")
     parser.add_argument("--workdir", action="append", default=[], help="a training workdir (one per stage)")
     parser.add_argument("--command", default="", help="the command that trained it")
     parser.add_argument("--device", default="", help="where it trained (e.g. '2-core CPU')")
@@ -352,14 +408,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--avatar_metrics", default=None,
                         help="`empatheia eval --json` with speech/video rows (the card's avatar part)")
     args = parser.parse_args(argv)
+    if (args.metrics is None) == (args.text_from is None):
+        parser.error("give one of --metrics and --text_from")
     try:
-        metrics = json.loads(Path(args.metrics).read_text())
+        metrics = json.loads(Path(args.metrics).read_text()) if args.metrics else None
         subset = json.loads(Path(args.subset_metrics).read_text()) if args.subset_metrics else None
         avatar = json.loads(Path(args.avatar_metrics).read_text()) if args.avatar_metrics else None
         head = json.loads(Path(args.emotion_head_weights).read_text()) if args.emotion_head_weights else None
         card = build_card(args.export, metrics, args.workdir, command=args.command, device=args.device,
                           notes=args.notes, subset=subset, subset_examples=args.subset_examples,
-                          avatar=avatar, emotion_head=head)
+                          avatar=avatar, emotion_head=head, text_from=args.text_from)
     except (OSError, json.JSONDecodeError, CardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -368,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["AVATAR_METRICS", "CardError", "HEADLINE", "avatar_figures", "build_card", "read_card", "render",
-           "stage_summary", "weight_digests", "write_card"]
+           "stage_summary", "text_figures_from", "weight_digests", "write_card"]
 
 if __name__ == "__main__":
     sys.exit(main())
