@@ -1,6 +1,6 @@
 """The model card of an exported Empatheia: what it was trained on, for how long, and what it scores.
 
-    python -m empatheia_jax.eval.model_card EXPORT (--metrics REPORT/metrics.json | --text_from EARLIER_EXPORT)
+    python -m empatheia_jax.eval.model_card EXPORT (--metrics REPORT/metrics.json | --text_from EARLIER)
         [--workdir RUN/coe ...]
         [--avatar_metrics AVATAR.json] [--command "bash launch/ed_reference.sh ~/runs/ed_reference"]
         [--device "2-core CPU"] [--notes TEXT]
@@ -139,9 +139,10 @@ def text_figures_from(export: str | Path, earlier: str | Path) -> dict[str, Any]
     if weight_digests(earlier).get(name) != card.get("weights", {}).get(name):
         raise CardError(f"{earlier}: its {name} is not the one its card was measured on (sha256)")
     if not _same_tensors(Path(export) / name, Path(earlier) / name):
-        raise CardError(f"{export}: its {name} holds other values than {earlier}'s, whose card's text figures "
-                        "are therefore not its own: evaluate it instead")
-    return {"eval": card["eval"], "ci_subset": card.get("ci_subset"), "emotion_head": card.get("emotion_head"),
+        raise CardError(f"{export}: its {name} holds other values than {earlier}'s, whose card's text "
+                        "figures are therefore not its own: evaluate it instead")
+    return {"eval": card["eval"], "ci_subset": card.get("ci_subset"),
+            "emotion_head": card.get("emotion_head"),
             "training": [t for t in card.get("training", []) if t.get("stage") in LORA_STAGES],
             "text_from": {"card": str(earlier), "date": card.get("date"), "command": card.get("command")}}
 
@@ -179,7 +180,7 @@ def build_card(export: str | Path, metrics: Mapping[str, Any] | None, workdirs: 
         raise CardError(f"{export}: not an Empatheia export (no empatheia_config.json)")
     if text_from is not None:
         if metrics is not None or subset is not None or emotion_head is not None:
-            raise CardError("text figures come either from an eval (--metrics ...) or from --text_from, not both")
+            raise CardError("text figures come from an eval (--metrics ...) or from --text_from, not both")
         text = text_figures_from(export, text_from)
         card = build_card(export, {"trained": {}}, workdirs, command=command, device=device, notes=notes,
                           avatar=avatar)
