@@ -57,10 +57,10 @@ def _history(media):
     ]
 
 
-def _ask(model, tok, media, max_new_tokens=5):
+def _ask(model, tok, media, max_new_tokens=5, written=None):
     return chat.respond(model, tok, text="test1 line 2: I feel disgusted", audio=media / "diatest1utt2_7.wav",
                         video=media / "diatest1utt2_7.mp4", history=_history(media), encoder="lite",
-                        max_new_tokens=max_new_tokens, compiler_options=FAST)
+                        max_new_tokens=max_new_tokens, compiler_options=FAST, written=written)
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,7 @@ def _rig_to_emit(model: Empatheia, chain: dict[int, int]) -> None:
 
 
 def test_generated_signal_tokens_are_not_forced_and_features_equal_teacher_forcing(model, tok, media):
-    model = nnx.clone(model)  # rigged below; the module's model stays as it is
+    chat_model, model = model, nnx.clone(model)  # rigged below; the module's model stays as it is
     cfg = model.config
     last = tok("\n", add_special_tokens=False)["input_ids"][-1]  # the chat template's last prompt token
     words = tok(" Oh dear", add_special_tokens=False)["input_ids"]
@@ -200,6 +200,15 @@ def test_generated_signal_tokens_are_not_forced_and_features_equal_teacher_forci
     assert r.reply == "Oh dear"
     assert r.response_mask[r.prompt_length :].tolist() == [1] * len(words) + [0] * (len(seq) - 1 - len(words))
     _check_against_teacher_forcing(model, r, media)
+    # The same reply given as `written` reaches the heads as the generated one did (the same tokens, reply and
+    # features), and it is read, not generated: the untrained model, which writes other words, reads it too.
+    written = tok.decode(seq[1:-1], skip_special_tokens=False)  # " Oh dear<AUD1>...<VID4>"
+    w = _ask(model, tok, media, written=written)
+    assert w.input_ids.tolist() == r.input_ids.tolist() and w.reply == "Oh dear"
+    for name, value in r.features.items():
+        np.testing.assert_allclose(w.features[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+    untrained = _ask(chat_model, tok, media, written=written)
+    assert untrained.input_ids.tolist() == r.input_ids.tolist() and untrained.reply == "Oh dear"
 
 
 def test_outputs_round_trip(forced, tmp_path):

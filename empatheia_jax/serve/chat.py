@@ -389,6 +389,7 @@ def respond(
     asr_threads: int = 2,
     listener: Mapping[str, str] | None = None,
     reply_sampling: ReplySampling | None = None,
+    written: str | None = None,
 ) -> ChatResult:
     """The model's reply to `text` (the speaker's latest utterance; `audio`/`video` its media files) after
     `history` (`load_history` entries, oldest first). See the module docstring for the steps.
@@ -408,6 +409,9 @@ def respond(
     A unit-aligned video block (`cv_units`) runs after the speech rows are known: its frame units are the
     reply's content units on the durations its speech will be spoken with, in the pinned `listener` voice
     when one is given (the same voice `serve.avatar.synthesize_reply` then speaks), else the predicted S^s.
+    `written` (a CoE text, `templates.format_coe`) stands for the generation: the heads read it as if the
+    model had written it, as training's teacher forcing does, so a chosen reply is voiced and drawn by the
+    model's own CS/SD (what tests/test_reference_model.py hears).
     """
     if not isinstance(text, str):
         raise TypeError(f"text must be a string, got {type(text).__name__}")
@@ -424,10 +428,13 @@ def respond(
     pad = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else eos[0]
     ids, mask = left_pad([prompt.ids], pad)
     feats = _feature_batch(cfg, prompt)
-    new = _generate(model, tokenizer, prompt, feats, eos=eos, pad=pad, max_new_tokens=max_new_tokens,
-                    temperature=temperature, top_p=top_p, seed=seed, repetition_penalty=repetition_penalty,
-                    no_repeat_ngram_size=no_repeat_ngram_size, compiler_options=compiler_options,
-                    reply_sampling=reply_sampling)
+    if written is not None:
+        new = [*tokenizer(written, add_special_tokens=False)["input_ids"], eos[0]]
+    else:
+        new = _generate(model, tokenizer, prompt, feats, eos=eos, pad=pad, max_new_tokens=max_new_tokens,
+                        temperature=temperature, top_p=top_p, seed=seed, repetition_penalty=repetition_penalty,
+                        no_repeat_ngram_size=no_repeat_ngram_size, compiler_options=compiler_options,
+                        reply_sampling=reply_sampling)
     raw = tokenizer.decode(new, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     final, forced = _with_signal_tokens(cfg, tokenizer, new, eos, notes)
     parsed = parse.parse_generation(raw, schema.EmotionMap.load(emotion_map_name(cfg)),
