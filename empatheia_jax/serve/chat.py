@@ -432,9 +432,9 @@ def respond(
         new = [*tokenizer(written, add_special_tokens=False)["input_ids"], eos[0]]
     else:
         new = _generate(model, tokenizer, prompt, feats, eos=eos, pad=pad, max_new_tokens=max_new_tokens,
-                        temperature=temperature, top_p=top_p, seed=seed, repetition_penalty=repetition_penalty,
-                        no_repeat_ngram_size=no_repeat_ngram_size, compiler_options=compiler_options,
-                        reply_sampling=reply_sampling)
+                        temperature=temperature, top_p=top_p, seed=seed,
+                        repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+                        compiler_options=compiler_options, reply_sampling=reply_sampling)
     raw = tokenizer.decode(new, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     final, forced = _with_signal_tokens(cfg, tokenizer, new, eos, notes)
     parsed = parse.parse_generation(raw, schema.EmotionMap.load(emotion_map_name(cfg)),
