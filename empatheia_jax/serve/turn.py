@@ -111,11 +111,13 @@ def run_turn(
     no_repeat_ngram_size: int = 0,
     reply_sampling: ReplySampling | None = None,
     text_name: str = "--text",
+    written: str | None = None,
 ) -> Turn:
     """One reply to `text` (with its optional `audio` .wav / `video` .mp4) after `history`, written to
     OUT.npz/OUT.json; `render` "speech" adds OUT.wav (Kokoro), "avatar" also OUT.mp4 (the face with that
     speech); `hear` has Whisper tiny.en transcribe the speech into OUT.json (`chat.hear_reply`).
-    `reply_sampling` (`reply_choice.ReplySampling`) draws the reply after the greedy CoE (`chat.respond`).
+    `reply_sampling` (`reply_choice.ReplySampling`) draws the reply after the greedy CoE (`chat.respond`);
+    `written` (a CoE text) is read instead of generated (`chat.respond`).
 
     The prompt gets the training budget and the reply (with its signal tokens) comes on top of it; a latest
     utterance that alone does not fit is a `ChatInputError` naming `text_name` and the limit.
@@ -131,6 +133,7 @@ def run_turn(
             max_len=replier.max_len + max_new_tokens + 2 * model.config.n_signal + 2,
             speech_targets=replier.speech_targets, video_targets=replier.video_targets,
             compiler_options=replier.compiler_options, listener=listener, reply_sampling=reply_sampling,
+            written=written,
         )
     except chat.PromptTooLongError as e:
         raise chat.ChatInputError(
