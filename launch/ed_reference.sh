@@ -129,6 +129,7 @@ else
     prev=$RUN/coe
     WORKDIRS=(--workdir "$RUN/coe")
 fi
+ED_STAGES_SET=${ED_STAGES:-}  # the card's command names a non-default choice
 ED_STAGES=${ED_STAGES:-ccl_units ccl}
 for stage in ${ED_STAGES/#0/}; do
     echo "[ed_reference] stage $stage on the ED replies' targets -> $RUN/ed_$stage"
@@ -228,6 +229,6 @@ else
 fi
 "$PY" -m empatheia_jax.eval.model_card "$RUN/export" "${TEXT[@]}" "${WORKDIRS[@]}" \
     --avatar_metrics "$RUN/report_avatar.json" \
-    --command "${COE_FROM:+COE_FROM=$COE_FROM }${SAMPLE_STAGES:+SAMPLE_STAGES=$SAMPLE_STAGES }bash launch/ed_reference.sh $RUN${*:+ $*}" \
+    --command "${COE_FROM:+COE_FROM=$COE_FROM }${ED_STAGES_SET:+ED_STAGES=\"$ED_STAGES\" }${SAMPLE_STAGES:+SAMPLE_STAGES=$SAMPLE_STAGES }bash launch/ed_reference.sh $RUN${*:+ $*}" \
     --device "${DEVICE:-$(nproc)-core CPU}"
 echo "[ed_reference] done: $RUN/export (chat: empatheia chat --ckpt $RUN/export --text ...)"

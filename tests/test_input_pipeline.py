@@ -313,6 +313,12 @@ def test_video_units_are_the_records_stored_frame_units_and_are_refused_when_the
     half = {**rec, "targets": {**rec["targets"], "video_units": frames[:, None] + 0.5}}
     with pytest.raises(ValueError, match="whole unit ids"):
         ip.build_example(half, "ccl", tok, cfg)
+    # A record with no video target at all (text-only shards: the reference model's dev re-measure) has no
+    # frame to align: its units are empty, as its video_content is.
+    text_only = {**rec, "targets": {k: v for k, v in rec["targets"].items()
+                                    if k not in ("video_units", "video_content")}}
+    ex = ip.build_example(text_only, "coe", tok, cfg)
+    assert ex["video_units"].shape == (0,) and ex["video_content"].shape[0] == 0
 
 
 def test_k_vectors_per_placeholder(tok):

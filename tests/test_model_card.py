@@ -209,11 +209,18 @@ def test_card_carries_the_text_figures_of_an_earlier_export_with_the_same_adapte
     assert [t["stage"] for t in card["training"]] == ["coe", "ccl_units"]  # not the earlier ccl: no LoRA
     assert card["avatar"]["columns"]["trained"] == {"speech_wer": 0.1}
     assert card["text_from"]["command"] == "bash launch/ed_reference.sh OLD"
-    assert "measured on this LoRA adapter (the same sha256) for the card of" in model_card.render(card)
+    assert ("measured on this PEFT adapter (the same tensors: the LoRA and the added token rows) for the "
+            "card of") in model_card.render(card)
     assert model_card.main([str(export), "--text_from", str(earlier)]) == 0
 
     with pytest.raises(model_card.CardError, match="not both"):
         model_card.build_card(export, metrics, text_from=earlier)
+    # The same adapter under another prompt budget: the oldest turns of long dialogues are cut elsewhere.
+    meta = json.loads((export / "empatheia_config.json").read_text())
+    (export / "empatheia_config.json").write_text(json.dumps({**meta, "config": {"data": {"max_len": 320}}}))
+    with pytest.raises(model_card.CardError, match=r"text evaluation reads differ .*data\.max_len"):
+        model_card.build_card(export, None, text_from=earlier)
+    (export / "empatheia_config.json").write_text(json.dumps(meta))
     changed = dict(tensors, trainable_tokens_delta=np.full((2, 4), 2, bfloat16))
     save_file(changed, str(export / "adapter_model.safetensors"))
     with pytest.raises(model_card.CardError, match="holds other values"):

@@ -604,6 +604,8 @@ class ExampleBuilder:
         unit-aligned video block told nothing, or told another clip's timing, would render wrong mouths."""
         targets = rec.get("targets") or {}
         units, rows = targets.get("video_units"), targets.get("video_content")
+        if units is None and rows is None:  # no video target (a text-only record): no frame to align
+            return np.zeros(0, np.int32)
         if units is None:
             raise ValueError(f"{where}: the video block is unit-aligned (cv_units) but the record has no "
                              "video_units (export the video targets with converters.face_targets "

@@ -141,10 +141,24 @@ def text_figures_from(export: str | Path, earlier: str | Path) -> dict[str, Any]
     if not _same_tensors(Path(export) / name, Path(earlier) / name):
         raise CardError(f"{export}: its {name} holds other values than {earlier}'s, whose card's text "
                         "figures are therefore not its own: evaluate it instead")
+    here, there = _text_settings(export), _text_settings(earlier)
+    if here != there:
+        differ = sorted(k for k in here.keys() | there.keys() if here.get(k) != there.get(k))
+        raise CardError(f"{export}: the settings the text evaluation reads differ from {earlier}'s "
+                        f"({', '.join(differ)}): evaluate it instead")
     return {"eval": card["eval"], "ci_subset": card.get("ci_subset"),
             "emotion_head": card.get("emotion_head"),
             "training": [t for t in card.get("training", []) if t.get("stage") in LORA_STAGES],
             "text_from": {"card": str(earlier), "date": card.get("date"), "command": card.get("command")}}
+
+
+def _text_settings(export: str | Path) -> dict[str, Any]:
+    """What of an export's config the text evaluation reads besides its adapter: the prompt budget (a
+    dialogue longer than it loses its oldest turns: 256 against 320 flips records) and the LLM's settings."""
+    meta = json.loads((Path(export) / "empatheia_config.json").read_text())
+    data = (meta.get("config") or {}).get("data") or {}
+    return {"data.max_len": data.get("max_len"),
+            **{f"llm.{k}": v for k, v in ((meta.get("model_config") or {}).get("llm") or {}).items()}}
 
 
 def _same_tensors(a: Path, b: Path) -> bool:
@@ -336,8 +350,9 @@ def render(card: Mapping[str, Any]) -> str:
         "",
         "## Evaluation",
         "",
-        *([f"The text figures below were measured on this LoRA adapter (the same sha256) for the card of "
-           f"{carried['date']} (`{carried['command']}`): the stages after it train the CS and SD only.",
+        *([f"The text figures below were measured on this PEFT adapter (the same tensors: the LoRA and the "
+           f"added token rows) for the card of {carried['date']} (`{carried['command']}`); the stages "
+           "listed after its own train neither.",
            ""] if carried else []),
         f"Template {ev['template']}, data {Path(str(ev['data'])).name} split {ev['split']}. "
         "The model reads the dialogue alone (never ED's situation text: it writes the event itself in CoE "
