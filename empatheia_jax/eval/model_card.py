@@ -48,8 +48,6 @@ AVATAR_METRICS = ("speech_wer", "speech_cer", "speech_content_l2", "video_conten
                   "video_emotion_acc", "speech_examples", "video_examples")
 AVATAR_COLUMNS = {"trained": "model", "baseline": "mean predictor", "gold": "gold",
                   "mean_style": "mean_style", "pipeline_tts": "pipeline_tts"}
-# The stages that train the LoRA (train/stages.py STAGES): what decides every text figure.
-LORA_STAGES = ("coe", "overall", "pipeline")
 LICENSES = {
     "ed": "EmpatheticDialogues (Rashkin et al., ACL 2019) is CC BY-NC 4.0: weights trained on it are for "
           "non-commercial use.",
@@ -127,7 +125,7 @@ def stage_summary(workdir: str | Path) -> dict[str, Any]:
 
 def text_figures_from(export: str | Path, earlier: str | Path) -> dict[str, Any]:
     """The text part of an earlier export's card ("eval", "ci_subset", "emotion_head" and the training rows of
-    the stages that trained its LoRA), for an export whose PEFT adapter (the LoRA and the added token rows)
+    the stages that trained its adapter), for an export whose PEFT adapter (the LoRA and the added token rows)
     holds the earlier one's values exactly.
 
     Why: every text figure (CoE, emotion, reply) is a function of the LLM alone, which the adapter's bytes
@@ -148,8 +146,38 @@ def text_figures_from(export: str | Path, earlier: str | Path) -> dict[str, Any]
                         f"({', '.join(differ)}): evaluate it instead")
     return {"eval": card["eval"], "ci_subset": card.get("ci_subset"),
             "emotion_head": card.get("emotion_head"),
-            "training": [t for t in card.get("training", []) if t.get("stage") in LORA_STAGES],
+            "training": [t for t in card.get("training", []) if _trains_the_adapter(t.get("stage"))],
             "text_from": {"card": str(earlier), "date": card.get("date"), "command": card.get("command")}}
+
+
+def _trains_the_adapter(stage: str | None) -> bool:
+    """Whether a stage trains what the PEFT adapter holds (the LoRA or the added token rows), i.e. what
+    decides the text figures (`train.stages`: coe, sac, overall, the pipeline baseline)."""
+    from empatheia_jax.train.stages import get_stage
+
+    try:
+        return bool(get_stage(str(stage)).trainable_groups & {"lora", "added_rows"})
+    except ValueError:  # a stage this code does not know: keep its row
+        return True
+
+
+def _measured_text(metrics: Mapping[str, Any] | None, subset: Mapping[str, Any] | None,
+                   subset_examples: int | None, emotion_head: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The card's text part from this export's own evaluation reports."""
+    if metrics is None or "trained" not in metrics:
+        raise CardError("the eval report has no 'trained' column (write it with `empatheia eval --json`)")
+    ci_subset = None
+    if subset is not None:
+        if "trained" not in subset or not subset_examples:
+            raise CardError("the subset report needs a 'trained' column and its --max_examples")
+        ci_subset = {"max_examples": int(subset_examples), "split": subset.get("split"),
+                     "metrics": dict(subset["trained"])}
+    return {"eval": {"template": metrics.get("template"), "data": metrics.get("shards"),
+                     "split": metrics.get("split"), "reply_sampling": metrics.get("reply_sampling"),
+                     "metrics": dict(metrics["trained"])},
+            "ci_subset": ci_subset,
+            "emotion_head": None if emotion_head is None else _head_figures(emotion_head),
+            "training": []}
 
 
 def _text_settings(export: str | Path) -> dict[str, Any]:
@@ -187,30 +215,20 @@ def build_card(export: str | Path, metrics: Mapping[str, Any] | None, workdirs: 
     `emotion_head` (`fit_emotion_head weights --json`: the combination chosen on the eval's predictions)
     gives "emotion_head": its weights and the dev figures it was chosen by. `text_from` (an earlier export
     with the same adapter, `text_figures_from`) stands for `metrics`, `subset` and `emotion_head`: its text
-    figures and the training rows of its LoRA stages are carried over, and "text_from" says from where."""
+    figures and the training rows of the stages that trained its adapter are carried over, and "text_from"
+    says from where."""
     export = Path(export)
     meta_path = export / "empatheia_config.json"
     if not meta_path.is_file():
         raise CardError(f"{export}: not an Empatheia export (no empatheia_config.json)")
-    if text_from is not None:
-        if metrics is not None or subset is not None or emotion_head is not None:
-            raise CardError("text figures come from an eval (--metrics ...) or from --text_from, not both")
+    if text_from is None:
+        text = _measured_text(metrics, subset, subset_examples, emotion_head)
+    elif metrics is not None or subset is not None or emotion_head is not None:
+        raise CardError("text figures come from an eval (--metrics ...) or from --text_from, not both")
+    else:
         text = text_figures_from(export, text_from)
-        card = build_card(export, {"trained": {}}, workdirs, command=command, device=device, notes=notes,
-                          avatar=avatar)
-        card.update(eval=text["eval"], ci_subset=text["ci_subset"], emotion_head=text["emotion_head"],
-                    training=text["training"] + card["training"], text_from=text["text_from"])
-        return card
-    if metrics is None or "trained" not in metrics:
-        raise CardError("the eval report has no 'trained' column (write it with `empatheia eval --json`)")
     meta = json.loads(meta_path.read_text())
     model_config = meta.get("model_config", {})
-    ci_subset = None
-    if subset is not None:
-        if "trained" not in subset or not subset_examples:
-            raise CardError("the subset report needs a 'trained' column and its --max_examples")
-        ci_subset = {"max_examples": int(subset_examples), "split": subset.get("split"),
-                     "metrics": dict(subset["trained"])}
     return {
         "format": CARD_FORMAT,
         "date": date.today().isoformat(),
@@ -222,17 +240,12 @@ def build_card(export: str | Path, metrics: Mapping[str, Any] | None, workdirs: 
             "lora": model_config.get("lora"),
         },
         "weights": weight_digests(export),
-        "eval": {
-            "template": metrics.get("template"),
-            "data": metrics.get("shards"),
-            "split": metrics.get("split"),
-            "reply_sampling": metrics.get("reply_sampling"),
-            "metrics": dict(metrics["trained"]),
-        },
-        "ci_subset": ci_subset,
+        "eval": text["eval"],
+        "ci_subset": text["ci_subset"],
         "avatar": None if avatar is None else avatar_figures(avatar),
-        "emotion_head": None if emotion_head is None else _head_figures(emotion_head),
-        "training": [stage_summary(w) for w in workdirs],
+        "emotion_head": text["emotion_head"],
+        "training": text["training"] + [stage_summary(w) for w in workdirs],
+        **({"text_from": text["text_from"]} if "text_from" in text else {}),
         "command": command,
         "device": device,
         "notes": notes,
