@@ -424,8 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("export", help="an `empatheia export` folder")
     parser.add_argument("--metrics", default=None, help="`empatheia eval --json` or --report's metrics.json")
     parser.add_argument("--text_from", default=None,
-                        help="an earlier export with the same LoRA adapter (sha256): its card's text figures "
-                             "instead of --metrics / --subset_metrics / --emotion_head_weights")
+                        help="an earlier export whose adapter holds the same tensors, under the same text "
+                             "settings (text_figures_from): its card's text figures instead of --metrics / "
+                             "--subset_metrics / --emotion_head_weights")
     parser.add_argument("--workdir", action="append", default=[], help="a training workdir (one per stage)")
     parser.add_argument("--command", default="", help="the command that trained it")
     parser.add_argument("--device", default="", help="where it trained (e.g. '2-core CPU')")
