@@ -11,7 +11,8 @@
                     # without --text, the utterance is Whisper tiny.en's transcript of --audio
     empatheia serve --ckpt work/run/overall [--host 127.0.0.1] [--port 7860]
                     # the web page and POST /api/turn on one loaded model (docs/design.md "Serving")
-    empatheia export --ckpt work/run/overall --out work/export [--merged] [--dtype bfloat16] [--overwrite]
+    empatheia export --ckpt work/run/overall --out work/export [--merged] [--dtype bfloat16] [--max_len N]
+                     [--overwrite]
                     # PEFT adapter (default) or merged HF, + heads.safetensors; load_trained(DIR) reads it
 
 Flags are absl flags; `--config` is an ml-collections config file (`path.py[:arg]`) whose every field can be
@@ -141,6 +142,8 @@ flags.DEFINE_bool("peft", False, "export: a PEFT adapter on the converted backbo
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "export: the stored dtype of the "
                   "weights (bfloat16 halves the files; loading casts back to the model's dtype)")
 flags.DEFINE_bool("overwrite", False, "export: replace an existing --out folder")
+flags.DEFINE_integer("max_len", None, "export: the prompt budget in tokens the export serves at (its "
+                     "config.data.max_len; default the run's)", lower_bound=16)
 flags.DEFINE_string("host", "127.0.0.1", "serve: the address to listen on (the default answers this machine "
                     "only; 0.0.0.0 exposes the model, unauthenticated, to the network)")
 flags.DEFINE_integer("port", 7860, "serve: the TCP port", lower_bound=0, upper_bound=65535)
@@ -622,7 +625,7 @@ def _export() -> int:
     if FLAGS.peft and FLAGS.merged:
         raise app.UsageError("export takes --peft or --merged, not both")
     out = export_trained(FLAGS.ckpt, FLAGS.out, step=FLAGS.step, mode="merged" if FLAGS.merged else "peft",
-                         overwrite=FLAGS.overwrite, dtype=FLAGS.dtype)
+                         overwrite=FLAGS.overwrite, dtype=FLAGS.dtype, max_len=FLAGS.max_len)
     print(f"exported ({'merged HF' if FLAGS.merged else 'PEFT adapter'} + heads, {FLAGS.dtype}) -> {out}")
     return 0
 

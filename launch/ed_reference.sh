@@ -157,11 +157,26 @@ fi
 # The export is what gets evaluated, so the card's figures are those of the weights it ships: EXPORT_DTYPE
 # (default bfloat16, half the files of float32) is the stored dtype of the adapter and heads.
 # Each step below is skipped when its output is newer than the export it reads (a resumed run).
+# With COE_FROM, the text model is COE_FROM's (the ED stages train the CS only), so the export serves at its
+# prompt budget (data.max_len: the committed reference's is 256, the ED config's 320), at which its text
+# figures were measured.
+SERVE_LEN=()
+if [[ -n ${COE_FROM:-} ]]; then
+    SERVE_LEN=(--max_len "$("$PY" - "$COE_FROM" <<'EOF'
+import json, sys
+from pathlib import Path
+src = Path(sys.argv[1])
+meta = src / "empatheia_config.json"  # an export; else a training workdir
+config = json.loads(meta.read_text())["config"] if meta.is_file() else json.loads((src / "config.json").read_text())
+print(config["data"]["max_len"])
+EOF
+)")
+fi
 EXPORTED=$RUN/export/heads.safetensors
 if [[ ! $EXPORTED -nt $prev/checkpoints ]]; then
     echo "[ed_reference] export of $prev (${EXPORT_DTYPE:-bfloat16}) -> $RUN/export"
     "$PY" -m empatheia_jax.cli export --ckpt "$prev" --out "$RUN/export" --dtype "${EXPORT_DTYPE:-bfloat16}" \
-        --overwrite
+        ${SERVE_LEN[@]+"${SERVE_LEN[@]}"} --overwrite
 fi
 # Every text figure is a function of the PEFT adapter (the LoRA and the added token rows). When the export's
 # adapter holds COE_FROM's values exactly (the ED stages train the CS only; SAMPLE_STAGES=0 keeps the sample

@@ -201,6 +201,25 @@ def test_a_moved_backbone_is_given_with_backbone(run, exports, original, batch, 
             empatheia_jax.load_trained(src, step=STEP, backbone=tmp_path / "nowhere")
 
 
+def test_max_len_sets_the_budget_the_export_serves_at_and_keeps_the_weights(run, exports, tmp_path):
+    """max_len= (the launcher's COE_FROM budget): the re-export serves its prompts at that length, records the
+    run's own as trained_max_len, and its weight files hold the same tensors."""
+    from safetensors.numpy import load_file
+
+    _, _, workdir = run
+    trained = int(empatheia_jax.load_trained(exports["peft"], step=STEP)[2].data.max_len)
+    out = export_trained(exports["peft"], tmp_path / "served", step=STEP, max_len=trained - 8)
+    _, _, config, meta = empatheia_jax.load_trained(out, step=STEP)
+    assert config.data.max_len == trained - 8 and meta["trained_max_len"] == trained
+    for name in ("adapter_model.safetensors", "heads.safetensors"):
+        a, b = load_file(str(exports["peft"] / name)), load_file(str(out / name))
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a), name
+    for bad in (8, 64.0, True):
+        with pytest.raises(ExportError, match=f"max_len={bad!r} must be an int >= 16"):
+            export_trained(workdir, tmp_path / "bad", step=STEP, max_len=bad)
+    assert not (tmp_path / "bad").exists()
+
+
 def test_bfloat16_export_stores_every_weight_rounded_once(original, tmp_path):
     """`dtype="bfloat16"` (the committed reference model's format): the adapter and heads files hold bf16,
     and loading gives each parameter the original rounded to bf16, the frozen backbone untouched."""

@@ -220,6 +220,16 @@ def test_card_carries_the_text_figures_of_an_earlier_export_with_the_same_adapte
     (export / "empatheia_config.json").write_text(json.dumps({**meta, "config": {"data": {"max_len": 320}}}))
     with pytest.raises(model_card.CardError, match=r"text evaluation reads differ .*data\.max_len"):
         model_card.build_card(export, None, text_from=earlier)
+    # A field the earlier export does not record is its default (the LLM's `attention`, added later).
+    for attention, same in (("einsum", True), ("auto", False)):
+        llm = {**meta["model_config"], "llm": {"attention": attention}}
+        (export / "empatheia_config.json").write_text(json.dumps({**meta, "model_config": llm}))
+        if same:
+            carried = model_card.build_card(export, None, text_from=earlier)
+            assert carried["eval"]["metrics"] == metrics["trained"]
+        else:
+            with pytest.raises(model_card.CardError, match=r"differ .*\(llm\.attention\)"):
+                model_card.build_card(export, None, text_from=earlier)
     (export / "empatheia_config.json").write_text(json.dumps(meta))
     changed = dict(tensors, trainable_tokens_delta=np.full((2, 4), 2, bfloat16))
     save_file(changed, str(export / "adapter_model.safetensors"))

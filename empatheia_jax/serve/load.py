@@ -127,16 +127,23 @@ def export_trained(
     mode: str = "peft",
     overwrite: bool = False,
     dtype: str = "float32",
+    max_len: int | None = None,
 ) -> Path:
     """Exports a training workdir, its checkpoints folder, one step folder or another export folder.
 
     mode "peft": PEFT adapter (LoRA + added rows) over the converted backbone; "merged": a full HF
     checkpoint. Both add heads.safetensors, empatheia_config.json and the tokenizer (module docstring).
+    `max_len` is the prompt budget the export serves at (its `config.data.max_len`, which eval and chat read;
+    default the run's): a run that retrained the CS alone keeps the text model of the export it chained
+    from, and serving at that export's budget keeps its measured text figures true (`model_card
+    --text_from`). The run's own budget is kept as `trained_max_len`.
     Errors a caller can cause are raised before anything is loaded or written.
     """
     if mode not in MODES:
         raise ExportError(f"mode={mode!r} is not one of {MODES}")
     store_dtype(dtype)
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 16):
+        raise ExportError(f"max_len={max_len!r} must be an int >= 16 (the prompt budget in tokens)")
     src, out = Path(ckpt), Path(out)
     if not src.exists():
         raise CheckpointError(f"no trained checkpoint at {src}: pass a training workdir, its checkpoints "
@@ -149,6 +156,10 @@ def export_trained(
     model, tokenizer, _, meta = load_trained(src, step=step)
     if not is_export(src):
         meta = {**meta, "exported_from": str(src.absolute())}
+    trained = int(meta["config"]["data"]["max_len"])
+    if max_len is not None and max_len != trained:
+        config = {**meta["config"], "data": {**meta["config"]["data"], "max_len": max_len}}
+        meta = {**meta, "config": config, "trained_max_len": meta.get("trained_max_len", trained)}
     return export_model(model, tokenizer, meta, out, mode=mode, overwrite=overwrite, dtype=dtype)
 
 
