@@ -183,7 +183,7 @@ echo "(greedy decoding with no_repeat_ngram_size=${CHAT_NO_REPEAT_NGRAM:-4}; CHA
 check_reply "$RUN/chat_reply"
 
 # ---------------------------------------------------------------------------------------------------
-step 8 "the same turn with the packaged reference model (stage coe on 4,822 EmpatheticDialogues turns; its card: docs/benchmarks.md)"
+step 8 "the same turn with the packaged reference model (text and avatar trained on ED; card: empatheia_jax/resources/reference/README.md)"
 REF=$("$PY" -m empatheia_jax.reference)
 "$PY" -m empatheia_jax.cli chat --ckpt "$REF" --backbone "$WORK/smollm2" --history "$RUN/chat_history.json" \
     --text "${TURN[0]}" --audio "${TURN[1]}" --video "${TURN[2]}" --out "$RUN/chat_reference" \

@@ -371,15 +371,17 @@ def render(card: Mapping[str, Any]) -> str:
         "",
         *([f"The text figures below were measured on this PEFT adapter (the same tensors: the LoRA and the "
            f"added token rows) for the card of {carried['date']} (`{carried['command']}`); the stages "
-           "listed after its own train neither.",
+           "trained after it (the rows below its own in the table above) left the adapter as it was.",
            ""] if carried else []),
         f"Template {ev['template']}, data {Path(str(ev['data'])).name} split {ev['split']}. "
         "The model reads the dialogue alone (never ED's situation text: it writes the event itself in CoE "
         "step 1). `emotion32_acc_text` is CoE step 2 decoded freely; `emotion32_acc_scored` the step "
-        "chosen among the 32 ED labels by likelihood after the model's own step 1; `emotion32_acc_head` "
-        "the emotion head (emotion_head.safetensors, a linear probe over the model's reading of the "
-        "dialogue, fitted on the train part); `emotion32_acc_combined` the three combined with weights "
-        "chosen on this dev part (docs/design.md, Evaluation). " + _decoding_line(ev.get("reply_sampling")),
+        "chosen among the 32 ED labels by likelihood after the model's own step 1"
+        + ("; `emotion32_acc_head` the emotion head (emotion_head.safetensors, a linear probe over the "
+           "model's reading of the dialogue, fitted on the train part); `emotion32_acc_combined` the three "
+           "combined with weights chosen on this dev part (docs/design.md, Evaluation). "
+           if "emotion32_acc_head" in m else ". ")
+        + _decoding_line(ev.get("reply_sampling")),
         "",
         "| metric | value |",
         "|---|---|",
