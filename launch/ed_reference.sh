@@ -241,6 +241,10 @@ if [[ -n $TEXT_FROM ]]; then
 else
     TEXT=(--metrics "$RUN/report_final/metrics.json" --subset_metrics "$RUN/report_final/subset.json"
           --subset_examples $CI_SUBSET --emotion_head_weights "$RUN/emotion_head_weights.json")
+    # the stages that made COE_FROM's adapter are this export's history too (its card's rows)
+    if [[ -n ${COE_FROM:-} && -f $COE_FROM/card.json ]]; then
+        TEXT+=(--chained_from "$COE_FROM")
+    fi
 fi
 "$PY" -m empatheia_jax.eval.model_card "$RUN/export" "${TEXT[@]}" "${WORKDIRS[@]}" \
     --avatar_metrics "$RUN/report_avatar.json" \

@@ -212,6 +212,12 @@ def test_card_carries_the_text_figures_of_an_earlier_export_with_the_same_adapte
     assert ("measured on this PEFT adapter (the same tensors: the LoRA and the added token rows) for the "
             "card of") in model_card.render(card)
     assert model_card.main([str(export), "--text_from", str(earlier)]) == 0
+    # Measured instead (TEXT_EVAL=1), the export still chained from the earlier one: its coe row comes first.
+    measured = {"trained": {"emotion32_acc_text": 0.41}, "template": "coe", "shards": "s", "split": "dev"}
+    for chained, stages in ((earlier, ["coe", "ccl_units"]), (None, ["ccl_units"])):
+        card = model_card.build_card(export, measured, [units], chained_from=chained)
+        assert [t["stage"] for t in card["training"]] == stages and "text_from" not in card
+        assert card["eval"]["metrics"] == {"emotion32_acc_text": 0.41}
 
     with pytest.raises(model_card.CardError, match="not both"):
         model_card.build_card(export, metrics, text_from=earlier)

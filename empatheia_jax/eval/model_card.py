@@ -146,8 +146,14 @@ def text_figures_from(export: str | Path, earlier: str | Path) -> dict[str, Any]
                         f"({', '.join(differ)}): evaluate it instead")
     return {"eval": card["eval"], "ci_subset": card.get("ci_subset"),
             "emotion_head": card.get("emotion_head"),
-            "training": [t for t in card.get("training", []) if _trains_the_adapter(t.get("stage"))],
+            "training": adapter_rows(card),
             "text_from": {"card": str(earlier), "date": card.get("date"), "command": card.get("command")}}
+
+
+def adapter_rows(card: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A card's training rows of the stages that trained its adapter: the history an export chained from it
+    (COE_FROM in launch/ed_reference.sh) keeps, since its LoRA and added rows start from there."""
+    return [t for t in card.get("training", []) if _trains_the_adapter(t.get("stage"))]
 
 
 def _trains_the_adapter(stage: str | None) -> bool:
@@ -213,7 +219,8 @@ def build_card(export: str | Path, metrics: Mapping[str, Any] | None, workdirs: 
                subset: Mapping[str, Any] | None = None, subset_examples: int | None = None,
                avatar: Mapping[str, Any] | None = None,
                emotion_head: Mapping[str, Any] | None = None,
-               text_from: str | Path | None = None) -> dict[str, Any]:
+               text_from: str | Path | None = None,
+               chained_from: str | Path | None = None) -> dict[str, Any]:
     """card.json's content: the export's meta, the eval report's trained column and where it was measured,
     and each training workdir's summary. `subset` (an eval report of the same data with `--max_examples
     subset_examples`) is kept as "ci_subset": a figure a test can re-measure in CI time. `avatar` (an eval
@@ -222,13 +229,17 @@ def build_card(export: str | Path, metrics: Mapping[str, Any] | None, workdirs: 
     gives "emotion_head": its weights and the dev figures it was chosen by. `text_from` (an earlier export
     with the same adapter, `text_figures_from`) stands for `metrics`, `subset` and `emotion_head`: its text
     figures and the training rows of the stages that trained its adapter are carried over, and "text_from"
-    says from where."""
+    says from where. `chained_from` (the earlier export this one's stages started from, with its card) puts
+    that card's training rows of the stages that trained its adapter first (`adapter_rows`; `text_from`
+    implies it)."""
     export = Path(export)
     meta_path = export / "empatheia_config.json"
     if not meta_path.is_file():
         raise CardError(f"{export}: not an Empatheia export (no empatheia_config.json)")
     if text_from is None:
         text = _measured_text(metrics, subset, subset_examples, emotion_head)
+        if chained_from is not None:
+            text["training"] = adapter_rows(read_card(chained_from))
     elif metrics is not None or subset is not None or emotion_head is not None:
         raise CardError("text figures come from an eval (--metrics ...) or from --text_from, not both")
     else:
@@ -435,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="an earlier export whose adapter holds the same tensors, under the same text "
                              "settings (text_figures_from): its card's text figures instead of --metrics / "
                              "--subset_metrics / --emotion_head_weights")
+    parser.add_argument("--chained_from", default=None,
+                        help="the earlier export (with its card) whose adapter this one's stages started "
+                             "from: its adapter-training rows come first in the training table")
     parser.add_argument("--workdir", action="append", default=[], help="a training workdir (one per stage)")
     parser.add_argument("--command", default="", help="the command that trained it")
     parser.add_argument("--device", default="", help="where it trained (e.g. '2-core CPU')")
@@ -455,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         head = json.loads(Path(args.emotion_head_weights).read_text()) if args.emotion_head_weights else None
         card = build_card(args.export, metrics, args.workdir, command=args.command, device=args.device,
                           notes=args.notes, subset=subset, subset_examples=args.subset_examples,
-                          avatar=avatar, emotion_head=head, text_from=args.text_from)
+                          avatar=avatar, emotion_head=head, text_from=args.text_from,
+                          chained_from=args.chained_from)
     except (OSError, json.JSONDecodeError, CardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -463,8 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["AVATAR_METRICS", "CardError", "HEADLINE", "avatar_figures", "build_card", "read_card", "render",
-           "stage_summary", "text_figures_from", "weight_digests", "write_card"]
+__all__ = ["AVATAR_METRICS", "CardError", "HEADLINE", "adapter_rows", "avatar_figures", "build_card",
+           "read_card", "render", "stage_summary", "text_figures_from", "weight_digests", "write_card"]
 
 if __name__ == "__main__":
     sys.exit(main())
