@@ -30,14 +30,16 @@
 # to the same LLM, e.g. the committed reference's, copied into the export instead of fitting one),
 # TEXT_EVAL=1 (measure the text figures even when the export's adapter is COE_FROM's: by default they are
 # then carried from COE_FROM's card, e.g. `COE_FROM=$(python -m empatheia_jax.reference) SAMPLE_STAGES=0`
-# retrains the CS alone and re-measures only the avatar), REPLY_FLAGS (how the final dev evaluation decodes
-# the reply after the greedy CoE; default the consensus of 16 replies drawn at T 0.7, top-p 0.95, seed 0:
-# serve/reply_choice.py, chosen on dev; "" = greedy replies).
+# retrains the CS alone and re-measures only the avatar; with no stage after COE_FROM, `ED_STAGES=0
+# SAMPLE_STAGES=0 TEXT_EVAL=1`, COE_FROM's export itself is measured again: its text figures with today's
+# evaluation, the emotion head fitted to it, its avatar figures carried, `model_card --avatar_from`),
+# REPLY_FLAGS (how the final dev evaluation decodes the reply after the greedy CoE; default the consensus of
+# 16 replies drawn at T 0.7, top-p 0.95, seed 0: serve/reply_choice.py, chosen on dev; "" = greedy replies).
 # Exit status: 0 done; 3 a stage stopped early (SIGTERM: checkpointed; re-run the same command to resume).
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-    sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,38p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 RUN=$1
@@ -151,8 +153,16 @@ for stage in ${STAGES/#0/}; do
     prev=$RUN/$stage
     WORKDIRS+=(--workdir "$RUN/$stage")
 done
-if [[ $prev == "$RUN/coe" || $prev == "${COE_FROM:-}" ]]; then
+# No stage after COE_FROM: nothing to export, unless TEXT_EVAL=1 asks for COE_FROM's export to be measured
+# again as it is (REMEASURE: the same weights, so the avatar figures and training rows of its card carry).
+REMEASURE=
+if [[ $prev == "$RUN/coe" ]]; then
     exit 0
+elif [[ $prev == "${COE_FROM:-}" ]]; then
+    if [[ ${TEXT_EVAL:-0} != 1 || ! -f $COE_FROM/empatheia_config.json ]]; then
+        exit 0
+    fi
+    REMEASURE=1
 fi
 # The export is what gets evaluated, so the card's figures are those of the weights it ships: EXPORT_DTYPE
 # (default bfloat16, half the files of float32) is the stored dtype of the adapter and heads.
@@ -173,7 +183,20 @@ EOF
 )")
 fi
 EXPORTED=$RUN/export/heads.safetensors
-if [[ ! $EXPORTED -nt $prev/checkpoints ]]; then
+BACKBONE=()
+if [[ -n $REMEASURE ]]; then
+    # the export is COE_FROM's files (a head it carries is fitted again unless HEAD_FROM); its recorded
+    # backbone path is the machine's it was exported on
+    BACKBONE=(--backbone "$WORK/smollm2")
+    if ! cmp -s "$COE_FROM/heads.safetensors" "$EXPORTED" \
+        || ! cmp -s "$COE_FROM/adapter_model.safetensors" "$RUN/export/adapter_model.safetensors"; then
+        echo "[ed_reference] no stage after COE_FROM (TEXT_EVAL=1): its export is measured again -> $RUN/export"
+        rm -rf "$RUN/export"
+        cp -r "$COE_FROM" "$RUN/export"
+        rm -f "$RUN/export/emotion_head.safetensors"
+        touch "$EXPORTED"
+    fi
+elif [[ ! $EXPORTED -nt $prev/checkpoints ]]; then
     echo "[ed_reference] export of $prev (${EXPORT_DTYPE:-bfloat16}) -> $RUN/export"
     "$PY" -m empatheia_jax.cli export --ckpt "$prev" --out "$RUN/export" --dtype "${EXPORT_DTYPE:-bfloat16}" \
         ${SERVE_LEN[@]+"${SERVE_LEN[@]}"} --overwrite
@@ -207,9 +230,9 @@ elif [[ -n ${HEAD_FROM:-} ]]; then
 elif [[ ! $RUN/export/emotion_head.safetensors -nt $EXPORTED ]]; then
     echo "[ed_reference] emotion head of the export (train part; C on dev) -> $RUN/export/emotion_head.safetensors"
     "$PY" -m empatheia_jax.eval.fit_emotion_head probe --ckpt "$RUN/export" --shards "$RUN/ed/shards" \
-        --json "$RUN/emotion_head_probe.json"
+        --json "$RUN/emotion_head_probe.json" ${BACKBONE[@]+"${BACKBONE[@]}"}
 fi
-if [[ ! $RUN/report_avatar.json -nt $EXPORTED ]]; then
+if [[ -z $REMEASURE && ! $RUN/report_avatar.json -nt $EXPORTED ]]; then
     echo "[ed_reference] the avatar on dev replies: the CS's content spoken and heard (ccl template)" \
         "-> $RUN/report_avatar.json"
     "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template ccl \
@@ -223,7 +246,7 @@ if [[ -z $TEXT_FROM ]]; then
         echo "[ed_reference] dev evaluation of the export (CoE prompt) -> $RUN/report_final"
         "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template coe \
             --report "$RUN/report_final" --no_repeat_ngram_size 4 --score_emotions ${REPLY[@]+"${REPLY[@]}"} \
-            ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
+            ${BACKBONE[@]+"${BACKBONE[@]}"} ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
     fi
     echo "[ed_reference] the head's combination with step 2, chosen on those dev predictions"
     "$PY" -m empatheia_jax.eval.fit_emotion_head weights --head "$RUN/export/emotion_head.safetensors" \
@@ -233,7 +256,7 @@ if [[ -z $TEXT_FROM ]]; then
     CI_SUBSET=32  # tests/test_reference_model.py SUBSET
     "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template coe \
         --max_examples $CI_SUBSET --json "$RUN/report_final/subset.json" --no_repeat_ngram_size 4 --score_emotions \
-        ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
+        ${BACKBONE[@]+"${BACKBONE[@]}"} ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}
 fi
 echo "[ed_reference] model card -> $RUN/export"
 if [[ -n $TEXT_FROM ]]; then
@@ -242,12 +265,16 @@ else
     TEXT=(--metrics "$RUN/report_final/metrics.json" --subset_metrics "$RUN/report_final/subset.json"
           --subset_examples $CI_SUBSET --emotion_head_weights "$RUN/emotion_head_weights.json")
     # the stages that made COE_FROM's adapter are this export's history too (its card's rows)
-    if [[ -n ${COE_FROM:-} && -f $COE_FROM/card.json ]]; then
+    if [[ -z $REMEASURE && -n ${COE_FROM:-} && -f $COE_FROM/card.json ]]; then
         TEXT+=(--chained_from "$COE_FROM")
     fi
 fi
-"$PY" -m empatheia_jax.eval.model_card "$RUN/export" "${TEXT[@]}" "${WORKDIRS[@]}" \
-    --avatar_metrics "$RUN/report_avatar.json" \
-    --command "${COE_FROM:+COE_FROM=$COE_FROM }${ED_STAGES_SET:+ED_STAGES=\"$ED_STAGES\" }${SAMPLE_STAGES:+SAMPLE_STAGES=$SAMPLE_STAGES }bash launch/ed_reference.sh $RUN${*:+ $*}" \
+if [[ -n $REMEASURE ]]; then
+    AVATAR=(--avatar_from "$COE_FROM")  # the same weights: its card's avatar figures and training rows
+else
+    AVATAR=(--avatar_metrics "$RUN/report_avatar.json")
+fi
+"$PY" -m empatheia_jax.eval.model_card "$RUN/export" "${TEXT[@]}" ${WORKDIRS[@]+"${WORKDIRS[@]}"} "${AVATAR[@]}" \
+    --command "${COE_FROM:+COE_FROM=$COE_FROM }${ED_STAGES_SET:+ED_STAGES=\"$ED_STAGES\" }${SAMPLE_STAGES:+SAMPLE_STAGES=$SAMPLE_STAGES }${REMEASURE:+TEXT_EVAL=1 }bash launch/ed_reference.sh $RUN${*:+ $*}" \
     --device "${DEVICE:-$(nproc)-core CPU}"
 echo "[ed_reference] done: $RUN/export (chat: empatheia chat --ckpt $RUN/export --text ...)"

@@ -279,3 +279,90 @@ def test_slurm_refuses_to_run_outside_a_job() -> None:
     assert p.returncode == 2 and "not inside a SLURM job" in p.stderr and "DRY_RUN=1" in p.stderr
     p = run(SLURM, ARGS, {"DRY_RUN": "1"})
     assert p.returncode == 2 and "SLURM_JOB_NODELIST" in p.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The reference model's launcher
+# ----------------------------------------------------------------------------------------------------------
+
+ED_REFERENCE = REPO / "launch" / "ed_reference.sh"
+
+
+def fake_python(bin_dir: Path, log: Path) -> Path:
+    """A stand-in PY for launch/ed_reference.sh: its inline snippets (`PY -`) run in this interpreter; every
+    `PY -m MODULE ...` is recorded (argv) and leaves the files the launcher checks for (the head, the
+    report), so the steps run without a model."""
+    bin_dir.mkdir(exist_ok=True)
+    exe = bin_dir / "python"
+    exe.write_text(textwrap.dedent(f"""\
+        #!{sys.executable}
+        import json, os, sys
+        from pathlib import Path
+        argv = sys.argv[1:]
+        if argv[0] == "-":
+            os.execv({sys.executable!r}, [{sys.executable!r}, *argv])
+        with open({str(log)!r}, "a") as f:
+            f.write(json.dumps(argv) + "\\n")
+        def flag(name):
+            return argv[argv.index(name) + 1] if name in argv else None
+        if argv[1:3] == ["empatheia_jax.eval.fit_emotion_head", "probe"]:
+            Path(flag("--ckpt"), "emotion_head.safetensors").write_bytes(b"head")
+        if flag("--report"):
+            Path(flag("--report")).mkdir(parents=True, exist_ok=True)
+            Path(flag("--report"), "metrics.json").write_text("{{}}")
+        """))
+    exe.chmod(0o755)
+    return exe
+
+
+def test_ed_reference_measures_a_finished_export_again_without_training(tmp_path: Path) -> None:
+    """`COE_FROM=EXPORT ED_STAGES=0 SAMPLE_STAGES=0 TEXT_EVAL=1`: no stage trains and nothing is exported;
+    the export measured is COE_FROM's files (a head it carries is fitted again), every reading of it names
+    the converted backbone, the avatar is not evaluated but carried (`model_card --avatar_from`, no
+    --chained_from), and the card's command says how it was made. Run again, the finished steps are
+    skipped. Without TEXT_EVAL=1 the same command does nothing."""
+    work, run_dir, coe_from = tmp_path / "work", tmp_path / "run", tmp_path / "reference"
+    for need in (work / "smollm2" / "COMPLETE", work / "shards" / "manifest.json"):
+        need.parent.mkdir(parents=True)
+        need.write_text("{}")
+    coe_from.mkdir()
+    for name, data in (("adapter_model.safetensors", b"lora"), ("heads.safetensors", b"cs+sd"),
+                       ("emotion_head.safetensors", b"old head"), ("card.json", b"{}")):
+        (coe_from / name).write_bytes(data)
+    (coe_from / "empatheia_config.json").write_text(json.dumps({"config": {"data": {"max_len": 256}}}))
+    log = tmp_path / "calls.jsonl"
+    env = {"PY": str(fake_python(tmp_path / "bin", log)), "WORK": str(work), "COE_FROM": str(coe_from),
+           "ED_STAGES": "0", "SAMPLE_STAGES": "0", "TEXT_EVAL": "1"}
+
+    def steps(start: int = 0) -> list[list[str]]:  # the recorded model steps (not the data import)
+        lines = log.read_text().splitlines()[start:] if log.exists() else []
+        return [c for c in map(json.loads, lines) if not c[1].startswith(("data.", "converters."))]
+
+    p = run(ED_REFERENCE, [str(run_dir)], env)
+    assert p.returncode == 0, p.stderr
+    calls = steps()
+    assert [c[1:3] for c in calls] == [
+        ["empatheia_jax.eval.fit_emotion_head", "probe"], ["empatheia_jax.cli", "eval"],
+        ["empatheia_jax.eval.fit_emotion_head", "weights"], ["empatheia_jax.cli", "eval"],
+        ["empatheia_jax.eval.model_card", str(run_dir / "export")]]  # no train, export or avatar eval
+    export = run_dir / "export"
+    assert (export / "adapter_model.safetensors").read_bytes() == b"lora"
+    assert (export / "emotion_head.safetensors").read_bytes() == b"head"  # fitted again, not COE_FROM's
+    readers = [c for c in calls if "--ckpt" in c]
+    assert len(readers) == 3 and all(c[c.index("--backbone") + 1] == f"{work}/smollm2" for c in readers)
+    assert "--reply_candidates" in calls[1] and "--max_examples" in calls[3]
+    card = calls[-1]
+    assert card[card.index("--avatar_from") + 1] == str(coe_from)
+    assert "--avatar_metrics" not in card and "--chained_from" not in card and "--text_from" not in card
+    assert card[card.index("--command") + 1] == (f"COE_FROM={coe_from} ED_STAGES=\"0\" SAMPLE_STAGES=0 "
+                                                 f"TEXT_EVAL=1 bash launch/ed_reference.sh {run_dir}")
+
+    n = len(log.read_text().splitlines())
+    assert run(ED_REFERENCE, [str(run_dir)], env).returncode == 0  # again: the head and the dev eval are done
+    assert [c[1:3] for c in steps(n)] == [
+        ["empatheia_jax.eval.fit_emotion_head", "weights"], ["empatheia_jax.cli", "eval"],
+        ["empatheia_jax.eval.model_card", str(export)]]
+
+    n = len(log.read_text().splitlines())
+    assert run(ED_REFERENCE, [str(run_dir)], {**env, "TEXT_EVAL": "0"}).returncode == 0
+    assert steps(n) == []

@@ -247,3 +247,66 @@ def test_card_carries_the_text_figures_of_an_earlier_export_with_the_same_adapte
     with pytest.raises(SystemExit):
         model_card.main([str(export)])  # neither --metrics nor --text_from
     capsys.readouterr()
+
+
+def test_card_carries_the_avatar_figures_of_an_earlier_export_with_the_same_weights(tmp_path):
+    """--avatar_from: a text re-measurement of the same trained model (adapter and heads holding an earlier
+    card's values) keeps that card's avatar part and its whole training table, and says where they come
+    from; a changed head value, other model settings, a card without an avatar part, or an avatar report
+    given as well are refused."""
+    import numpy as np
+    from ml_dtypes import bfloat16
+    from safetensors.numpy import save_file
+
+    adapter = {"lora_A": np.arange(6, dtype=np.float32).reshape(2, 3).astype(bfloat16)}
+    heads = {"cs/out": np.ones((3, 2), bfloat16)}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    earlier, export = _export(tmp_path / "a"), _export(tmp_path / "b")
+    for folder in (earlier, export):
+        save_file(adapter, str(folder / "adapter_model.safetensors"))
+        save_file(heads, str(folder / "heads.safetensors"))
+    coe = _workdir(tmp_path, "coe", "coe", [{"step": 50, "perf/step_time_s": 4.0}])
+    units = _workdir(tmp_path, "ed_ccl_units", "ccl_units", [{"step": 100, "perf/step_time_s": 1.5}])
+    avatar = {"trained": {"speech_wer": 0.108, "video_lip_sync": 0.678}, "template": "ccl", "shards": "s",
+              "split": "dev"}
+    old = {"trained": {"emotion32_acc_text": 0.403}, "template": "coe", "shards": "s", "split": "dev"}
+    model_card.write_card(earlier, model_card.build_card(earlier, old, [coe, units], avatar=avatar,
+                                                         command="bash launch/ed_reference.sh OLD"))
+    save_file({"w": np.zeros((4, 2), np.float32)}, str(export / "emotion_head.safetensors"))  # a new file
+
+    new = {"trained": {"emotion32_acc_text": 0.403, "emotion32_acc_combined": 0.46}, "template": "coe",
+           "shards": "s", "split": "dev"}
+    card = model_card.build_card(export, new, avatar_from=earlier)
+    assert card["eval"]["metrics"] == new["trained"]
+    assert card["avatar"]["columns"]["trained"] == avatar["trained"]
+    assert [t["stage"] for t in card["training"]] == ["coe", "ccl_units"]  # the weights' whole history
+    assert card["avatar_from"]["command"] == "bash launch/ed_reference.sh OLD"
+    assert set(card["weights"]) == {"adapter_model.safetensors", "heads.safetensors",
+                                    "emotion_head.safetensors"}
+    assert "Measured on these weights (the same adapter and heads) for the card of" in model_card.render(card)
+    assert model_card.main([str(export), "--metrics", str(_json(tmp_path, new)), "--avatar_from",
+                            str(earlier)]) == 0
+
+    with pytest.raises(model_card.CardError, match="not both"):
+        model_card.build_card(export, new, avatar=avatar, avatar_from=earlier)
+    with pytest.raises(model_card.CardError, match="not both"):
+        model_card.build_card(export, new, avatar_from=earlier, chained_from=earlier)
+    meta = json.loads((export / "empatheia_config.json").read_text())
+    cs = {**meta["model_config"], "cs": {"d_model": 256}}
+    (export / "empatheia_config.json").write_text(json.dumps({**meta, "model_config": cs}))
+    with pytest.raises(model_card.CardError, match=r"avatar evaluation reads differ .*model_config"):
+        model_card.build_card(export, new, avatar_from=earlier)
+    (export / "empatheia_config.json").write_text(json.dumps(meta))
+    save_file({"cs/out": np.full((3, 2), 2, bfloat16)}, str(export / "heads.safetensors"))
+    with pytest.raises(model_card.CardError, match="heads.safetensors holds other values"):
+        model_card.build_card(export, new, avatar_from=earlier)
+    model_card.write_card(earlier, model_card.build_card(earlier, old, [coe]))  # a card with no avatar
+    with pytest.raises(model_card.CardError, match="no avatar part"):
+        model_card.build_card(export, new, avatar_from=earlier)
+
+
+def _json(tmp_path, obj):
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(obj))
+    return path

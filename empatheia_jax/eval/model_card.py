@@ -133,21 +133,53 @@ def text_figures_from(export: str | Path, earlier: str | Path) -> dict[str, Any]
     a finished run (COE_FROM in launch/ed_reference.sh) would otherwise re-run hours of dev evaluation to
     write the same figures. The tensor check is what makes this a copy of a measurement, not a guess."""
     card = read_card(earlier)
-    name = "adapter_model.safetensors"
-    if weight_digests(earlier).get(name) != card.get("weights", {}).get(name):
-        raise CardError(f"{earlier}: its {name} is not the one its card was measured on (sha256)")
-    if not _same_tensors(Path(export) / name, Path(earlier) / name):
-        raise CardError(f"{export}: its {name} holds other values than {earlier}'s, whose card's text "
-                        "figures are therefore not its own: evaluate it instead")
-    here, there = _text_settings(export), _text_settings(earlier)
-    if here != there:
-        differ = sorted(k for k in here.keys() | there.keys() if here.get(k) != there.get(k))
-        raise CardError(f"{export}: the settings the text evaluation reads differ from {earlier}'s "
-                        f"({', '.join(differ)}): evaluate it instead")
+    _check_same_weights(export, earlier, card, ["adapter_model.safetensors"], "text")
+    _check_same_settings(_text_settings(export), _text_settings(earlier), export, earlier, "text")
     return {"eval": card["eval"], "ci_subset": card.get("ci_subset"),
             "emotion_head": card.get("emotion_head"),
             "training": adapter_rows(card),
-            "text_from": {"card": str(earlier), "date": card.get("date"), "command": card.get("command")}}
+            "text_from": _provenance(earlier, card)}
+
+
+def avatar_figures_from(export: str | Path, earlier: str | Path) -> dict[str, Any]:
+    """The avatar part of an earlier export's card and all its training rows, for an export whose adapter and
+    CS/SD heads hold the earlier one's values exactly under the same model settings: the same trained model.
+
+    Why: a text re-measurement of a committed model (a new emotion head beside it, another reply decoding)
+    changes no weight the avatar's figures read (the LLM's hidden states of the signal tokens through the
+    heads), and those figures cost the Whisper and face passes again; what trained the weights is the
+    earlier card's history, so its rows stay the training table."""
+    card = read_card(earlier)
+    if not card.get("avatar"):
+        raise CardError(f"{earlier}: its card has no avatar part to carry")
+    _check_same_weights(export, earlier, card, ["adapter_model.safetensors", "heads.safetensors"], "avatar")
+    _check_same_settings(_avatar_settings(export), _avatar_settings(earlier), export, earlier, "avatar")
+    return {"avatar": card["avatar"], "training": list(card.get("training", [])),
+            "avatar_from": _provenance(earlier, card)}
+
+
+def _provenance(earlier: str | Path, card: Mapping[str, Any]) -> dict[str, Any]:
+    return {"card": str(earlier), "date": card.get("date"), "command": card.get("command")}
+
+
+def _check_same_weights(export: str | Path, earlier: str | Path, card: Mapping[str, Any],
+                        names: Sequence[str], what: str) -> None:
+    """CardError unless each weight file of `earlier` is the one its card names (sha256) and `export`'s holds
+    the same tensors: what makes carrying its `what` figures a copy of a measurement."""
+    for name in names:
+        if weight_digests(earlier).get(name) != card.get("weights", {}).get(name):
+            raise CardError(f"{earlier}: its {name} is not the one its card was measured on (sha256)")
+        if not _same_tensors(Path(export) / name, Path(earlier) / name):
+            raise CardError(f"{export}: its {name} holds other values than {earlier}'s, whose card's {what} "
+                            "figures are therefore not its own: evaluate it instead")
+
+
+def _check_same_settings(here: Mapping[str, Any], there: Mapping[str, Any], export: str | Path,
+                         earlier: str | Path, what: str) -> None:
+    if here != there:
+        differ = sorted(k for k in here.keys() | there.keys() if here.get(k) != there.get(k))
+        raise CardError(f"{export}: the settings the {what} evaluation reads differ from {earlier}'s "
+                        f"({', '.join(differ)}): evaluate it instead")
 
 
 def adapter_rows(card: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -201,6 +233,12 @@ def _text_settings(export: str | Path) -> dict[str, Any]:
     return {"data.max_len": data.get("max_len"), **{f"llm.{k}": v for k, v in llm.items()}}
 
 
+def _avatar_settings(export: str | Path) -> dict[str, Any]:
+    """What the avatar evaluation reads besides the weights: the text settings and every head's config."""
+    meta = json.loads((Path(export) / "empatheia_config.json").read_text())
+    return {**_text_settings(export), "model_config": meta.get("model_config")}
+
+
 def _same_tensors(a: Path, b: Path) -> bool:
     """Whether two safetensors files hold the same names, dtypes and values (the bytes of the header may
     differ: an export writes its own metadata)."""
@@ -220,7 +258,8 @@ def build_card(export: str | Path, metrics: Mapping[str, Any] | None, workdirs: 
                avatar: Mapping[str, Any] | None = None,
                emotion_head: Mapping[str, Any] | None = None,
                text_from: str | Path | None = None,
-               chained_from: str | Path | None = None) -> dict[str, Any]:
+               chained_from: str | Path | None = None,
+               avatar_from: str | Path | None = None) -> dict[str, Any]:
     """card.json's content: the export's meta, the eval report's trained column and where it was measured,
     and each training workdir's summary. `subset` (an eval report of the same data with `--max_examples
     subset_examples`) is kept as "ci_subset": a figure a test can re-measure in CI time. `avatar` (an eval
@@ -231,7 +270,9 @@ def build_card(export: str | Path, metrics: Mapping[str, Any] | None, workdirs: 
     figures and the training rows of the stages that trained its adapter are carried over, and "text_from"
     says from where. `chained_from` (the earlier export this one's stages started from, with its card) puts
     that card's training rows of the stages that trained its adapter first (`adapter_rows`; `text_from`
-    implies it)."""
+    implies it). `avatar_from` (an earlier export with the same adapter and heads, `avatar_figures_from`)
+    stands for `avatar`: its card's avatar part and all its training rows (the weights it trained) are
+    carried, and "avatar_from" says from where."""
     export = Path(export)
     meta_path = export / "empatheia_config.json"
     if not meta_path.is_file():
@@ -244,6 +285,13 @@ def build_card(export: str | Path, metrics: Mapping[str, Any] | None, workdirs: 
         raise CardError("text figures come from an eval (--metrics ...) or from --text_from, not both")
     else:
         text = text_figures_from(export, text_from)
+    carried_avatar: dict[str, Any] = {}
+    if avatar_from is not None:
+        if avatar is not None or chained_from is not None:
+            raise CardError("the avatar figures come from an eval (--avatar_metrics) or from --avatar_from, "
+                            "not both; --avatar_from carries the whole training history (no --chained_from)")
+        carried_avatar = avatar_figures_from(export, avatar_from)
+        text["training"] = carried_avatar["training"]
     meta = json.loads(meta_path.read_text())
     model_config = meta.get("model_config", {})
     return {
@@ -259,10 +307,12 @@ def build_card(export: str | Path, metrics: Mapping[str, Any] | None, workdirs: 
         "weights": weight_digests(export),
         "eval": text["eval"],
         "ci_subset": text["ci_subset"],
-        "avatar": None if avatar is None else avatar_figures(avatar),
+        "avatar": (carried_avatar["avatar"] if carried_avatar
+                   else None if avatar is None else avatar_figures(avatar)),
         "emotion_head": text["emotion_head"],
         "training": text["training"] + [stage_summary(w) for w in workdirs],
         **({"text_from": text["text_from"]} if "text_from" in text else {}),
+        **({"avatar_from": carried_avatar["avatar_from"]} if carried_avatar else {}),
         "command": command,
         "device": device,
         "notes": notes,
@@ -317,9 +367,12 @@ def _head_lines(head: Mapping[str, Any]) -> list[str]:
                   f"{_fmt(alone['head'])}."]
 
 
-def _avatar_lines(avatar: Mapping[str, Any]) -> list[str]:
+def _avatar_lines(avatar: Mapping[str, Any], carried: Mapping[str, Any] | None = None) -> list[str]:
     columns = [c for c in AVATAR_COLUMNS if c in avatar["columns"]]
     lines = ["", "## The avatar", "",
+             *([f"Measured on these weights (the same adapter and heads) for the card of {carried['date']}; "
+                "the re-measurement of the text figures above changed no weight the avatar reads.", ""]
+               if carried else []),
              f"The Content Synchronizer's rows over the gold reply (template {avatar['template']}, "
              f"{Path(str(avatar['data'])).name} split {avatar['split']}), spoken by Kokoro and drawn by the "
              "face generator; speech_wer / speech_cer score Whisper tiny.en's transcript against the reply "
@@ -408,7 +461,7 @@ def render(card: Mapping[str, Any]) -> str:
         lines += ["", f"On the first {sub['max_examples']} records of the same split (what the project's "
                       f"test re-measures): {shown}."]
     if card.get("avatar"):
-        lines += _avatar_lines(card["avatar"])
+        lines += _avatar_lines(card["avatar"], card.get("avatar_from"))
     if card.get("notes"):
         lines += ["", "## Notes", "", card["notes"]]
     if card.get("weights"):
@@ -459,6 +512,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="`fit_emotion_head weights --json` on the --metrics eval's predictions")
     parser.add_argument("--avatar_metrics", default=None,
                         help="`empatheia eval --json` with speech/video rows (the card's avatar part)")
+    parser.add_argument("--avatar_from", default=None,
+                        help="an earlier export whose adapter and heads hold the same tensors, under the "
+                             "same model settings (avatar_figures_from): its card's avatar part and training "
+                             "rows instead of --avatar_metrics / --workdir")
     args = parser.parse_args(argv)
     if (args.metrics is None) == (args.text_from is None):
         parser.error("give one of --metrics and --text_from")
@@ -470,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         card = build_card(args.export, metrics, args.workdir, command=args.command, device=args.device,
                           notes=args.notes, subset=subset, subset_examples=args.subset_examples,
                           avatar=avatar, emotion_head=head, text_from=args.text_from,
-                          chained_from=args.chained_from)
+                          chained_from=args.chained_from, avatar_from=args.avatar_from)
     except (OSError, json.JSONDecodeError, CardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -478,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["AVATAR_METRICS", "CardError", "HEADLINE", "adapter_rows", "avatar_figures", "build_card",
+__all__ = ["AVATAR_METRICS", "CardError", "HEADLINE", "adapter_rows", "avatar_figures", "avatar_figures_from",
+           "build_card",
            "read_card", "render", "stage_summary", "text_figures_from", "weight_digests", "write_card"]
 
 if __name__ == "__main__":
