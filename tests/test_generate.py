@@ -281,6 +281,27 @@ def test_nucleus_matches_hf_top_p_warper():
         np.testing.assert_array_equal(ours, theirs)
 
 
+def test_nucleus_among_the_top_candidates_or_the_whole_vocabulary(monkeypatch):
+    """The nucleus is looked for among the top NUCLEUS_CANDIDATES logits and the vocabulary sorted only when
+    they hold less than top_p of some row's mass: either way the kept set is HF's. Peaked rows (the nucleus
+    within 8 candidates) and a flat one (it needs more) in one batch, and the peaked rows alone."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    monkeypatch.setattr(generation, "NUCLEUS_CANDIDATES", 8)
+    rng = np.random.default_rng(1)
+    peaked = rng.normal(size=(3, 200)).astype(np.float32) * 6
+    flat = rng.normal(size=(1, 200)).astype(np.float32) * 0.1
+    for logits in (peaked, np.concatenate([peaked, flat])):
+        for top_p in (0.3, 0.9):
+            ours = np.isfinite(np.asarray(generation._nucleus(jnp.asarray(logits), jnp.float32(top_p))))
+            theirs = np.isfinite(TopPLogitsWarper(top_p)(None, torch.from_numpy(logits)).numpy())
+            np.testing.assert_array_equal(ours, theirs)
+    kept = np.isfinite(np.asarray(generation._nucleus(jnp.asarray(flat), jnp.float32(0.9)))).sum()
+    assert kept > 8  # the flat row's nucleus is beyond the candidates: the whole-vocabulary path decided it
+    kept = np.isfinite(np.asarray(generation._nucleus(jnp.asarray(peaked), jnp.float32(0.9)))).sum(-1)
+    assert (kept <= 8).all() and (kept > 1).any()  # within the candidates, and not merely the best token
+
+
 def test_generate_strings_and_compile_cache():
     tok = tiny_tokenizer()
     # A vocab covering the tokenizer, end token = the tokenizer's </s>.

@@ -55,7 +55,7 @@ def test_the_card_names_the_sha256_of_every_weight_file(card):
     from empatheia_jax.eval.model_card import weight_digests
 
     got = weight_digests(reference.path())
-    assert set(got) == {"adapter_model.safetensors", "heads.safetensors"}
+    assert set(got) == {"adapter_model.safetensors", "heads.safetensors", "emotion_head.safetensors"}
     assert card["weights"] == got
 
 
@@ -70,7 +70,9 @@ def test_it_scores_its_card_on_the_first_32_dev_records(card, tmp_path):
          "--max_examples", str(SUBSET), "--no_repeat_ngram_size", "4", "--score_emotions", "--json", str(out))
     got, want = json.loads(out.read_text())["trained"], card["ci_subset"]["metrics"]
     assert got["num_examples"] == want["num_examples"] == SUBSET
-    for key in ("emotion32_acc_scored", "emotion_acc_scored", "emotion32_acc_text", "emotion_acc_text"):
+    # the free and scored step 2, the emotion head alone and its combination with them (the card's headline)
+    for key in ("emotion32_acc_scored", "emotion_acc_scored", "emotion32_acc_text", "emotion_acc_text",
+                "emotion32_acc_head", "emotion_acc_head", "emotion32_acc_combined", "emotion_acc_combined"):
         assert abs(got[key] - want[key]) <= 0.01, (key, got[key], want[key])
     assert abs(got["eval_loss"] - want["eval_loss"]) < 1e-3
     assert got["repetition_rate"] <= want["repetition_rate"] + 0.02

@@ -94,18 +94,38 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int, length: int | 
 # ----------------------------------------------------------------------------------------------------------
 
 
+NUCLEUS_CANDIDATES = 512  # the top logits the nucleus is looked for among first (`_nucleus`)
+
+
 def _nucleus(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     """Masks logits [B, V] outside the smallest set of top tokens whose probability reaches top_p.
 
     A token is kept when the mass of the tokens ranked above it is < top_p, so the best token always stays
     (top_p -> 0 is greedy), as in HF's TopPLogitsWarper with min_tokens_to_keep=1.
+
+    Why not one sort of the vocabulary: on XLA:CPU it costs ~0.7-1.3 s per decode step at 128 rows x 49,152
+    (the consensus of 16 draws of a batch of 8), several times the model's own step, where `lax.top_k` of
+    512 costs ~40 ms. So the nucleus is looked for among the top `NUCLEUS_CANDIDATES` logits, and the
+    vocabulary is sorted only when some row's candidates hold less than top_p of its mass (a flat
+    distribution; the kept set is then the same either way).
     """
-    sorted_desc = -jnp.sort(-logits, axis=-1)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    top, idx = jax.lax.top_k(logits, min(NUCLEUS_CANDIDATES, logits.shape[-1]))
+    top_probs = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), idx, axis=-1)
+
+    def whole_vocabulary():
+        sorted_desc = -jnp.sort(-logits, axis=-1)
+        return _nucleus_threshold(sorted_desc, jax.nn.softmax(sorted_desc, axis=-1), top_p)
+
+    threshold = jax.lax.cond(jnp.all(jnp.sum(top_probs, axis=-1) >= top_p),
+                             lambda: _nucleus_threshold(top, top_probs, top_p), whole_vocabulary)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def _nucleus_threshold(sorted_desc: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """[B, 1]: the smallest logit kept, from logits sorted in descending order and their probabilities."""
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     n_keep = jnp.maximum(jnp.sum(mass_before < top_p, axis=-1), 1)
-    threshold = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
+    return jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
 
 
 def _seen_tokens(logits: jax.Array, seq: jax.Array, valid: jax.Array) -> jax.Array:
