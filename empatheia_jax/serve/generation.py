@@ -11,7 +11,7 @@ Why it is shaped this way:
   prompt length rarely compiles a new program. Programs are cached per (graphdef, sampling mode, eos
   count); jax caches the shapes underneath.
 - `temperature`/`top_p`/`repetition_penalty` are traced scalars: changing them never recompiles. Greedy
-  (temperature 0) is its own program, with no sort over the vocabulary; so is each `no_repeat_ngram_size`
+  (temperature 0) is its own program, with no nucleus filter; so is each `no_repeat_ngram_size`
   (the n-gram windows are shapes), and a penalty of 1.0 compiles a program without the penalty.
 - The repetition controls follow transformers' logits processors (`RepetitionPenaltyLogitsProcessor`,
   `NoRepeatNGramLogitsProcessor`, applied before temperature and top-p, as HF orders them), so a
