@@ -80,6 +80,17 @@ EOF
     fi
 }
 
+ED_STAGES_SET=${ED_STAGES:-}  # the card's command names a non-default choice
+ED_STAGES=${ED_STAGES:-ccl_units ccl}
+STAGES=${SAMPLE_STAGES:-sac}
+# No stage after COE_FROM and TEXT_EVAL=1: COE_FROM's export is measured again as it is (REMEASURE: the same
+# weights, so the avatar figures and the training rows of its card carry, and no reply targets are needed).
+REMEASURE=
+if [[ -n ${COE_FROM:-} && -z ${ED_STAGES/#0/} && -z ${STAGES/#0/} && ${TEXT_EVAL:-0} == 1
+      && -f $COE_FROM/empatheia_config.json ]]; then
+    REMEASURE=1
+fi
+
 mkdir -p "$RUN/ed"
 if [[ ! -f "$RUN/ed/raw/dev.json" ]]; then
     echo "[ed_reference] importing $ED_CSV (train + $HOLDOUT, whole conversations)"
@@ -88,7 +99,7 @@ fi
 # Targets are (re)made when missing, incomplete or made with another voice map (the listener's style rule and
 # voices live there: kokoro_voices.MAP_VERSION) or mouth rule (visemes.MOUTH_VERSION); the shards that embed
 # them are then prepared again.
-if ! "$PY" - "$RUN/ed/targets/meta.json" <<'EOF'
+if [[ -z $REMEASURE ]] && ! "$PY" - "$RUN/ed/targets/meta.json" <<'EOF'
 import json, sys
 from empatheia_jax.generators.kokoro_voices import MAP_VERSION
 from empatheia_jax.generators.visemes import MOUTH_VERSION
@@ -109,8 +120,14 @@ then
         --responses-only --workers 2 --quiet
 fi
 if [[ ! -f "$RUN/ed/shards/manifest.json" ]]; then
-    echo "[ed_reference] preparing text-only shards with the reply targets"
-    "$PY" -m data.prepare --raw "$RUN/ed/raw" --out "$RUN/ed/shards" --text-only --targets "$RUN/ed/targets" \
+    if [[ -n $REMEASURE ]]; then
+        echo "[ed_reference] preparing text-only shards (no reply targets: the text evaluation reads none)"
+        TARGETS=()
+    else
+        echo "[ed_reference] preparing text-only shards with the reply targets"
+        TARGETS=(--targets "$RUN/ed/targets")
+    fi
+    "$PY" -m data.prepare --raw "$RUN/ed/raw" --out "$RUN/ed/shards" --text-only ${TARGETS[@]+"${TARGETS[@]}"} \
         --overwrite
 fi
 
@@ -131,8 +148,6 @@ else
     prev=$RUN/coe
     WORKDIRS=(--workdir "$RUN/coe")
 fi
-ED_STAGES_SET=${ED_STAGES:-}  # the card's command names a non-default choice
-ED_STAGES=${ED_STAGES:-ccl_units ccl}
 for stage in ${ED_STAGES/#0/}; do
     echo "[ed_reference] stage $stage on the ED replies' targets -> $RUN/ed_$stage"
     "$PY" -m empatheia_jax.cli train --config configs/smollm2_ed_avatar.py --config.stage="$stage" \
@@ -142,7 +157,6 @@ for stage in ${ED_STAGES/#0/}; do
     prev=$RUN/ed_$stage
     WORKDIRS+=(--workdir "$RUN/ed_$stage")
 done
-STAGES=${SAMPLE_STAGES:-sac}
 for stage in ${STAGES/#0/}; do
     echo "[ed_reference] stage $stage on the sample -> $RUN/$stage"
     # the demo's config with the CS of the ED stages (configs/smollm2_ed_sample.py)
@@ -153,16 +167,9 @@ for stage in ${STAGES/#0/}; do
     prev=$RUN/$stage
     WORKDIRS+=(--workdir "$RUN/$stage")
 done
-# No stage after COE_FROM: nothing to export, unless TEXT_EVAL=1 asks for COE_FROM's export to be measured
-# again as it is (REMEASURE: the same weights, so the avatar figures and training rows of its card carry).
-REMEASURE=
-if [[ $prev == "$RUN/coe" ]]; then
+# No stage after COE_FROM (unless REMEASURE) or the coe stage alone: nothing to export.
+if [[ $prev == "$RUN/coe" || ($prev == "${COE_FROM:-}" && -z $REMEASURE) ]]; then
     exit 0
-elif [[ $prev == "${COE_FROM:-}" ]]; then
-    if [[ ${TEXT_EVAL:-0} != 1 || ! -f $COE_FROM/empatheia_config.json ]]; then
-        exit 0
-    fi
-    REMEASURE=1
 fi
 # The export is what gets evaluated, so the card's figures are those of the weights it ships: EXPORT_DTYPE
 # (default bfloat16, half the files of float32) is the stored dtype of the adapter and heads.

@@ -316,7 +316,8 @@ def fake_python(bin_dir: Path, log: Path) -> Path:
 
 
 def test_ed_reference_measures_a_finished_export_again_without_training(tmp_path: Path) -> None:
-    """`COE_FROM=EXPORT ED_STAGES=0 SAMPLE_STAGES=0 TEXT_EVAL=1`: no stage trains and nothing is exported;
+    """`COE_FROM=EXPORT ED_STAGES=0 SAMPLE_STAGES=0 TEXT_EVAL=1`: no stage trains, nothing is exported and no
+    reply targets are made (the text evaluation reads none);
     the export measured is COE_FROM's files (a head it carries is fitted again), every reading of it names
     the converted backbone, the avatar is not evaluated but carried (`model_card --avatar_from`, no
     --chained_from), and the card's command says how it was made. Run again, the finished steps are
@@ -340,6 +341,9 @@ def test_ed_reference_measures_a_finished_export_again_without_training(tmp_path
 
     p = run(ED_REFERENCE, [str(run_dir)], env)
     assert p.returncode == 0, p.stderr
+    data = [c for c in map(json.loads, log.read_text().splitlines())
+            if c[1].startswith(("data.", "converters."))]
+    assert [c[1] for c in data] == ["data.import_ed", "data.prepare"] and "--targets" not in data[1]
     calls = steps()
     assert [c[1:3] for c in calls] == [
         ["empatheia_jax.eval.fit_emotion_head", "probe"], ["empatheia_jax.cli", "eval"],
