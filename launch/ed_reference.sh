@@ -54,7 +54,20 @@ read -r -a REPLY <<< "${REPLY_FLAGS---reply_temperature 0.7 --reply_top_p 0.95 -
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$RUN/jax_cache}
 
-for need in "$WORK/smollm2/COMPLETE" "$WORK/shards/manifest.json"; do
+ED_STAGES_SET=${ED_STAGES:-}  # the card's command names a non-default choice
+ED_STAGES=${ED_STAGES:-ccl_units ccl}
+STAGES=${SAMPLE_STAGES:-sac}
+# No stage after COE_FROM and TEXT_EVAL=1: COE_FROM's export is measured again as it is (REMEASURE: the same
+# weights, so the avatar figures and the training rows of its card carry, and no reply targets are needed).
+REMEASURE=
+if [[ -n ${COE_FROM:-} && -z ${ED_STAGES/#0/} && -z ${STAGES/#0/} && ${TEXT_EVAL:-0} == 1
+      && -f $COE_FROM/empatheia_config.json ]]; then
+    REMEASURE=1
+fi
+
+NEEDS=("$WORK/smollm2/COMPLETE")
+if [[ -z $REMEASURE ]]; then NEEDS+=("$WORK/shards/manifest.json"); fi  # the sample: its features, its stages
+for need in "${NEEDS[@]}"; do
     if [[ ! -f $need ]]; then
         echo "[ed_reference] $need is missing: run \`make demo\` first (or set WORK)" >&2
         exit 2
@@ -79,17 +92,6 @@ EOF
         exit 3
     fi
 }
-
-ED_STAGES_SET=${ED_STAGES:-}  # the card's command names a non-default choice
-ED_STAGES=${ED_STAGES:-ccl_units ccl}
-STAGES=${SAMPLE_STAGES:-sac}
-# No stage after COE_FROM and TEXT_EVAL=1: COE_FROM's export is measured again as it is (REMEASURE: the same
-# weights, so the avatar figures and the training rows of its card carry, and no reply targets are needed).
-REMEASURE=
-if [[ -n ${COE_FROM:-} && -z ${ED_STAGES/#0/} && -z ${STAGES/#0/} && ${TEXT_EVAL:-0} == 1
-      && -f $COE_FROM/empatheia_config.json ]]; then
-    REMEASURE=1
-fi
 
 mkdir -p "$RUN/ed"
 if [[ ! -f "$RUN/ed/raw/dev.json" ]]; then

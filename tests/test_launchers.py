@@ -323,9 +323,8 @@ def test_ed_reference_measures_a_finished_export_again_without_training(tmp_path
     --chained_from), and the card's command says how it was made. Run again, the finished steps are
     skipped. Without TEXT_EVAL=1 the same command does nothing."""
     work, run_dir, coe_from = tmp_path / "work", tmp_path / "run", tmp_path / "reference"
-    for need in (work / "smollm2" / "COMPLETE", work / "shards" / "manifest.json"):
-        need.parent.mkdir(parents=True)
-        need.write_text("{}")
+    (work / "smollm2").mkdir(parents=True)  # the backbone; no sample shards: a re-measure reads none
+    (work / "smollm2" / "COMPLETE").write_text("{}")
     coe_from.mkdir()
     for name, data in (("adapter_model.safetensors", b"lora"), ("heads.safetensors", b"cs+sd"),
                        ("emotion_head.safetensors", b"old head"), ("card.json", b"{}")):
@@ -368,5 +367,9 @@ def test_ed_reference_measures_a_finished_export_again_without_training(tmp_path
         ["empatheia_jax.eval.model_card", str(export)]]
 
     n = len(log.read_text().splitlines())
+    p = run(ED_REFERENCE, [str(run_dir)], {**env, "TEXT_EVAL": "0"})
+    assert p.returncode == 2 and "shards/manifest.json is missing" in p.stderr  # not a re-measure: needed
+    (work / "shards").mkdir()
+    (work / "shards" / "manifest.json").write_text("{}")
     assert run(ED_REFERENCE, [str(run_dir)], {**env, "TEXT_EVAL": "0"}).returncode == 0
     assert steps(n) == []
