@@ -12,9 +12,10 @@
 #            model, RUNDIR/export the final model (PEFT adapter + heads) with its model card
 #   extra    --config.* overrides for the coe stage (e.g. --config.schedule.coe.steps=1000)
 #
-# Needs `make demo`'s converted backbone and sample shards (WORK=work by default: work/smollm2,
-# work/shards). Every step skips what is done and the training resumes from its last checkpoint, so
-# re-running the command continues an interrupted run (a run longer than a session, on CPU). Environment:
+# Needs `make demo`'s converted backbone and sample shards (WORK=work by default: work/smollm2, work/shards;
+# a re-measure, below, the backbone only). Every step skips what is done and training resumes from its last
+# checkpoint, so re-running the command continues an interrupted run (a run longer than a session, on CPU).
+# Environment:
 # ED_CSV (default data/ed/empathetic_dialogues_validation.csv), HOLDOUT (dev:0.15), WORK (work), PY, ED_STAGES
 # (default "ccl_units ccl": the avatar stages on ED after coe, the CS from its units alone then with r^t; 0 =
 # none), SAMPLE_STAGES (default "sac": the stages on the sample, in order; 0 = none; "sac overall" adds the
@@ -39,7 +40,7 @@
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-    sed -n '2,38p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 RUN=$1
