@@ -36,3 +36,18 @@ def test_consensus_ties_go_to_the_earliest_and_needs_a_candidate():
     assert consensus_index(["only one"]) == 0
     with pytest.raises(ValueError, match="no candidates"):
         consensus_index([])
+
+
+def test_a_candidate_that_repeats_itself_votes_but_is_not_kept():
+    """The reply the ED dev consensus kept once: its words repeat a 4-gram in another case, which the
+    decode's token-level ban did not see. It agrees most with the others, yet a clean candidate is kept; it
+    still votes (the others' scores are unchanged), and when every candidate repeats, the consensus stands."""
+    looped = "When you are lonely, you should know how to feel when you are lonely."
+    cands = ["You should know how to feel when you are lonely.", looped,
+             "When you are lonely, you should talk to a friend.", "That is hard."]
+    scores = agreement(cands).sum(axis=1)
+    assert int(np.argmax(scores)) == 1  # without the rule the repeat would be kept
+    clean = [0, 2, 3]
+    assert consensus_index(cands) == clean[int(np.argmax(scores[clean]))]
+    both = [looped, "I know you are lonely and you are lonely and sad."]
+    assert consensus_index(both) == int(np.argmax(agreement(both).sum(axis=1)))  # every one repeats

@@ -20,6 +20,23 @@ def words(text: str) -> list[str]:
     return _WORD_RE.findall(text.lower())
 
 
+def ngrams(text: str, n: int) -> list[tuple[str, ...]]:
+    """The word n-grams of a text (`words`), in order."""
+    w = words(text)
+    return [tuple(w[i : i + n]) for i in range(len(w) - n + 1)]
+
+
+REPEAT_N = 4  # a reply that repeats a word 4-gram of its own is a repetition (the eval's repetition_rate)
+
+
+def has_repeated_ngram(text: str, n: int = REPEAT_N) -> bool:
+    """Whether a text says one word n-gram twice. On words, not tokens: a token-level ban
+    (`no_repeat_ngram_size`) lets "When you are lonely ... when you are lonely" through (other case, other
+    tokens); the eval's repetition row and the reply choice (`serve.reply_choice`) read it here."""
+    grams = ngrams(text, n)
+    return len(set(grams)) < len(grams)
+
+
 def emotion_class(word: str, emotion_map: schema.EmotionMap) -> int | None:
     """Class index of a generated emotion phrase: the whole phrase, else its first word that resolves.
 

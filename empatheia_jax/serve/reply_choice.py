@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from empatheia_jax.data import templates as tpl
+from empatheia_jax.data.parse import has_repeated_ngram
 from empatheia_jax.serve.generation import generate_tokens
 
 
@@ -125,7 +126,11 @@ def agreement(candidates: Sequence[str]) -> np.ndarray:
 
 def consensus_index(candidates: Sequence[str]) -> int:
     """The index of the candidate with the highest summed agreement with the others; ties go to the
-    earliest (so the choice is a function of the draws alone)."""
+    earliest (so the choice is a function of the draws alone). A candidate that repeats a word 4-gram of its
+    own (`parse.has_repeated_ngram`, the eval's repetition row) still votes but is chosen only when every
+    candidate does: the decode's token-level ban misses a repeat in another case."""
     if not candidates:
         raise ValueError("consensus_index: no candidates to choose among")
-    return int(np.argmax(agreement(candidates).sum(axis=1)))
+    scores = agreement(candidates).sum(axis=1)
+    clean = np.array([not has_repeated_ngram(c) for c in candidates])
+    return int(np.argmax(np.where(clean, scores, -np.inf) if clean.any() else scores))

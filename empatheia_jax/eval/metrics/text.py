@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from empatheia_jax.data.parse import words
+from empatheia_jax.data.parse import has_repeated_ngram, ngrams, words
 
 
 def feature_distances(pred: Any, target: Any, mask: Any, eps: float = 1e-8) -> tuple[np.ndarray, np.ndarray]:
@@ -41,17 +41,12 @@ def accuracy(pred: Any, labels: Any) -> tuple[int, int]:
     return int(np.sum(valid & (pred == labels))), int(np.sum(valid))
 
 
-def _ngrams(text: str, n: int) -> list[tuple[str, ...]]:
-    w = words(text)
-    return [tuple(w[i : i + n]) for i in range(len(w) - n + 1)]
-
-
 def distinct_n(texts: Iterable[str], n: int) -> float:
     """Dist-n, corpus level (Li et al., 2016; the ED literature and the Empatheia paper): distinct n-grams /
     all n-grams over all texts (n-grams never cross texts)."""
     grams: collections.Counter = collections.Counter()
     for text in texts:
-        grams.update(_ngrams(text, n))
+        grams.update(ngrams(text, n))
     total = sum(grams.values())
     return len(grams) / total if total else 0.0
 
@@ -60,19 +55,13 @@ def distinct_n_per_reply(texts: Iterable[str], n: int) -> float:
     """Dist-n as E3RG reports it: each reply's distinct n-grams / its n-grams, averaged over the replies
     that have an n-gram (a reply shorter than n has no ratio). Higher than the corpus figure: a reply that
     repeats the words of other replies loses nothing here."""
-    ratios = [len(set(g)) / len(g) for g in (_ngrams(t, n) for t in texts) if g]
+    ratios = [len(set(g)) / len(g) for g in (ngrams(t, n) for t in texts) if g]
     return float(np.mean(ratios)) if ratios else 0.0
 
 
-REPEAT_N = 4
 # The step-2 decisions besides the free one, by the suffix of their prediction fields (emotion_fine_<kind>):
 # chosen by likelihood, by the emotion head, and by both with the free step (`eval.emotion_head.combine`).
 DECISIONS = ("scored", "head", "combined")
-
-
-def has_repeated_ngram(text: str, n: int = REPEAT_N) -> bool:
-    grams = _ngrams(text, n)
-    return len(set(grams)) < len(grams)
 
 
 def reply_length(text: str) -> int:
