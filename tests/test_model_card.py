@@ -137,8 +137,8 @@ def test_card_carries_the_combined_emotion_decision_chosen_on_dev(tmp_path):
     text = (export / "README.md").read_text()
     for line in ("Combined decision (head weight 0.5000, free-step weight 2, chosen on these 881 dev "
                  "predictions): emotion32 0.4512 (0.4401 with each fifth of the records judged by the "
-                 "weights the other four fifths choose); alone: free step 0.4030, scored step 0.3757, "
-                 "head 0.3910.",
+                 "weights the other four fifths choose: the card's headline emotion figure); alone: free "
+                 "step 0.4030, scored step 0.3757, head 0.3910.",
                  "| emotion32_acc_head | 0.3910 |", "| question_rate | 0.3100 |", "reads the dialogue alone"):
         assert line in text, line
     with pytest.raises(model_card.CardError, match="lacks head_weight"):
@@ -284,7 +284,9 @@ def test_card_carries_the_avatar_figures_of_an_earlier_export_with_the_same_weig
     assert card["avatar_from"]["command"] == "bash launch/ed_reference.sh OLD"
     assert set(card["weights"]) == {"adapter_model.safetensors", "heads.safetensors",
                                     "emotion_head.safetensors"}
-    assert "Measured on these weights (the same adapter and heads) for the card of" in model_card.render(card)
+    text = model_card.render(card)
+    assert "Measured on these weights (the same adapter and heads) for the card of" in text
+    assert "trained by:\n\n```\nbash launch/ed_reference.sh OLD\n```\n\nand measured again" in text
     assert model_card.main([str(export), "--metrics", str(_json(tmp_path, new)), "--avatar_from",
                             str(earlier)]) == 0
 

@@ -16,9 +16,10 @@ What tests/test_reference_model.py re-measures for the committed reference model
 from its weights: (1) the sha256 of each *.safetensors file against card.json's "weights", and that no
 weight file is missing from or added to that list; (2) the export's step and stored dtype (bfloat16)
 against the card's model section; (3) `empatheia eval` of the first 32 ED dev records ("ci_subset",
-rebuilt from the shipped csv with the recipe's hold-out), against the card's ci_subset figures: the four
-emotion accuracies (32- and 7-class, free and scored) within 1 point, eval_loss within 1e-3, and the
-repetition rate at most 2 points above. The whole-dev figures ("eval") are not re-run in CI (19 minutes).
+rebuilt from the shipped csv with the recipe's hold-out), against the card's ci_subset figures: the emotion
+accuracies (32- and 7-class: free, scored, the emotion head's and the combined decision's) within 1 point,
+eval_loss within 1e-3, and the repetition rate at most 2 points above. The whole-dev figures ("eval") are
+not re-run in CI (hours with the drawn replies).
 """
 
 from __future__ import annotations
@@ -362,7 +363,8 @@ def _head_lines(head: Mapping[str, Any]) -> list[str]:
                 f"{_fmt(float(head['free_weight']))}, chosen on these {head['records']} dev predictions): "
                 f"emotion32 {_fmt(head['emotion32_acc_combined'])}"
                 + (f" ({_fmt(head['emotion32_acc_combined_cv'])} with each fifth of the records judged by "
-                   "the weights the other four fifths choose)" if "emotion32_acc_combined_cv" in head else "")
+                   "the weights the other four fifths choose: the card's headline emotion figure)"
+                   if "emotion32_acc_combined_cv" in head else "")
                 + f"; alone: free step {_fmt(alone['free'])}, scored step {_fmt(alone['scored'])}, head "
                   f"{_fmt(alone['head'])}."]
 
@@ -426,8 +428,15 @@ def render(card: Mapping[str, Any]) -> str:
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     if card.get("device"):
         lines += ["", f"Device: {card['device']}."]
+    measured_again = card.get("avatar_from")
+    if measured_again:
+        lines += ["", f"These are the weights of the card of {measured_again['date']}, trained by:", "",
+                  "```", str(measured_again["command"]), "```", "",
+                  "and measured again (the figures below) by:"]
+    elif card.get("command"):
+        lines += ["", "Command:"]
     if card.get("command"):
-        lines += ["", "Command:", "", "```", card["command"], "```"]
+        lines += ["", "```", card["command"], "```"]
     carried = card.get("text_from")
     lines += [
         "",
