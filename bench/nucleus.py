@@ -22,9 +22,7 @@ from empatheia_jax.serve import generation
 
 def whole_sort(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     """The filter as one sort of the vocabulary (what `_nucleus` did before its top-k path)."""
-    sorted_desc = -jnp.sort(-logits, axis=-1)
-    threshold = generation._nucleus_threshold(sorted_desc, jax.nn.softmax(sorted_desc, axis=-1), top_p)
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
+    return jnp.where(logits >= generation._sorted_nucleus_threshold(logits, top_p), logits, -jnp.inf)
 
 
 def seconds(fn, x: jax.Array, top_p: jax.Array, repeats: int) -> tuple[float, jax.Array]:

@@ -204,7 +204,6 @@ if [[ -n $REMEASURE ]]; then
         rm -rf "$RUN/export"
         cp -r "$COE_FROM" "$RUN/export"
         rm -f "$RUN/export/emotion_head.safetensors"
-        touch "$EXPORTED"
     fi
 elif [[ ! $EXPORTED -nt $prev/checkpoints ]]; then
     echo "[ed_reference] export of $prev (${EXPORT_DTYPE:-bfloat16}) -> $RUN/export"

@@ -167,8 +167,9 @@ def _check_same_weights(export: str | Path, earlier: str | Path, card: Mapping[s
                         names: Sequence[str], what: str) -> None:
     """CardError unless each weight file of `earlier` is the one its card names (sha256) and `export`'s holds
     the same tensors: what makes carrying its `what` figures a copy of a measurement."""
+    digests = weight_digests(earlier)
     for name in names:
-        if weight_digests(earlier).get(name) != card.get("weights", {}).get(name):
+        if digests.get(name) != card.get("weights", {}).get(name):
             raise CardError(f"{earlier}: its {name} is not the one its card was measured on (sha256)")
         if not _same_tensors(Path(export) / name, Path(earlier) / name):
             raise CardError(f"{export}: its {name} holds other values than {earlier}'s, whose card's {what} "
@@ -388,6 +389,22 @@ def _avatar_lines(avatar: Mapping[str, Any], carried: Mapping[str, Any] | None =
     return lines
 
 
+def _command_lines(card: Mapping[str, Any]) -> list[str]:
+    """The command that made the card; for a card measured again (`avatar_from`), first the one that trained
+    its weights."""
+    lines = []
+    measured_again = card.get("avatar_from")
+    if measured_again:
+        lines += ["", f"These are the weights of the card of {measured_again['date']}, trained by:", "",
+                  "```", str(measured_again["command"]), "```", "",
+                  "and measured again (the figures below) by:"]
+    elif card.get("command"):
+        lines += ["", "Command:"]
+    if card.get("command"):
+        lines += ["", "```", card["command"], "```"]
+    return lines
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float) and value.is_integer() and abs(value) >= 1:
         return str(int(value))
@@ -428,15 +445,7 @@ def render(card: Mapping[str, Any]) -> str:
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     if card.get("device"):
         lines += ["", f"Device: {card['device']}."]
-    measured_again = card.get("avatar_from")
-    if measured_again:
-        lines += ["", f"These are the weights of the card of {measured_again['date']}, trained by:", "",
-                  "```", str(measured_again["command"]), "```", "",
-                  "and measured again (the figures below) by:"]
-    elif card.get("command"):
-        lines += ["", "Command:"]
-    if card.get("command"):
-        lines += ["", "```", card["command"], "```"]
+    lines += _command_lines(card)
     carried = card.get("text_from")
     lines += [
         "",

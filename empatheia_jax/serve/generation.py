@@ -111,14 +111,16 @@ def _nucleus(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     """
     top, idx = jax.lax.top_k(logits, min(NUCLEUS_CANDIDATES, logits.shape[-1]))
     top_probs = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), idx, axis=-1)
-
-    def whole_vocabulary():
-        sorted_desc = -jnp.sort(-logits, axis=-1)
-        return _nucleus_threshold(sorted_desc, jax.nn.softmax(sorted_desc, axis=-1), top_p)
-
     threshold = jax.lax.cond(jnp.all(jnp.sum(top_probs, axis=-1) >= top_p),
-                             lambda: _nucleus_threshold(top, top_probs, top_p), whole_vocabulary)
+                             lambda: _nucleus_threshold(top, top_probs, top_p),
+                             lambda: _sorted_nucleus_threshold(logits, top_p))
     return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def _sorted_nucleus_threshold(logits: jax.Array, top_p: jax.Array) -> jax.Array:
+    """`_nucleus_threshold` over the whole vocabulary, sorted (the flat rows' path)."""
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    return _nucleus_threshold(sorted_desc, jax.nn.softmax(sorted_desc, axis=-1), top_p)
 
 
 def _nucleus_threshold(sorted_desc: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Array:
