@@ -84,13 +84,16 @@ def make_shards(out: Path) -> Path:
     return out / "shards"
 
 
-def run_config(args: argparse.Namespace, shards: Path, pack_len: int = 0, **empatheia: Any):
+def run_config(args: argparse.Namespace, shards: Path, pack_len: int = 0, precision: str = "float32",
+               **empatheia: Any):
     from configs import smollm2_ed
 
     c = smollm2_ed.get_config()
     c.model.backbone = args.backbone
     c.data.shards = str(shards)
     c.data.pack_len = pack_len
+    c.data.bucket_step = 0  # the default buckets: the bench cuts batches itself (Variant.trim_to)
+    c.model.matmul_precision = precision
     for k, v in empatheia.items():
         c.model.empatheia[k] = v
     return c
@@ -145,7 +148,8 @@ class Variant:
         self.shapes.add(shape)
         batch = trainer.step_batch(host, self.mesh, 1)
         t0 = time.perf_counter()
-        with jax.set_mesh(self.mesh):
+        # the variant's own matmul precision: part of jit's cache key, so each variant keeps its program
+        with jax.set_mesh(self.mesh), jax.default_matmul_precision(self.config.model.matmul_precision):
             self.params, self.opt_state, metrics = self.step_fn(
                 self.graphs,
                 self.params,
@@ -175,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pack-ce-targets", type=int, default=256, help="its ce_targets (per packed row)")
     p.add_argument("--bucket-step", type=int, default=0,
                    help="also time today's step on each batch cut to a multiple of this (data.bucket_step)")
+    p.add_argument("--precision", default="",
+                   help="also time bucket_step + target-only at this model.matmul_precision (e.g. bfloat16)")
     p.add_argument("--json", default=None, help="append the result (one JSON line) to this file")
     args = p.parse_args(argv)
 
@@ -228,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         name = f"bucket_step={args.bucket_step} + target-only (ce_targets={args.ce_targets})"
         variants.append(Variant(name, run_config(args, shards, ce_targets=args.ce_targets), manifest, mesh,
                                 trim_to=args.bucket_step))
+        if args.precision:
+            variants.append(Variant(
+                name.replace("bucket_step", "all:") + f" + matmul_precision={args.precision}",
+                run_config(args, shards, precision=args.precision, ce_targets=args.ce_targets),
+                manifest, mesh, trim_to=args.bucket_step,
+            ))
     it = iter(pipe)
     batches = [trainer.agree_on_length(b, pipe.pad_id) for b in itertools.islice(it, args.steps)]
     lengths = sorted({b["input_ids"].shape[1] for b in batches})

@@ -101,6 +101,7 @@ def apply_lora(model: Llama, cfg: LoraConfig, *, rngs: nnx.Rngs) -> Llama:
                 param_dtype=base.param_dtype,
                 lora_dtype=base.dtype,
                 kernel_init=nnx.with_partitioning(shape_only, axes),  # the base kernel, set below
+                dot_general=base.dot_general,  # the base's precision rule (llama._dense_dot_general)
                 a_metadata={"out_sharding": (axes[0], "lora_rank")},
                 b_metadata={"out_sharding": ("lora_rank", axes[1])},
                 rngs=rngs,

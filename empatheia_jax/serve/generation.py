@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from empatheia_jax.models.llama import KVCache, Llama
+from empatheia_jax.models.llama import KVCache, Llama, with_float32_operands
 
 MIN_BUCKET = 16
 
@@ -195,6 +195,7 @@ def _repeat_rows(tree: Any, k: int) -> Any:
     return jax.tree.map(lambda a: jnp.repeat(a, k, axis=0) if a.ndim else a, tree)
 
 
+@with_float32_operands
 def _program(graphdef, state, input_ids, attention_mask, inputs_embeds, max_new_tokens, temperature, top_p,
              repetition_penalty, key, eos_ids, pad_token_id, *, new_bucket: int, do_sample: bool,
              penalize: bool, no_repeat_ngram_size: int, num_samples: int = 1):
@@ -361,6 +362,7 @@ def generate_tokens(
     )
 
 
+@with_float32_operands
 def _score_program(graphdef, state, prefix_ids, prefix_mask, inputs_embeds, cont_ids, cont_mask):
     """log P(continuation k | prefix b) for every pair: [B, K].
 
@@ -427,6 +429,7 @@ def score_continuations(
                          jnp.asarray(cont_mask)))
 
 
+@with_float32_operands
 def _summary_program(graphdef, state, ids, mask, inputs_embeds):
     """[B, 2D]: the final hidden state at each prompt's last token beside its mean over the prompt."""
     model: Llama = nnx.merge(graphdef, state)
