@@ -33,7 +33,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # true f32 everywhere (as torch's CUDA matmuls); jax's "default" is TF32 on NVIDIA GPUs and one bf16 pass
     # on TPU. Set by train and load_trained, so a run is served with the numerics it trained with (docs/
     # design.md "Matmul precision"). bf16 dots are unaffected: a bfloat16 model (model.llm.dtype) loses
-    # no speed.
+    # no speed. XLA:CPU ignores it, so under "bfloat16" the backbone casts its dot operands itself.
     c.model.matmul_precision = "float32"
     c.model.lora = ml_collections.ConfigDict(
         {"rank": 16, "alpha": 32.0, "targets": ("q_proj", "k_proj", "v_proj", "o_proj")}

@@ -2,7 +2,8 @@
 
 A short schedule that runs the four stages on 2 CPU cores inside `make demo` (launch/demo.sh), so it
 trades the paper's schedule for minutes:
-- compute stays float32 (XLA:CPU bf16 matmuls are 20-30x slower than fp32, docs/benchmarks.md); on an
+- compute stays float32, and so do the dots (matmul_precision float32): the demo's numbers stay those of
+  its tests on any CPU, with or without bf16 dot kernels (configs/smollm2_ed.py takes bf16 operands); on an
   accelerator set `--config.model.llm.dtype=bfloat16`;
 - max_len 256 (the sample's CoE examples are ~150-250 tokens; longer histories lose their oldest
   utterances), i.e. two buckets (128, 256) and two compiles per stage at most;
