@@ -11,8 +11,9 @@ Schedule, picked on the dev part only (docs/benchmarks.md): batch 8, lr 2e-4 wit
 steps (the dev loss is flat after ~1,400 steps), dev loss every 200 steps, the best-dev-loss
 checkpoint kept beside the latest. (The reference run ran 800 steps of a 3,000-step cosine, then
 resumed with this 1,500: docs/design.md "The reference model".) Float32 weights and activations on CPU,
-with bfloat16 dot operands (below); on an accelerator set `--config.model.llm.dtype=bfloat16`. Checkpoints every 100 steps (~10-15 minutes on 2 CPU cores), so a
-run longer than a session resumes where it stopped.
+with bfloat16 dot operands (below); on an accelerator set `--config.model.llm.dtype=bfloat16`.
+Checkpoints every 100 steps (~10-15 minutes on 2 CPU cores), so a run longer than a session resumes where
+it stopped.
 """
 
 from __future__ import annotations
