@@ -3,10 +3,13 @@ beside the same step with target-only logits (`model.empatheia.ce_targets`) and 
 (`data.pack_len`), in ONE process, interleaved.
 
     python bench/cpu_coe.py --backbone CONVERTED_SMOLLM2 [--shards ED_TEXT_SHARDS] [--steps 10]
-        [--ce-targets 128] [--pack-len 512] [--pack-ce-targets 256] [--bucket-step 32] [--json OUT.jsonl]
+        [--ce-targets 128] [--pack-len 512] [--pack-ce-targets 256] [--bucket-step 32] [--precision bfloat16]
+        [--json OUT.jsonl]
 
 `--bucket-step N` adds today's step, and today's with target-only logits, on each batch cut to the next
 multiple of N above its longest row: the width `data.bucket_step=N` pads it to, on the same examples.
+`--precision bfloat16` (with --bucket-step) adds all three levers: cut batches, target-only logits and
+bf16 dot operands (`model.matmul_precision`, applied per variant: jit's cache key holds it).
 
 What is timed: the trainer's own jitted step (`trainer.jit_step`, stage coe, AdamW over LoRA, the
 non-finite guard; packed batches through `trainer.pack_for_step`, as the trainer packs them) of
@@ -236,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                                 trim_to=args.bucket_step))
         if args.precision:
             variants.append(Variant(
-                name.replace("bucket_step", "all:") + f" + matmul_precision={args.precision}",
+                f"all: {name} + matmul_precision={args.precision}",
                 run_config(args, shards, precision=args.precision, ce_targets=args.ce_targets),
                 manifest, mesh, trim_to=args.bucket_step,
             ))
