@@ -107,17 +107,23 @@ def test_the_bound_picks_the_branch_and_a_dropped_target_is_caught():
     assert dropped[tuple(last)] == 0 and whole[tuple(last)] > 0
 
 
-def test_the_gathered_branch_really_runs_inside_the_step():
-    """The traced loss holds a `cond` whose gathered branch projects [1, bound, V] logits, not [B, T, V]."""
+def _coe_loss_at_bound_4():
+    """(config, batch, loss of the trainable params, those params): stage coe with ce_targets=4."""
     batch = {k: jnp.asarray(v) for k, v in make_batch(2).items()}
-    rows = batch["loss_mask"].shape[0]
     cfg = dataclasses.replace(CFG, ce_targets=4)
     stage = stages.STAGES["coe"]
     model = _build(cfg)
     graphdef, params, frozen = nnx.split(model, trainable.trainable_filter(stage.trainable_groups), ...)
-    rng = jax.random.split(jax.random.key(1), rows)
+    rng = jax.random.split(jax.random.key(1), batch["loss_mask"].shape[0])
     loss_fn = objective.make_loss_fn(stage)
-    jaxpr = str(jax.make_jaxpr(lambda p: loss_fn(p, graphdef, frozen, batch, rng))(params))
+    return cfg, batch, lambda p: loss_fn(p, graphdef, frozen, batch, rng), params
+
+
+def test_the_gathered_branch_really_runs_inside_the_step():
+    """The traced loss holds a `cond` whose gathered branch projects [1, bound, V] logits, not [B, T, V]."""
+    cfg, batch, loss, params = _coe_loss_at_bound_4()
+    rows = batch["loss_mask"].shape[0]
+    jaxpr = str(jax.make_jaxpr(loss)(params))
     assert "cond[" in jaxpr
     assert f"f32[1,{4 * rows},{cfg.llm.total_vocab}]" in jaxpr
 
@@ -138,15 +144,9 @@ def test_the_gradient_keeps_no_whole_logits_for_the_branch_that_did_not_run():
     """Under autodiff a cond's branches return the union of their residuals: without the whole branch's
     remat the gathered branch handed back a zero [B, T, V] softmax every step (0.14 s of a SmolLM2 CPU
     step)."""
-    batch = {k: jnp.asarray(v) for k, v in make_batch(2).items()}
+    cfg, batch, loss, params = _coe_loss_at_bound_4()
     b, t = batch["loss_mask"].shape
-    cfg = dataclasses.replace(CFG, ce_targets=4)
-    stage = stages.STAGES["coe"]
-    model = _build(cfg)
-    graphdef, params, frozen = nnx.split(model, trainable.trainable_filter(stage.trainable_groups), ...)
-    rng = jax.random.split(jax.random.key(1), b)
-    loss_fn = objective.make_loss_fn(stage)
-    grad = jax.grad(lambda p: loss_fn(p, graphdef, frozen, batch, rng)[0])
+    grad = jax.grad(lambda p: loss(p)[0])
     shapes = list(_cond_outputs(jax.make_jaxpr(grad)(params).jaxpr))
     assert shapes, "no cond traced"
     assert (1, 4 * b, cfg.llm.total_vocab) in shapes  # the gathered branch's own residual
