@@ -179,6 +179,18 @@ def tiny_tokenizer():
     )
 
 
+def jaxpr_eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it (cond branches, scans, custom_vjp, remat), so a
+    test can count what a traced program computes wherever it sits."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, tuple | list) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from jaxpr_eqns(inner)
+
+
 def under_ci() -> bool:
     """The CI runner sets CI (GitHub Actions, GitLab, ... set CI=true); "", "0" and "false" mean a developer
     box that happens to export it."""

@@ -15,6 +15,7 @@ from flax import nnx
 
 from empatheia_jax.models.llama import Llama, LlamaConfig, einsum_f32
 from empatheia_jax.models.lora import LoraConfig, apply_lora, set_lora_b
+from tests.helpers import jaxpr_eqns
 
 CFG = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
@@ -62,16 +63,8 @@ def _lora_model() -> Llama:
 
 def _bf16_dots(jaxpr) -> int:
     """Dots of a jaxpr (recursively) whose operands are both bfloat16."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            n += all(v.aval.dtype == jnp.bfloat16 for v in eqn.invars)
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, tuple | list) else (p,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    n += _bf16_dots(inner)
-    return n
+    return sum(eqn.primitive.name == "dot_general" and all(v.aval.dtype == jnp.bfloat16 for v in eqn.invars)
+               for eqn in jaxpr_eqns(jaxpr))
 
 
 def test_every_projection_attention_and_the_head_take_bf16_operands_lora_does_not():
