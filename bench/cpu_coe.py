@@ -187,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="append the result (one JSON line) to this file")
     args = p.parse_args(argv)
 
+    from empatheia_jax import host_memory
+
+    host_memory.keep_freed_memory()  # as the trainer's process (cli.main) runs
     import jax
 
     from empatheia_jax import sharding

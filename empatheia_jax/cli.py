@@ -42,6 +42,7 @@ from typing import Any
 from absl import app, flags
 from ml_collections import config_flags
 
+from empatheia_jax import host_memory
 from empatheia_jax.data import splits
 from empatheia_jax.eval import report as eval_report
 from empatheia_jax.eval.metrics import text as mtext
@@ -749,6 +750,8 @@ def _config_package_importable(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # before jax's backend starts its threads: XLA:CPU's per-step buffers are reused, not faulted in again
+    host_memory.keep_freed_memory()
     argv = list(sys.argv if argv is None else argv)
     usage = (f"usage: empatheia {{{','.join(COMMANDS)}}} [flags]   "
              "(empatheia COMMAND --helpfull lists the flags)")
