@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=.venv/bin/python
+source launch/find_python.sh  # exports PY and glibc's huge-page tunable
 WORK=${WORK:-work}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
