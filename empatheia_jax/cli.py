@@ -750,8 +750,9 @@ def _config_package_importable(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # before jax's backend starts its threads: XLA:CPU's per-step buffers are reused, not faulted in again
-    host_memory.keep_freed_memory()
+    if argv is None:  # the process is the command's own (not a caller's, e.g. a notebook's or a test's)
+        # before jax's backend starts its threads: XLA:CPU's per-step buffers reused, not faulted in again
+        host_memory.keep_freed_memory()
     argv = list(sys.argv if argv is None else argv)
     usage = (f"usage: empatheia {{{','.join(COMMANDS)}}} [flags]   "
              "(empatheia COMMAND --helpfull lists the flags)")

@@ -17,10 +17,23 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PAGES = 65536  # 256 MB of 4 KB pages
 
-PROBE = f"""
-import ctypes, resource, sys, threading
+KEEP = """
 from empatheia_jax.host_memory import keep_freed_memory
 applied = keep_freed_memory()
+"""
+# `empatheia --help` as the process's entry point (argv None) or called with its argv from a caller's process
+CLI = """
+import sys
+from empatheia_jax import cli
+sys.argv = ["empatheia", "--help"]
+try:
+    cli.main({argv})
+except SystemExit:
+    pass
+applied = None
+"""
+PROBE = f"""
+import ctypes, resource, sys, threading
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = (ctypes.c_void_p,)
@@ -40,10 +53,11 @@ print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _second_round_faults(keep: str) -> tuple[bool, int]:
+def _second_round_faults(keep: str, prologue: str = KEEP) -> tuple[bool, int]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "EMPATHEIA_KEEP_FREED_MEMORY": keep}
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True)
-    applied, faults = out.stdout.split()
+    out = subprocess.run([sys.executable, "-c", prologue + PROBE], env=env, capture_output=True, text=True,
+                         check=True)
+    applied, faults = out.stdout.split()[-2:]
     return applied == "True", int(faults)
 
 
@@ -57,3 +71,11 @@ def test_a_freed_buffer_is_reused_without_faulting_its_pages_in_again():
     applied, default = _second_round_faults("0")
     assert not applied
     assert default > PAGES // 2, default
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_the_command_keeps_freed_memory_a_caller_of_main_keeps_its_own_allocator():
+    _, as_command = _second_round_faults("1", CLI.format(argv=""))
+    assert as_command < PAGES // 50, as_command
+    _, called = _second_round_faults("1", CLI.format(argv='["empatheia", "--help"]'))
+    assert called > PAGES // 2, called
