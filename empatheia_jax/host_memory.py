@@ -3,8 +3,8 @@
 XLA:CPU allocates each program execution's temporaries as ONE buffer with malloc (a coe step of the
 reference config: 3-7 GB) and frees it when the step ends. glibc serves any request above its mmap
 threshold (at most 32 MB) with a fresh anonymous mmap and unmaps it on free, so every step the kernel
-zeroes and maps every 4 KB page of that buffer again: ~1M minor faults a step, about a quarter of the
-process's CPU time spent in the kernel (docs/benchmarks.md "The coe step on the CPU: the allocator").
+zeroes and maps every 4 KB page of that buffer again: ~1M minor faults a step, 30 % of the process's CPU
+time spent in the kernel (docs/benchmarks.md "The allocator: XLA:CPU's step buffer kept, on huge pages").
 
 `keep_freed_memory()` sets three of glibc's `mallopt` parameters before XLA's threads first allocate:
 every thread shares the main arena (M_ARENA_MAX 1: the per-thread arenas are 64 MB heaps, too small for
@@ -16,7 +16,8 @@ until it exits, which a training, evaluation or serving process reaches again at
 Why mallopt and not jemalloc/tcmalloc (which also retain large blocks): neither ships on PyPI, and both
 need LD_PRELOAD before the interpreter starts; mallopt is glibc's own and takes effect in-process, so
 `empatheia` (cli.main) and the benchmarks call it first thing. Set `EMPATHEIA_KEEP_FREED_MEMORY=0` to leave
-glibc's defaults. Off glibc (macOS, musl) it does nothing.
+glibc's defaults. Off glibc (macOS, musl) it does nothing. The launch scripts add huge pages for that heap
+(`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, launch/find_python.sh), which glibc reads only at start-up.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 # Also exports GLIBC_TUNABLES with glibc.malloc.hugetlb=1 (added to a user's own tunables, unless they set
 # it): glibc then asks for transparent huge pages on the memory it maps, so XLA:CPU's multi-GB step buffers
 # fault in 2 MB at a time and its kernels miss the TLB less (the coe step 1.1x on top of
-# `empatheia_jax/host_memory.py`: docs/benchmarks.md "The allocator"). glibc reads it only at start-up,
+# `empatheia_jax/host_memory.py`: docs/benchmarks.md "The allocator: ..."). glibc reads it only at start-up,
 # hence here and not in Python; glibc < 2.35 and other C libraries ignore it.
 set -euo pipefail
 
