@@ -20,6 +20,8 @@ import hashlib
 import importlib
 import importlib.util
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import NoReturn, overload
@@ -224,6 +226,26 @@ def require(what: str | bool, why: str) -> ModuleType | None:
     if not what:
         skip_or_fail(why)
     return None
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """A folder `build(folder)` fills once per test run and every pytest-xdist worker reads: a module
+    fixture is otherwise built by each worker that runs one of its tests (worksteal splits modules), and a
+    whole training run twice is minutes of CI. The first worker to ask builds it under a FileLock, the
+    other waits for it; a build that raised leaves no `BUILT` mark, so the next one starts over."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's temp folder, above each worker's own
+    out = root / name
+    with FileLock(str(out) + ".lock"):
+        if not (out / "BUILT").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            build(out)
+            (out / "BUILT").touch()
+    return out
 
 
 def saved_smollm2_tokenizer(tmp_path_factory) -> str:

@@ -28,7 +28,15 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from helpers import FAST, make_tiny_shards, read_shard_split, saved_smollm2_tokenizer, smollm2_checkpoint
+from helpers import (
+    FAST,
+    built_once,
+    make_tiny_shards,
+    read_shard_split,
+    saved_smollm2_tokenizer,
+    smollm2_checkpoint,
+)
+from safetensors.numpy import load_file, save_file
 
 from configs import tiny
 from empatheia_jax import sharding
@@ -917,26 +925,34 @@ def test_nan_policy_stop_exits_1_through_the_cli_and_keeps_the_last_good_state(
 @pytest.fixture(scope="module")
 def overall_run(tok, shards, tmp_path_factory):
     """A finished 2-step overall run (every group trained, SD calibrated), checkpoints at steps 1 and 2,
-    with the trained parameters after every step recorded from the loop itself."""
+    with the trained parameters after the first and the last step recorded from the loop itself. Built once
+    for both xdist workers (`built_once`): (config, workdir, the run's final eval metrics, params after step
+    0, params after the last step)."""
     cfg = tiny_config(tok, shards, stage="overall", **{
         "schedule.overall.steps": 2, "schedule.overall.sd_warmup_steps": 0, "train.calibration_batches": 1,
         "checkpoint.every": 1})
-    workdir = tmp_path_factory.mktemp("overall_run")
-    with pytest.MonkeyPatch.context() as mp:
-        rec = StepRecorder(mp)
-        result = trainer.train(cfg, workdir)
-    assert result.status == "completed" and complete_steps(workdir) == [1, 2]
-    return cfg, workdir, result, rec
+
+    def build(out: Path) -> None:
+        with pytest.MonkeyPatch.context() as mp:
+            rec = StepRecorder(mp)
+            result = trainer.train(cfg, out / "workdir")
+        assert result.status == "completed" and complete_steps(out / "workdir") == [1, 2]
+        save_file(rec.steps[0]["after"][0], out / "first.safetensors")
+        save_file(rec.steps[-1]["after"][0], out / "final.safetensors")
+        (out / "eval.json").write_text(json.dumps({k: float(v) for k, v in result.eval_metrics.items()}))
+
+    out = built_once(tmp_path_factory, "overall_run", build)
+    return (cfg, out / "workdir", json.loads((out / "eval.json").read_text()),
+            load_file(out / "first.safetensors"), load_file(out / "final.safetensors"))
 
 
 def test_load_trained_restores_the_trained_parameters_and_outputs(overall_run):
     """load_trained(workdir) = the parameters the loop ended with, bit for bit, and the same eval loss as
     the run's own final eval; step=1 (or the step folder) = the parameters after step 0."""
-    cfg, workdir, result, rec = overall_run
+    cfg, workdir, eval_metrics, first, final = overall_run
     model, tokenizer, config, meta = serve_load.load_trained(workdir)
     assert meta["stage"]["name"] == "overall" and config.schedule.overall.steps == 2
     loaded = _flat(nnx.state(model, nnx.Param))
-    final = rec.steps[-1]["after"][0]
     assert final and set(final) <= set(loaded)
     for k, v in final.items():
         np.testing.assert_array_equal(loaded[k], v, err_msg=k)
@@ -945,9 +961,8 @@ def test_load_trained_restores_the_trained_parameters_and_outputs(overall_run):
     sharding.shard_model(model, mesh)
     stage = config_lib.resolve_stage(config)
     got = trainer.evaluate_loss(config, stage, model, tokenizer, mesh, max_batches=config.train.eval_batches)
-    assert {f"eval/{k}": v for k, v in got.items()} == result.eval_metrics
+    assert {f"eval/{k}": v for k, v in got.items()} == eval_metrics
 
-    first = rec.steps[0]["after"][0]
     assert any(not np.array_equal(first[k], final[k]) for k in final)
     for path in (workdir, workdir / "checkpoints" / "1"):
         step = 1 if path == workdir else None
@@ -959,7 +974,7 @@ def test_load_trained_restores_the_trained_parameters_and_outputs(overall_run):
 def test_train_and_load_trained_set_the_runs_matmul_precision(overall_run):
     """A loaded run computes with the precision it trained with (process-wide); a config from before the
     key means float32, "default" hands the choice back to jax."""
-    cfg, workdir, _, _ = overall_run
+    cfg, workdir, *_ = overall_run
     try:
         jax.config.update("jax_default_matmul_precision", "bfloat16")
         serve_load.load_trained(workdir)
@@ -979,7 +994,7 @@ def test_load_trained_untrained_model_and_bad_step_or_path(overall_run, shards, 
     """restore=False: the run's model as built before training (same random backbone, LoRA B = 0, fresh
     CS/SD heads, bit for bit a new `build_model`), not the trained one. A missing step or path is an error
     naming it."""
-    cfg, workdir, _, rec = overall_run
+    cfg, workdir, _, _, trained = overall_run
     fresh = _flat(nnx.state(serve_load.load_trained(workdir, restore=False)[0], nnx.Param))
     built_now, _ = trainer.build_model(cfg, json.loads((Path(shards) / "manifest.json").read_text()))
     want = _flat(nnx.state(built_now, nnx.Param))
@@ -988,7 +1003,6 @@ def test_load_trained_untrained_model_and_bad_step_or_path(overall_run, shards, 
         np.testing.assert_array_equal(fresh[k], v, err_msg=k)
     lora_b = [k for k in fresh if k.endswith("lora_b")]
     assert lora_b and all(not fresh[k].any() for k in lora_b)
-    trained = rec.steps[-1]["after"][0]
     assert any(trained[k].any() for k in lora_b)
     for head in ("content_sync/", "style_dis/"):
         moved = [k for k in trained if k.startswith(head) and not np.array_equal(trained[k], fresh[k])]
