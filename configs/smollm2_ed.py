@@ -47,7 +47,8 @@ def get_config(arg: str | None = None):
     # bfloat16 operands, float32 accumulation in the backbone's dots (what a TPU does with float32 weights);
     # XLA:CPU's bf16 dot kernels are ~1.8x its float32 ones on AVX512-BF16 CPUs (llama.py "Matmul precision
     # bfloat16"). These three levers: docs/benchmarks.md "The coe step on the CPU". A CPU without AVX512-BF16
-    # gains nothing from it: set --config.model.matmul_precision=float32 there.
+    # or AMX loses by it (0.82x of float32 on a Zen 3; the trainer warns): set
+    # --config.model.matmul_precision=float32 there.
     c.model.matmul_precision = "bfloat16"
     c.train.batch_size = 8
     c.train.grad_accum = 1

@@ -141,6 +141,19 @@ def test_config_errors_list_every_problem(tok, shards):
     config_lib.validate(tiny_config(tok, shards), device_count=8)  # the tiny config itself is valid
 
 
+@pytest.mark.parametrize("flags, lacks", [
+    ("fpu sse2 avx avx2 fma sha_ni vaes", True),  # a Zen 3: AVX2 only
+    ("avx2 avx512f avx512_bf16 amx_bf16 amx_tile", False),  # a Zen 4 / Sapphire Rapids
+    ("avx2 avx512f avx512_bf16", False),
+    ("fp asimd bf16", False),  # not x86: cannot tell
+])
+def test_cpu_lacks_bf16_dots_reads_the_cpu_flags(tmp_path, flags, lacks):
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nmodel name\t: a CPU\nflags\t\t: {flags}\n")
+    assert config_lib.cpu_lacks_bf16_dots(str(info)) is lacks
+    assert config_lib.cpu_lacks_bf16_dots(str(tmp_path / "missing")) is False
+
+
 def test_every_shipped_config_resolves():
     from configs import base, smollm2_demo, smollm2_ed, smollm2_ed_avatar, smollm2_ed_sample, vicuna7b
 

@@ -379,8 +379,26 @@ def set_matmul_precision(config: ml_collections.ConfigDict) -> str:
     return precision
 
 
+def cpu_lacks_bf16_dots(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True where XLA:CPU runs here on an x86 CPU whose flags name neither AVX512-BF16 nor AMX-BF16: there
+    bfloat16 dot operands cost more than float32 ones (the ED coe step at 0.82x on a Zen 3, docs/benchmarks.md
+    "The trainer on a CPU without BF16"), so `model.matmul_precision=bfloat16` is worth a warning. False when
+    it cannot tell (another backend, another architecture, no /proc)."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return False
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    lines = [line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")]
+    return bool(lines) and "avx2" in lines[0] and not {"avx512_bf16", "amx_bf16"} & set(lines[0])
+
+
 __all__ = [
     "MATMUL_PRECISIONS",
+    "cpu_lacks_bf16_dots",
     "NAN_POLICIES",
     "ConfigError",
     "best_metric_choices",

@@ -905,7 +905,10 @@ def _build_run(config: ml_collections.ConfigDict, workdir: Path) -> _Run:
     """Everything that can fail on a bad config or missing data fails here, before a step is compiled."""
     initialize_distributed(config)
     config_lib.validate(config)
-    config_lib.set_matmul_precision(config)
+    if config_lib.set_matmul_precision(config) == "bfloat16" and config_lib.cpu_lacks_bf16_dots():
+        log.warning("model.matmul_precision=bfloat16 on a CPU without AVX512-BF16 or AMX: its bf16 dots are "
+                    "slower than float32 ones here; --config.model.matmul_precision=float32 trains faster on "
+                    "this machine (docs/benchmarks.md \"The trainer on a CPU without BF16\")")
     stage = config_lib.resolve_stage(config)
     check_packing(config, stage)
     schedule = config_lib.stage_schedule(config)
