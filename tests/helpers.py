@@ -249,18 +249,16 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Pa
 
 
 def saved_smollm2_tokenizer(tmp_path_factory) -> str:
-    """The SmolLM2 GGUF tokenizer saved once per test session (one folder, shared by every test module)."""
-    from filelock import FileLock
-    from transformers import AutoTokenizer
+    """The SmolLM2 GGUF tokenizer saved once per test run (one folder, shared by every test module and both
+    xdist workers: `built_once`)."""
 
-    root = tmp_path_factory.getbasetemp()
-    out = root / "smollm2_tokenizer"
-    with FileLock(str(root / "smollm2_tokenizer.lock")):
-        if not (out / "tokenizer.json").exists():
-            path = gguf_path()
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            tok.save_pretrained(str(out))
-    return os.fspath(out)
+    def save(out: Path) -> None:
+        from transformers import AutoTokenizer
+
+        path = gguf_path()
+        AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(out))
+
+    return os.fspath(built_once(tmp_path_factory, "smollm2_tokenizer", save))
 
 
 # ----------------------------------------------------------------------------------------------------------
