@@ -25,6 +25,9 @@ VARIANTS=${3:-issue today today_f32}
 FROM=${FROM:-40}
 DEV_BATCHES=${DEV_BATCHES:-2}
 ED_SHARDS=${ED_SHARDS:-$OUT/ed/shards}
+if (( STEPS < FROM + 10 )); then  # at least one 10-step window after the warm-up
+    echo "trainer_ab: STEPS=$STEPS leaves no window after FROM=$FROM (need STEPS >= FROM + 10)" >&2; exit 2
+fi
 mkdir -p "$OUT"
 if [[ ! -f $ED_SHARDS/manifest.json ]]; then
     "$PY" -m data.import_ed --csv data/ed/empathetic_dialogues_validation.csv --out "$OUT/ed/raw" \
