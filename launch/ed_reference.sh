@@ -262,7 +262,7 @@ if [[ -z $TEXT_FROM ]]; then
         --predictions "$RUN/report_final/predictions_coe.jsonl" --shards "$RUN/ed/shards" \
         --json "$RUN/emotion_head_weights.json"
     # the figure the project's test re-measures in CI time: the first CI_SUBSET dev records
-    CI_SUBSET=32  # tests/test_reference_model.py SUBSET
+    CI_SUBSET=16  # tests/test_reference_model.py SUBSET
     "$PY" -m empatheia_jax.cli eval --ckpt "$RUN/export" --data "$RUN/ed/shards" --split dev --template coe \
         --max_examples $CI_SUBSET --json "$RUN/report_final/subset.json" --no_repeat_ngram_size 4 --score_emotions \
         ${BACKBONE[@]+"${BACKBONE[@]}"} ${EXTRA_EVAL[@]+"${EXTRA_EVAL[@]}"}

@@ -33,10 +33,27 @@ def exact_matmuls():
         yield
 
 
+# jax locks its persistent cache's files (a FileLock per read and write) only when a maximum size is set; two
+# xdist workers writing and reading one folder need it. Any size above what a run writes (~2 GB) will do.
+_CACHE_MAX_BYTES = str(16 * 2**30)
+
+
+def run_compilation_cache(tmp_path_factory) -> str:
+    """One persistent compilation cache for the whole pytest run, shared by both xdist workers: a program
+    the other worker compiled (a CLI run's step, a module fixture's) is read, not compiled again (a stage
+    overall step costs ~70 s of compile at optimisation level 0)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's temp folder, above each worker's own (as helpers.built_once)
+    cache = root / "jax_cache"
+    cache.mkdir(exist_ok=True)
+    return str(cache)
+
+
 @pytest.fixture(scope="session")
 def cli_env(tmp_path_factory):
     """Environment for `python -m empatheia_jax.cli` subprocesses: one CPU device, XLA optimisation off, and
-    one persistent compilation cache for the session, so only the first CLI run pays for compiling."""
+    the run's persistent compilation cache, so only the first CLI run of a program pays for compiling."""
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
@@ -45,7 +62,8 @@ def cli_env(tmp_path_factory):
         "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0 "
         "--xla_llvm_disable_expensive_passes=true"
     )
-    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
+    env["JAX_COMPILATION_CACHE_DIR"] = run_compilation_cache(tmp_path_factory)
+    env["JAX_COMPILATION_CACHE_MAX_SIZE"] = _CACHE_MAX_BYTES
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
     return env

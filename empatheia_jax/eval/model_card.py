@@ -15,7 +15,7 @@ of the export ("weights": {file: sha256}), so its figures name the exact bytes t
 What tests/test_reference_model.py re-measures for the committed reference model, so its card cannot drift
 from its weights: (1) the sha256 of each *.safetensors file against card.json's "weights", and that no
 weight file is missing from or added to that list; (2) the export's step and stored dtype (bfloat16)
-against the card's model section; (3) `empatheia eval` of the first 32 ED dev records ("ci_subset",
+against the card's model section; (3) `empatheia eval` of the first 16 ED dev records ("ci_subset",
 rebuilt from the shipped csv with the recipe's hold-out), against the card's ci_subset figures: the emotion
 accuracies (32- and 7-class: free, scored, the emotion head's and the combined decision's) within 1 point,
 eval_loss within 1e-3, and the repetition rate at most 2 points above. The whole-dev figures ("eval") are
