@@ -6,6 +6,7 @@ These must be set before jax is imported anywhere, hence at conftest import time
 import os
 
 import pytest
+from helpers import FAST_COMPILE, xla_flags
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -14,11 +15,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite's programs are tiny models compiled once or twice each: LLVM's optimisation costs more than it
 # saves (test_sd_warmup: 203 s -> 126 s), and the CLI subprocesses (`cli_env`) already run this way.
 # Tests that re-measure a stored figure run their own process without these flags (test_reference_model).
-_FLAGS = {
-    "xla_force_host_platform_device_count": "8",
-    "xla_backend_optimization_level": "0",
-    "xla_llvm_disable_expensive_passes": "true",
-}
+# (helpers.FAST_COMPILE has the flags and why.)
+_FLAGS = {"xla_force_host_platform_device_count": "8", **FAST_COMPILE}
 for _flag, _value in _FLAGS.items():
     if _flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
@@ -58,10 +56,7 @@ def cli_env(tmp_path_factory):
 
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0 "
-        "--xla_llvm_disable_expensive_passes=true"
-    )
+    env["XLA_FLAGS"] = xla_flags(devices=1)
     env["JAX_COMPILATION_CACHE_DIR"] = run_compilation_cache(tmp_path_factory)
     env["JAX_COMPILATION_CACHE_MAX_SIZE"] = _CACHE_MAX_BYTES
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"

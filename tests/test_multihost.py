@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import make_tiny_shards, saved_smollm2_tokenizer
+from helpers import make_tiny_shards, saved_smollm2_tokenizer, xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 6  # one epoch of the 12 training records: 6 per process, one per step
@@ -224,8 +224,7 @@ def env_with(devices: int, cache: Path) -> dict[str, str]:
         TOKENIZERS_PARALLELISM="false",
         PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
         # small programs: XLA's backend optimisation costs more compile time than it saves
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0 "
-        "--xla_llvm_disable_expensive_passes=true",
+        XLA_FLAGS=xla_flags(devices),
     )
     return env
 
