@@ -57,8 +57,14 @@ def _assert_same(got, ref, what):
     for k, v in ref_metrics.items():
         np.testing.assert_allclose(metrics[k], v, rtol=1e-6, atol=1e-7, err_msg=f"{what} {k}")
     assert grads.keys() == ref_grads.keys()
+    top = max(np.abs(g).max() for g in ref_grads.values())
     for k, g in ref_grads.items():
         err, scale = np.abs(grads[k] - g).max(), np.abs(g).max()
+        if k.endswith("key/bias"):
+            # softmax is shift-invariant over the keys, so a key bias's gradient is exactly 0: both sides hold
+            # rounding noise (~5e-7 here, which the compiler's fusion choices move), never a value to compare
+            assert max(np.abs(grads[k]).max(), scale) <= 1e-5 * top, (what, k, scale, top)
+            continue
         assert err <= 1e-5 * scale + 1e-9, (what, k, err, scale)
 
 
