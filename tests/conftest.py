@@ -6,7 +6,7 @@ These must be set before jax is imported anywhere, hence at conftest import time
 import os
 
 import pytest
-from helpers import FAST_COMPILE, xla_flags
+from helpers import FAST_COMPILE, run_temp_root, xla_flags
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -40,10 +40,7 @@ def run_compilation_cache(tmp_path_factory) -> str:
     """One persistent compilation cache for the whole pytest run, shared by both xdist workers: a program
     the other worker compiled (a CLI run's step, a module fixture's) is read, not compiled again (a stage
     overall step costs ~70 s of compile at optimisation level 0)."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the run's temp folder, above each worker's own (as helpers.built_once)
-    cache = root / "jax_cache"
+    cache = run_temp_root(tmp_path_factory) / "jax_cache"
     cache.mkdir(exist_ok=True)
     return str(cache)
 

@@ -228,6 +228,12 @@ def require(what: str | bool, why: str) -> ModuleType | None:
     return None
 
 
+def run_temp_root(tmp_path_factory) -> Path:
+    """The pytest run's temp folder: under xdist the one above each worker's own, so both workers see it."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
 def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
     """A folder `build(folder)` fills once per test run and every pytest-xdist worker reads: a module
     fixture is otherwise built by each worker that runs one of its tests (worksteal splits modules), and a
@@ -235,10 +241,7 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Pa
     other waits for it; a build that raised leaves no `BUILT` mark, so the next one starts over."""
     from filelock import FileLock
 
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the run's temp folder, above each worker's own
-    out = root / name
+    out = run_temp_root(tmp_path_factory) / name
     with FileLock(str(out) + ".lock"):
         if not (out / "BUILT").exists():
             shutil.rmtree(out, ignore_errors=True)
