@@ -45,6 +45,19 @@ def run_compilation_cache(tmp_path_factory) -> str:
     return str(cache)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache_in_process(tmp_path_factory):
+    """The pytest processes read and write the same cache: a program a test compiles again in a new jit
+    (every `trainer.train` or `jit_step` call traces a fresh closure) is read, not compiled (test_ema's
+    resumed run, test_sd_warmup's second warm-up). Only programs of a second or more are kept: the eager
+    ops' hundreds of small compiles are cheaper done again than written."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", run_compilation_cache(tmp_path_factory))
+    jax.config.update("jax_compilation_cache_max_size", int(_CACHE_MAX_BYTES))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 @pytest.fixture(scope="session")
 def cli_env(tmp_path_factory):
     """Environment for `python -m empatheia_jax.cli` subprocesses: one CPU device, XLA optimisation off, and
