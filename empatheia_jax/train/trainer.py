@@ -449,7 +449,7 @@ def make_step(stage: stages.Stage, weights: losses.LossWeights) -> stages.TrainS
         # The gradients are summed in the carry (they have the parameters' structure, so their zeros need no
         # trace); the metrics come out per micro-batch and are summed after, in order, to the same values:
         # starting the carry from their zeros instead would trace the whole forward and backward once more
-        # only for their shapes (~3.8 s of the tiny overall step's ~6 s trace).
+        # only for their shapes (the tiny overall step's trace: 6.0 s with it, 4.8 s without).
         grads, per_micro = jax.lax.scan(micro_step, jax.tree.map(jnp.zeros_like, params), (batch, keys))
         metrics = jax.tree.map(lambda m: functools.reduce(jnp.add, list(m)), per_micro)
 
