@@ -48,10 +48,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = load_config(args.config, None, args.override)
     stage = config_lib.resolve_stage(config)
-    model, tokenizer = trainer.build_model(config, trainer.model_manifest(config))
-    if not args.batches:  # one epoch: the train split's records over the batch size (the remainder dropped)
-        records = trainer.model_manifest(config)["splits"][config.data.train_split]["records"]
-        args.batches = records // int(config.train.batch_size)
+    manifest = trainer.model_manifest(config)
+    model, tokenizer = trainer.build_model(config, manifest)
+    # one epoch by default: the train split's records over the batch size (the remainder dropped)
+    records = manifest["splits"][config.data.train_split]["records"]
+    batches = args.batches or records // config.train.batch_size
     print("| window_batches | bucket_step | real tokens / padded positions | positions per batch | lengths |")
     print("|---|---|---|---|---|")
     default_step = int(config.data.bucket_step)
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         window, _, step = row.partition(":")
         config.data.window_batches = int(window)
         config.data.bucket_step = int(step) if step else default_step
-        r = padding_row(config, stage, model, tokenizer, args.batches)
+        r = padding_row(config, stage, model, tokenizer, batches)
         print(f"| {window} | {config.data.bucket_step} | {r['real_fraction']:.3f} "
               f"| {r['positions_per_batch']:,.0f} | {len(r['lengths'])} ({r['batches']} batches) |",
               flush=True)
