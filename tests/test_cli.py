@@ -215,6 +215,42 @@ def test_train_prints_its_result_and_no_library_info(trained):
     assert "train coe" in p.stderr  # the progress bar still shows
 
 
+def _tensorboard_scalars(folder: Path) -> dict[tuple[int, str], float]:
+    """{(step, tag): value} of the scalar summaries in a folder's event files, read record by record (the
+    TFRecord framing: length, its crc, the Event proto, its crc; tensorboard itself is not installed)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    out = {}
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (n,) = struct.unpack_from("<Q", data, at)
+            event = Event.FromString(data[at + 12 : at + 12 + n])
+            at += 12 + n + 4
+            for value in event.summary.value:
+                out[(event.step, value.tag)] = value.simple_value
+    return out
+
+
+def test_train_logs_its_metrics_to_tensorboard_as_to_metrics_jsonl(trained):
+    """TensorBoard's event files hold every scalar metrics.jsonl logs, at the same steps (tensorboardX is
+    imported with torch hidden from it: `trainer._summary_writer_class`)."""
+    workdir, _ = trained
+    logged = {}
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        step = record.pop("step")
+        logged.update({(step, k): v for k, v in record.items()})
+    scalars = _tensorboard_scalars(workdir / "tensorboard")
+    tags = {tag.split("/")[0] for _, tag in logged}
+    assert {"train", "eval"} <= tags, tags
+    assert scalars.keys() == logged.keys()
+    for key, value in logged.items():
+        assert scalars[key] == pytest.approx(value, rel=1e-6), key
+
+
 # ----------------------------------------------------------------------------------------------------------
 # eval and chat end to end
 # ----------------------------------------------------------------------------------------------------------

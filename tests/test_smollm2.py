@@ -110,6 +110,56 @@ def test_every_tokenizer_loader_reads_the_converted_folder_quietly(smollm2):
         assert tok.get_vocab() == smollm2[1].get_vocab() and tok.chat_template == smollm2[1].chat_template
 
 
+def test_the_direct_tokenizer_read_is_autotokenizers_and_imports_no_torch(tmp_path, monkeypatch):
+    """`load_tokenizer` reads our own folders with transformers' generic class instead of AutoTokenizer
+    (whose registry imports torch: seconds of every command). It must be the tokenizer AutoTokenizer gives:
+    the same ids for text with special and added tokens, the same chat prompt, special ids and decoding. A
+    folder with an HF model config still goes through AutoTokenizer."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer, PretrainedConfig
+
+    from empatheia_jax.data.templates import extend_tokenizer, load_tokenizer
+
+    saved = tmp_path / "saved"
+    AutoTokenizer.from_pretrained(str(gguf_path().parent), gguf_file=gguf_path().name).save_pretrained(saved)
+    texts = ["I lost my dog <Aud> <Vid>!\n<|im_start|>assistant", "naïve café 🤗  two  spaces\n\n",
+             "[SPEECH_0]"]
+    chat = [*DIALOGUE, {"role": "assistant", "content": "That sounds so frustrating."}]
+    for folder in (saved, smollm2_checkpoint()):
+        ours, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder, config=PretrainedConfig())
+        assert type(ours) is type(auto)
+        assert extend_tokenizer(ours) == extend_tokenizer(auto)
+        assert [ours(t)["input_ids"] for t in texts] == [auto(t)["input_ids"] for t in texts]
+        prompts = [t.apply_chat_template(chat, tokenize=False) for t in (ours, auto)]
+        assert prompts[0] == prompts[1]
+        specials = ("pad_token_id", "eos_token_id", "bos_token_id", "unk_token_id")
+        assert [getattr(ours, s) for s in specials] == [getattr(auto, s) for s in specials]
+        ids = ours(texts[0])["input_ids"]
+        assert ours.decode(ids, skip_special_tokens=True) == auto.decode(ids, skip_special_tokens=True)
+
+    code = ("import sys; from empatheia_jax.data.templates import load_tokenizer; "
+            f"load_tokenizer({str(saved)!r}); assert 'torch' not in sys.modules, 'torch imported'")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+    # An HF model folder (its config.json may pick a model-specific class) goes through AutoTokenizer.
+    hf_model = tmp_path / "hf_model"
+    shutil.copytree(saved, hf_model)
+    (hf_model / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 49152}))
+    read = []
+    original = AutoTokenizer.from_pretrained.__func__
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained",
+                        classmethod(lambda cls, path, **kw: read.append(path) or original(cls, path, **kw)))
+    load_tokenizer(saved)
+    assert read == []
+    load_tokenizer(hf_model)
+    assert read == [str(hf_model)]
+
+
 def test_a_gguf_tokenizer_with_other_special_tokens_is_refused():
     """transformers 5.17 reads this GGUF with eos <|im_start|>: a model trained on that conversion learns
     another end token (docs/design.md "The GGUF tokenizer check"). The pinned transformers reads it right;

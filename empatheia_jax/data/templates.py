@@ -81,13 +81,37 @@ def load_tokenizer(source: Any) -> Any:
 
     A converted checkpoint's config.json is ours, not an HF config: AutoTokenizer would parse it as one
     (and warn about its `rope_scaling` key on every load), so it is given an empty config instead.
+
+    A folder whose tokenizer_config.json names transformers' generic `TokenizersBackend` and holds no HF
+    model config (a converted checkpoint, an export, a saved tokenizer: what our own tools write) is read by
+    that class directly, the class AutoTokenizer resolves there too. AutoTokenizer's model registry imports
+    torch (through `modeling_rope_utils`): 2-3 s of every command and grain worker that loads a tokenizer.
+    Any other folder (an HF model's, a model-specific class) goes through AutoTokenizer.
     """
     if not isinstance(source, str | os.PathLike):
         return source
+    folder = Path(source)
+    converted = (folder / CONVERTED_MARKER).is_file()
+    if _generic_backend(folder) and (converted or not (folder / "config.json").is_file()):
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(os.fspath(source))
     from transformers import AutoTokenizer, PretrainedConfig
 
-    kw = {"config": PretrainedConfig()} if (Path(source) / CONVERTED_MARKER).is_file() else {}
+    kw = {"config": PretrainedConfig()} if converted else {}
     return AutoTokenizer.from_pretrained(os.fspath(source), **kw)
+
+
+def _generic_backend(folder: Path) -> bool:
+    """Whether `folder` holds a tokenizer.json that its tokenizer_config.json gives to the generic class."""
+    import json
+
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    generic = isinstance(config, dict) and config.get("tokenizer_class") == "TokenizersBackend"
+    return generic and not config.get("auto_map") and (folder / "tokenizer.json").is_file()
 
 
 def extend_tokenizer(tokenizer: Any, n_signal: int = 16) -> dict[str, int]:

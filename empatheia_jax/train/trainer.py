@@ -743,15 +743,35 @@ def peak_flops() -> float | None:
     return next((v for k, v in _PEAK_FLOPS.items() if k in kind), None)
 
 
+def _summary_writer_class() -> type:
+    """tensorboardX's SummaryWriter, imported without importing torch when nothing has yet.
+
+    tensorboardX's writer module imports torch only to accept torch tensors as values (`numpy_compatible`),
+    and falls back to numpy when the import fails; we log floats. Importing torch is ~1.9 s of every
+    training command (its largest import). A None in sys.modules makes that one `import torch` fail; it is
+    removed again at once, so a later import of torch (an encoder, a converter) works as usual.
+    """
+    import sys
+
+    if "torch" in sys.modules or "tensorboardX" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class MetricsWriter:
     """TensorBoard + metrics.jsonl on process 0 (other processes write nothing)."""
 
     def __init__(self, workdir: Path, enabled: bool):
         self.enabled = enabled
         if enabled:
-            from tensorboardX import SummaryWriter
-
-            self.tb = SummaryWriter(str(workdir / "tensorboard"))
+            self.tb = _summary_writer_class()(str(workdir / "tensorboard"))
             self.jsonl = (workdir / "metrics.jsonl").open("a")
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
