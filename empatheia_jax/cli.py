@@ -42,7 +42,7 @@ from typing import Any
 from absl import app, flags
 from ml_collections import config_flags
 
-from empatheia_jax import host_memory
+from empatheia_jax import compile_cache, host_memory
 from empatheia_jax.data import splits
 from empatheia_jax.eval import report as eval_report
 from empatheia_jax.eval.metrics import text as mtext
@@ -753,6 +753,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv is None:  # the process is the command's own (not a caller's, e.g. a notebook's or a test's)
         # before jax's backend starts its threads: XLA:CPU's per-step buffers reused, not faulted in again
         host_memory.keep_freed_memory()
+        compile_cache.use_persistent_cache()  # a caller's process keeps its own jax configuration
     argv = list(sys.argv if argv is None else argv)
     usage = (f"usage: empatheia {{{','.join(COMMANDS)}}} [flags]   "
              "(empatheia COMMAND --helpfull lists the flags)")

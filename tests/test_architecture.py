@@ -15,7 +15,8 @@ ROOTS = ("empatheia_jax", "converters", "data", "configs")
 
 # Lowest first. A module may import its own layer (without a circle) and the layers below it, never above.
 LAYERS = (
-    ("empatheia_jax.logs", "empatheia_jax.host_memory", "empatheia_jax.sharding", "empatheia_jax.assets"),
+    ("empatheia_jax.logs", "empatheia_jax.host_memory", "empatheia_jax.compile_cache",
+     "empatheia_jax.sharding", "empatheia_jax.assets"),
     ("empatheia_jax.data",),
     ("empatheia_jax.generators",),
     ("empatheia_jax.models",),
