@@ -27,7 +27,8 @@ def default_folder() -> Path:
 def use_persistent_cache() -> Path | None:
     """Turns the cache on in `default_folder()` unless the environment chose: JAX_COMPILATION_CACHE_DIR
     names another folder, or is empty for none. JAX_COMPILATION_CACHE_MAX_SIZE and
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, when set, win over the defaults here. Returns the folder.
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, when set, win over the defaults here. Returns the folder
+    (None: no cache, also when the default folder cannot be made).
     """
     import jax
 
@@ -35,7 +36,10 @@ def use_persistent_cache() -> Path | None:
     if chosen is not None:
         return Path(chosen) if chosen else None
     folder = default_folder()
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:  # an unwritable cache folder costs the command its speed-up, not its run
+        return None
     jax.config.update("jax_compilation_cache_dir", str(folder))
     if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
         jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)

@@ -77,3 +77,9 @@ def test_every_command_turns_it_on(tmp_path):
                        env=_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stderr[-2000:]
     assert (tmp_path / "cache" / "jax_compilation_cache").is_dir()
+
+
+def test_an_unwritable_cache_folder_only_turns_it_off(tmp_path):
+    (tmp_path / "cache").write_text("a file where the cache folder would be")
+    folder, *_, seconds, hits = _run(_env(tmp_path))
+    assert folder == "None" and hits == 0 and seconds > 0
