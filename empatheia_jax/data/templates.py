@@ -9,6 +9,7 @@ and is written down in docs/design.md "## Templates"; the tests pin it character
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -104,8 +105,6 @@ def load_tokenizer(source: Any) -> Any:
 
 def _generic_backend(folder: Path) -> bool:
     """Whether `folder` holds a tokenizer.json that its tokenizer_config.json gives to the generic class."""
-    import json
-
     try:
         config = json.loads((folder / "tokenizer_config.json").read_text())
     except (OSError, ValueError):

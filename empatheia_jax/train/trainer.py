@@ -28,6 +28,7 @@ import functools
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -751,8 +752,6 @@ def _summary_writer_class() -> type:
     training command (its largest import). A None in sys.modules makes that one `import torch` fail; it is
     removed again at once, so a later import of torch (an encoder, a converter) works as usual.
     """
-    import sys
-
     if "torch" in sys.modules or "tensorboardX" in sys.modules:
         from tensorboardX import SummaryWriter
 
