@@ -10,6 +10,7 @@ CPU device each and a shared persistent compilation cache, so only the first run
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import random
 import re
@@ -405,6 +406,27 @@ def test_bucket_step_pads_batches_to_its_multiples(built):
     assert width % 16 == 0 and longest <= width < longest + 16
     assert width < default["input_ids"].shape[1]
     np.testing.assert_array_equal(batch["input_ids"], default["input_ids"][:, :width])  # same rows, less pad
+
+
+def test_a_step_that_compiles_a_new_batch_length_is_no_throughput_sample(tok, shards, tmp_path):
+    """With data.bucket_step a batch length first seen mid-run compiles the step again: that step is logged
+    as perf/compile_s and left out of perf/tokens_per_s, as the first step is (a window of only such a step
+    has no throughput), so a bucketed run's figures are its steady steps."""
+    cfg = tiny_config(tok, shards, **{"schedule.coe.steps": 8, "train.log_every": 1, "data.bucket_step": 8,
+                                      "train.eval_every": 8, "checkpoint.every": 8})
+    manifest = json.loads((Path(shards) / "manifest.json").read_text())
+    model, tokenizer = trainer.build_model(cfg, manifest)
+    pipe = trainer.make_train_pipeline(cfg, config_lib.resolve_stage(cfg), model, tokenizer)
+    widths = [b["input_ids"].shape[1] for b in itertools.islice(iter(pipe), 8)]
+    new = [w not in widths[:i] for i, w in enumerate(widths)]
+    assert any(new[1:]) and not all(new), widths  # a length first seen mid-run, and a repeated one
+    trainer.train(cfg, tmp_path)
+    logged = {d["step"]: d for d in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+              if "train/total" in d}
+    assert sorted(logged) == list(range(1, 9))
+    for step, d in logged.items():
+        assert ("perf/compile_s" in d) == new[step - 1], (step, widths, d)
+        assert ("perf/tokens_per_s" in d) == (not new[step - 1]), (step, widths, d)
 
 
 def test_schedule_warms_up_then_decays(tok, shards):

@@ -884,19 +884,24 @@ class _Progress:
     consecutive_bad: int = 0
     status: str = "completed"
     last_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    # the step batch shapes run so far: a new one (a bucket length not seen yet) compiles the step again
+    shapes: set[tuple[int, ...]] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass
 class _Window:
-    """Metrics summed since the last log line, and the throughput sample (steps, tokens, since when)."""
+    """Metrics summed since the last log line, and the throughput sample (steps, tokens, since when, less
+    the seconds of the steps that compiled: `excluded`)."""
 
     start: float
     sums: dict[str, float] = dataclasses.field(default_factory=dict)
     steps: int = 0
     tokens: int = 0
+    excluded: float = 0.0
 
     def reset(self) -> None:
         self.sums, self.steps, self.tokens, self.start = {}, 0, 0, time.perf_counter()
+        self.excluded = 0.0
 
 
 def check_packing(config: ml_collections.ConfigDict, stage: stages.Stage) -> None:
@@ -1155,6 +1160,9 @@ def _run_step(
         trace.flush()
     host_batch = pack_for_step(run.config, host_batch, run.pipeline.pad_id, run.mesh)
     batch = step_batch(host_batch, run.mesh, run.config.train.grad_accum)
+    shape = tuple(host_batch["input_ids"].shape)
+    new_shape = shape not in p.shapes
+    p.shapes.add(shape)
     t0 = time.perf_counter()
     with jax.set_mesh(run.mesh):  # traced for the mesh: activations keep the batch layout
         p.params, p.opt_state, metrics = p.step_fn(
@@ -1166,6 +1174,11 @@ def _run_step(
     if step == p.start:
         window.start = time.perf_counter()  # the first step compiles: not a throughput sample
         metrics["compile_s"] = window.start - t0
+    elif new_shape:
+        # a batch length first seen now (data.bucket_step's buckets) compiled the step, or read it from the
+        # persistent cache: neither a throughput sample, and logged as compile time like the first step's
+        metrics["compile_s"] = time.perf_counter() - t0
+        window.excluded += metrics["compile_s"]
     else:
         window.steps += 1
         window.tokens += int(host_batch["attention_mask"].sum()) * jax.process_count()
@@ -1210,7 +1223,7 @@ def _log_window(
     if "compile_s" in window.sums:
         out["perf/compile_s"] = window.sums["compile_s"]
     if window.steps:
-        dt = time.perf_counter() - window.start
+        dt = time.perf_counter() - window.start - window.excluded
         out["perf/step_time_s"] = dt / window.steps
         out["perf/tokens_per_s"] = window.tokens / dt
         if p.peak and run.stage.reads_llm:  # the FLOPs counted are the backbone's
