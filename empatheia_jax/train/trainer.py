@@ -1171,14 +1171,14 @@ def _run_step(
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     if profile and step + 1 == profile[1]:
         jax.profiler.stop_trace()
-    if step == p.start:
-        window.start = time.perf_counter()  # the first step compiles: not a throughput sample
-        metrics["compile_s"] = window.start - t0
-    elif new_shape:
-        # a batch length first seen now (data.bucket_step's buckets) compiled the step, or read it from the
-        # persistent cache: neither a throughput sample, and logged as compile time like the first step's
+    if new_shape:
+        # the run's first step, and a batch length first seen later (data.bucket_step's buckets), compiled
+        # the step or read it from the persistent cache: compile time, not a throughput sample
         metrics["compile_s"] = time.perf_counter() - t0
-        window.excluded += metrics["compile_s"]
+        if step == p.start:
+            window.start = time.perf_counter()  # nor is the time before the first step
+        else:
+            window.excluded += metrics["compile_s"]
     else:
         window.steps += 1
         window.tokens += int(host_batch["attention_mask"].sum()) * jax.process_count()
