@@ -4,7 +4,9 @@
 #      LORA_LAYERS (default 32) layers of the LLaMA-2-7B shape, batch 1, bf16, remat full on both sides;
 #   2. the Empatheia stage-4 (overall) step vs the backbone-only LoRA step beside it, T=2048, STAGE_LAYERS
 #      (default 8: the stage-4 step's compile grows with depth and must fit the budget; the ratio, not the
-#      absolute depth, is the figure) layers;
+#      absolute depth, is the figure) layers; every step with model.llm.attention=auto (cuDNN's flash kernel
+#      where it compiles: the rows name the kernel), and the backbone-only step once more with our einsum
+#      attention forced, so the flash kernel's share is measured at the same shape;
 #   3. decode, ours vs HF, batch 1 and 16 (bench/backbone.py --random-shape 7b: same random bf16 weights on
 #      both sides, prompt 64, 128 new tokens), DECODE_LAYERS (default 32) layers.
 # Writes $OUT/gpu_bench.json and $OUT/gpu_bench.md ($OUT if set, else bench_out/), with each piece's raw
@@ -104,6 +106,8 @@ piece() {  # name, command...: runs it with the piece timeout, logs to $OUTDIR/<
 piece lora_vs_hf "$PY" bench/train_step.py "${LORA[@]}" --backbone-only --hf --json "$OUTDIR/train_step.jsonl"
 piece stage4 "$PY" bench/train_step.py "${STAGE[@]}" --json "$OUTDIR/train_step.jsonl"
 piece stage4_backbone "$PY" bench/train_step.py "${STAGE[@]}" --backbone-only --json "$OUTDIR/train_step.jsonl"
+piece backbone_einsum "$PY" bench/train_step.py "${STAGE[@]}" --backbone-only --attention einsum \
+  --json "$OUTDIR/train_step.jsonl"
 piece decode "$PY" -u bench/backbone.py "${DECODE[@]}" --skip-train --json "$OUTDIR/decode.json"
 
 echo "== combining"
@@ -120,7 +124,8 @@ stage = [r for r in rows if r["side"] == "ours" and r["what"].startswith("Empath
 lm = [r for r in rows if r["side"] == "ours" and r["what"] == "LoRA LM step"]
 pairs = []
 for s in stage:
-    b = next((r for r in reversed(lm) if (r["layers"], r["seq"], r["batch"]) == (s["layers"], s["seq"], s["batch"])), None)
+    key = lambda r: (r["layers"], r["seq"], r["batch"], r.get("attention"))
+    b = next((r for r in reversed(lm) if key(r) == key(s)), None)
     if b:
         pairs.append({"layers": s["layers"], "seq": s["seq"], "batch": s["batch"],
                       "stage4_tokens_per_s": s["tokens_per_s"], "backbone_tokens_per_s": b["tokens_per_s"],
@@ -136,13 +141,13 @@ md = [f"# bench/gpu.sh ({result['note']}), wall {result['wall_s']} s", "",
       "versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items()), "",
       "pieces: " + "; ".join(pieces), ""] + [f"error: {e}" for e in result["errors"]] + [
       "", "## Training steps", "",
-      "| side | step | shape (layers) | B x T | remat | tokens/s | step s | compile s | MFU 4N+attn | MFU 6N "
-      "| peak mem GiB | ours/HF | device |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+      "| side | step | shape (layers) | B x T | remat | attention | tokens/s | step s | compile s | MFU 4N+attn "
+      "| MFU 6N | peak mem GiB | ours/HF | device |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 for r in rows:
     mem = "null" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}"
     ratio = f"{r['ratio_ours_hf']:.2f}x" if r.get("ratio_ours_hf") else "-"
     md.append(f"| {r['side']} | {r['what']} | {r['shape']} ({r['layers']}) | {r['batch']} x {r['seq']} | "
-              f"{r['remat']} | {r['tokens_per_s']:.1f} | {r['step_s']:.4f} | {r['compile_s']:.1f} | "
+              f"{r['remat']} | {r.get('attention', '-')} | {r['tokens_per_s']:.1f} | {r['step_s']:.4f} | {r['compile_s']:.1f} | "
               f"{100 * r['mfu_4n']:.2f} % | {100 * r['mfu_6n']:.2f} % | {mem} | {ratio} | {r['device']} |")
 md += ["", "## Stage-4 step vs the backbone-only LoRA step", "",
        "| layers | B x T | stage-4 tokens/s | backbone tokens/s | stage-4 / backbone |", "|---|---|---|---|---|"]

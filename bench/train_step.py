@@ -2,7 +2,8 @@
 device memory; beside it the plain LoRA LM step and the HF + PEFT reference at the same shape.
 
     python bench/train_step.py [--shape 7b|tiny] [--layers N] [--batch B] [--seq T[,T2...]]
-        [--remat none|dots|full] [--backbone-only] [--hf] [--steps 5] [--warmup 1] [--peak-tflops 989]
+        [--remat none|dots|full] [--attention auto|einsum|xla|cudnn] [--backbone-only] [--hf] [--steps 5]
+        [--warmup 1] [--peak-tflops 989]
         [--dtype bfloat16] [--param-dtype bfloat16] [--json OUT.jsonl] [--md OUT.md]
 
 What is timed (ours): the trainer's own jitted step, `trainer.jit_step(stage overall, ...)` over
@@ -107,7 +108,8 @@ def run_config(args: argparse.Namespace) -> Any:
     """configs/vicuna7b.py (or configs/tiny.py's heads on TINY_LLM) at stage overall, as the trainer reads it,
     with the bench's dtypes, remat and depth."""
     over = [f"model.llm.dtype={args.dtype}", f"model.llm.param_dtype={args.param_dtype}",
-            f"model.llm.remat={args.remat}", "train.grad_accum=1", f"train.batch_size={args.batch}"]
+            f"model.llm.remat={args.remat}", f"model.llm.attention={args.attention}", "train.grad_accum=1",
+            f"train.batch_size={args.batch}"]
     if args.shape == "tiny":
         config = memory_plan.load_config(str(REPO / "configs" / "tiny.py"), "overall", over)
         config.model.llm.update({**TINY_LLM, "num_hidden_layers": args.layers})
@@ -298,6 +300,7 @@ def make_row(args: argparse.Namespace, side: str, what: str, seq: int, timing: d
     return {
         "bench": "train_step", "side": side, "what": what, "shape": args.shape, "layers": args.layers,
         "batch": args.batch, "seq": seq, "remat": args.remat, "dtype": args.dtype,
+        "attention": attention_kernel(args) if side == "ours" else "sdpa",
         "param_dtype": args.param_dtype, "tokens_per_s": tokens / step_s, "step_s": step_s,
         "step_s_all": timing["step_s_all"], "compile_s": timing["compile_s"],
         "mfu_4n": flops_pair[0] / step_s / peak, "mfu_6n": flops_pair[1] / step_s / peak,
@@ -305,6 +308,17 @@ def make_row(args: argparse.Namespace, side: str, what: str, seq: int, timing: d
         "peak_mem_gib": None if peak_bytes is None else peak_bytes / GiB, "loss": timing["loss"],
         "device": device, "versions": versions,
     }
+
+
+def attention_kernel(args: argparse.Namespace) -> str:
+    """The kernel our step's attention ran: the forced one, or what "auto" decided while tracing it (every
+    call of one bench process has the same shape, so one kernel; a mix would be listed)."""
+    if args.attention != "auto":
+        return args.attention
+    from empatheia_jax.models import attention_choice
+
+    kernels = sorted({v.split(" ")[0] for v in attention_choice.decisions().values()})
+    return "auto: " + ("/".join(kernels) or "not traced")
 
 
 def jax_versions() -> tuple[str, dict]:
@@ -468,14 +482,15 @@ def _lora_count(model: Any) -> int:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| side | step | shape (layers) | B x T | remat | tokens/s | step s (median) | compile s | "
-            "MFU 4N+attn | MFU 6N | peak mem GiB | loss | ours/HF | device |")
+    head = ("| side | step | shape (layers) | B x T | remat | attention | tokens/s | step s (median) | "
+            "compile s | MFU 4N+attn | MFU 6N | peak mem GiB | loss | ours/HF | device |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         mem = "null" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}"
         ratio = f"{r['ratio_ours_hf']:.2f}x" if r.get("ratio_ours_hf") else "-"
         lines.append(f"| {r['side']} | {r['what']} | {r['shape']} ({r['layers']}) | "
-                     f"{r['batch']} x {r['seq']} | {r['remat']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['batch']} x {r['seq']} | {r['remat']} | {r['attention']} | "
+                     f"{r['tokens_per_s']:.1f} | "
                      f"{r['step_s']:.4f} | {r['compile_s']:.1f} | "
                      f"{100 * r['mfu_4n']:.2f} % | {100 * r['mfu_6n']:.2f} % | {mem} | {r['loss']:.4f} | "
                      f"{ratio} | {r['device']} |")
@@ -483,12 +498,16 @@ def markdown(rows: list[dict]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
+    from empatheia_jax.models.llama import ATTENTION_IMPLEMENTATIONS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=("7b", "tiny"), default="7b")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     p.add_argument("--batch", type=int, default=None, help="examples per step (7b: 1, tiny: 2)")
     p.add_argument("--seq", default=None, help="sequence length(s), comma list (7b: 2048, tiny: 64)")
     p.add_argument("--remat", choices=("none", "dots", "full"), default=None, help="default: full")
+    p.add_argument("--attention", choices=ATTENTION_IMPLEMENTATIONS, default="auto",
+                   help="our attention kernel (model.llm.attention; auto: cuDNN flash where it compiles)")
     p.add_argument("--dtype", default=None, help="compute dtype (7b: bfloat16, tiny: float32)")
     p.add_argument("--param-dtype", default=None, help="parameter dtype (7b: bfloat16, tiny: float32)")
     p.add_argument("--backbone-only", action="store_true", help="time the plain LoRA LM step instead")

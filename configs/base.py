@@ -25,9 +25,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.backbone = ""  # converted folder (converters.hf_to_flax); "" = random init from model.llm
     c.model.tokenizer = ""  # "" = the backbone folder's tokenizer
     # LlamaConfig fields: a random backbone's whole config, or overrides (dtype, remat) of a converted one.
-    # attention: einsum (ours) | auto | xla | cudnn (jax.nn.dot_product_attention; llama.py `Attention`)
+    # attention: auto (cuDNN flash on an NVIDIA GPU where it compiles, else our einsum:
+    # models/attention_choice.py) | einsum (ours) | xla | cudnn (jax.nn.dot_product_attention's kernel forced)
     c.model.llm = ml_collections.ConfigDict(
-        {"dtype": "bfloat16", "param_dtype": "float32", "remat": "none", "attention": "einsum"}
+        {"dtype": "bfloat16", "param_dtype": "float32", "remat": "none", "attention": "auto"}
     )
     # Precision of every float32 dot of the run (process-wide: jax_default_matmul_precision). "float32" is
     # true f32 everywhere (as torch's CUDA matmuls); jax's "default" is TF32 on NVIDIA GPUs and one bf16 pass

@@ -76,6 +76,7 @@ def test_hf_reference_and_backbone_step_report_the_same_fields(bench):
     _check_row(ours, "ours")
     assert ours["what"] == "LoRA LM step"
     assert set(hf) == set(ours) - {"build_s", "compiler_options"}
+    assert (ours["attention"], hf["attention"]) == ("auto: einsum", "sdpa")  # "auto" on a CPU: our einsum
     # Same shape, same (random, untrained) task: both start near ln V.
     assert hf["loss"] == pytest.approx(math.log(512), rel=0.1)
     assert ours["loss"] == pytest.approx(math.log(512), rel=0.1)

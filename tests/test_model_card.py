@@ -8,6 +8,7 @@ import pytest
 
 from configs.base import get_config
 from empatheia_jax.eval import model_card
+from empatheia_jax.models.llama import LlamaConfig
 from empatheia_jax.train import config as config_lib
 
 
@@ -226,15 +227,17 @@ def test_card_carries_the_text_figures_of_an_earlier_export_with_the_same_adapte
     (export / "empatheia_config.json").write_text(json.dumps({**meta, "config": {"data": {"max_len": 320}}}))
     with pytest.raises(model_card.CardError, match=r"text evaluation reads differ .*data\.max_len"):
         model_card.build_card(export, None, text_from=earlier)
-    # A field the earlier export does not record is its default (the LLM's `attention`, added later).
-    for attention, same in (("einsum", True), ("auto", False)):
-        llm = {**meta["model_config"], "llm": {"attention": attention}}
+    # A field the earlier export does not record is its default; an execution field (how the same function
+    # is computed: the attention kernel, remat) may differ, an LLM setting may not.
+    for llm_fields, same in (({"attention": "cudnn", "remat": "full"}, True), ({"rope_theta": 1.0}, False),
+                             ({"rope_theta": LlamaConfig.rope_theta}, True)):
+        llm = {**meta["model_config"], "llm": llm_fields}
         (export / "empatheia_config.json").write_text(json.dumps({**meta, "model_config": llm}))
         if same:
             carried = model_card.build_card(export, None, text_from=earlier)
             assert carried["eval"]["metrics"] == metrics["trained"]
         else:
-            with pytest.raises(model_card.CardError, match=r"differ .*\(llm\.attention\)"):
+            with pytest.raises(model_card.CardError, match=r"differ .*\(llm\.rope_theta\)"):
                 model_card.build_card(export, None, text_from=earlier)
     (export / "empatheia_config.json").write_text(json.dumps(meta))
     changed = dict(tensors, trainable_tokens_delta=np.full((2, 4), 2, bfloat16))

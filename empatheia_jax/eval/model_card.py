@@ -222,17 +222,21 @@ def _measured_text(metrics: Mapping[str, Any] | None, subset: Mapping[str, Any] 
 
 def _text_settings(export: str | Path) -> dict[str, Any]:
     """What of an export's config the text evaluation reads besides its adapter: the prompt budget (a
-    dialogue longer than it loses its oldest turns: 256 against 320 flips records) and the LLM's settings."""
+    dialogue longer than it loses its oldest turns: 256 against 320 flips records) and the LLM's settings.
+    Not its execution fields (`remat`, `attention`): they choose how the same function is computed, as the
+    device does, and the card records the device."""
     import dataclasses
 
+    from empatheia_jax.models.empatheia import LLM_EXECUTION_FIELDS
     from empatheia_jax.models.llama import LlamaConfig
 
     meta = json.loads((Path(export) / "empatheia_config.json").read_text())
     data = (meta.get("config") or {}).get("data") or {}
-    # a field an older export does not record was its default (e.g. `attention`, added later: "einsum")
+    # a field an older export does not record was its default
     llm = {f.name: f.default for f in dataclasses.fields(LlamaConfig) if f.default is not dataclasses.MISSING}
     llm.update((meta.get("model_config") or {}).get("llm") or {})
-    return {"data.max_len": data.get("max_len"), **{f"llm.{k}": v for k, v in llm.items()}}
+    return {"data.max_len": data.get("max_len"),
+            **{f"llm.{k}": v for k, v in llm.items() if k not in LLM_EXECUTION_FIELDS}}
 
 
 def _avatar_settings(export: str | Path) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import optax
 from flax import nnx, struct
 from flax.core import FrozenDict
 
+from empatheia_jax.models import attention_choice
 from empatheia_jax.sharding import constrain
 
 # ----------------------------------------------------------------------------------------------------------
@@ -58,9 +59,10 @@ class LlamaConfig:
     dtype: str = "float32"  # compute dtype; parameters stay `param_dtype`
     param_dtype: str = "float32"
     remat: str = "none"  # none | full | dots (save matmul outputs)
-    # einsum: our grouped einsum + float32 softmax; auto: jax.nn.dot_product_attention choosing its
-    # implementation (cuDNN where the platform, dtype and shapes allow, else XLA); xla / cudnn: forced
-    attention: str = "einsum"
+    # auto: cuDNN's flash attention for a forward without a KV cache where it compiles (an NVIDIA GPU,
+    # bf16/fp16), else our einsum (models/attention_choice.py); einsum: our grouped einsum + float32
+    # softmax; xla / cudnn: jax.nn.dot_product_attention's kernel forced
+    attention: str = "auto"
 
     def __post_init__(self):
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, FrozenDict):
@@ -472,14 +474,16 @@ class Attention(nnx.Module):
             new_kv = (k, v)
         else:
             new_kv = None
-        if self.implementation != "einsum":
-            # token-major K/V [B, S, kv_heads, head_dim] as dot_product_attention wants them (GQA native);
-            # the mask [B, T, S] broadcast over the heads; padding queries see a uniform row, as below
-            impl = None if self.implementation == "auto" else self.implementation
-            out = jax.nn.dot_product_attention(
-                q, k.transpose(0, 2, 1, 3).astype(q.dtype), v.transpose(0, 2, 1, 3).astype(q.dtype),
-                mask=mask[:, None, :, :], implementation=impl,
-            )
+        implementation = self.implementation
+        if implementation == "auto":
+            shape = attention_choice.Shape(t, k.shape[2], self.num_heads, self.num_kv_heads, self.head_dim,
+                                           jnp.dtype(q.dtype).name)
+            implementation = attention_choice.choose(shape, cached=kv is not None).kernel
+        if implementation != "einsum":
+            # token-major K/V [B, S, kv_heads, head_dim] as dot_product_attention wants them (GQA native)
+            out = attention_choice.dot_product_attention(
+                q, k.transpose(0, 2, 1, 3).astype(q.dtype), v.transpose(0, 2, 1, 3).astype(q.dtype), mask,
+                index, cached=kv is not None, implementation=implementation)
             out = out.reshape(b, t, self.num_heads * self.head_dim).astype(x.dtype)
             return self.o_proj(out), new_kv
         groups = self.num_heads // self.num_kv_heads

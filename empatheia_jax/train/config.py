@@ -236,7 +236,7 @@ def _validate_model(config: ml_collections.ConfigDict, bad: _Bad) -> None:
         bad("model.matmul_precision", precision, f"must be one of {MATMUL_PRECISIONS}")
     if "remat" in config.model.llm and config.model.llm.remat not in REMAT_POLICIES:
         bad("model.llm.remat", config.model.llm.remat, f"must be one of {REMAT_POLICIES}")
-    attention = config.model.llm.get("attention", "einsum")
+    attention = config.model.llm.get("attention", "auto")
     if attention not in ATTENTION_IMPLEMENTATIONS:
         bad("model.llm.attention", attention, f"must be one of {ATTENTION_IMPLEMENTATIONS}")
     if config.model.lora.rank < 1:
