@@ -123,8 +123,13 @@ pieces = (out / "pieces.txt").read_text().splitlines() if (out / "pieces.txt").e
 stage = [r for r in rows if r["side"] == "ours" and r["what"].startswith("Empatheia")]
 lm = [r for r in rows if r["side"] == "ours" and r["what"] == "LoRA LM step"]
 pairs = []
+
+
+def key(r):  # a stage-4 row's backbone row: same depth, shape and attention kernel
+    return r["layers"], r["seq"], r["batch"], r.get("attention")
+
+
 for s in stage:
-    key = lambda r: (r["layers"], r["seq"], r["batch"], r.get("attention"))
     b = next((r for r in reversed(lm) if key(r) == key(s)), None)
     if b:
         pairs.append({"layers": s["layers"], "seq": s["seq"], "batch": s["batch"],

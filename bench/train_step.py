@@ -317,7 +317,7 @@ def attention_kernel(args: argparse.Namespace) -> str:
         return args.attention
     from empatheia_jax.models import attention_choice
 
-    kernels = sorted({v.split(" ")[0] for v in attention_choice.decisions().values()})
+    kernels = sorted({choice.kernel for choice in attention_choice.decisions().values()})
     return "auto: " + ("/".join(kernels) or "not traced")
 
 

@@ -52,10 +52,9 @@ _PROBED: dict[Shape, str | None] = {}  # shape -> None if cuDNN compiled it, els
 _SAID: dict[tuple[Shape, bool], Choice] = {}
 
 
-def decisions() -> dict[str, str]:
-    """Every decision of this process so far, "T=.. S=.. heads=.. dtype=.. cache=..": "kernel (reason)"."""
-    return {f"T={s.t} S={s.s} heads={s.heads}/{s.kv_heads} head_dim={s.head_dim} {s.dtype} cache={c}":
-            f"{k.kernel} ({k.reason})" for (s, c), k in _SAID.items()}
+def decisions() -> dict[tuple[Shape, bool], Choice]:
+    """Every decision of this process so far: (shape, cached) -> its Choice."""
+    return dict(_SAID)
 
 
 def choose(shape: Shape, *, cached: bool, platform: str | None = None, probe=None) -> Choice:

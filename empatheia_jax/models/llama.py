@@ -474,16 +474,16 @@ class Attention(nnx.Module):
             new_kv = (k, v)
         else:
             new_kv = None
-        implementation = self.implementation
+        cached, implementation = kv is not None, self.implementation
         if implementation == "auto":
             shape = attention_choice.Shape(t, k.shape[2], self.num_heads, self.num_kv_heads, self.head_dim,
                                            jnp.dtype(q.dtype).name)
-            implementation = attention_choice.choose(shape, cached=kv is not None).kernel
+            implementation = attention_choice.choose(shape, cached=cached).kernel
         if implementation != "einsum":
             # token-major K/V [B, S, kv_heads, head_dim] as dot_product_attention wants them (GQA native)
             out = attention_choice.dot_product_attention(
                 q, k.transpose(0, 2, 1, 3).astype(q.dtype), v.transpose(0, 2, 1, 3).astype(q.dtype), mask,
-                index, cached=kv is not None, implementation=implementation)
+                index, cached=cached, implementation=implementation)
             out = out.reshape(b, t, self.num_heads * self.head_dim).astype(x.dtype)
             return self.o_proj(out), new_kv
         groups = self.num_heads // self.num_kv_heads
