@@ -481,3 +481,19 @@ def test_two_process_resume_continues_exactly(runs):
         np.testing.assert_allclose(i0["eval"][k], v, rtol=1e-5, err_msg=k)
         assert i1["eval"][k] == i0["eval"][k]
 
+
+
+def test_a_many_host_config_on_one_machine_is_a_config_error(monkeypatch):
+    """distributed.initialize with no cluster to join and no coordinator (configs/vicuna7b.py run on one
+    machine) is one config error naming the key and the way out, not jax's bare ValueError traceback."""
+    from configs.base import get_config
+    from empatheia_jax.train import trainer
+    from empatheia_jax.train.config import ConfigError
+
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    config = get_config()
+    config.distributed.initialize = True
+    with pytest.raises(ConfigError, match=r"config\.distributed\.initialize=True.*no cluster to join "
+                                          r"\(coordinator_address should be defined\.\).*"
+                                          r"--config\.distributed\.initialize=False"):
+        trainer.initialize_distributed(config)

@@ -127,7 +127,13 @@ def initialize_distributed(config: ml_collections.ConfigDict) -> None:
             "num_processes": int(d.num_processes),
             "process_id": int(d.process_id),
         }
-    jax.distributed.initialize(**kwargs)
+    try:
+        jax.distributed.initialize(**kwargs)
+    except ValueError as e:  # no cluster found and no coordinator given: a config for many hosts on one
+        raise config_lib.ConfigError(
+            f"config.distributed.initialize=True, but jax.distributed.initialize found no cluster to join "
+            f"({e}): on one machine pass --config.distributed.initialize=False, else set "
+            "distributed.coordinator_address, num_processes and process_id") from e
 
 
 def agree_on_length(batch: Mapping[str, np.ndarray], pad_id: int) -> Mapping[str, np.ndarray]:
