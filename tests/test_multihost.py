@@ -483,17 +483,20 @@ def test_two_process_resume_continues_exactly(runs):
 
 
 
-def test_a_many_host_config_on_one_machine_is_a_config_error(monkeypatch):
-    """distributed.initialize with no cluster to join and no coordinator (configs/vicuna7b.py run on one
-    machine) is one config error naming the key and the way out, not jax's bare ValueError traceback."""
-    from configs.base import get_config
-    from empatheia_jax.train import trainer
-    from empatheia_jax.train.config import ConfigError
-
-    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
-    config = get_config()
-    config.distributed.initialize = True
-    with pytest.raises(ConfigError, match=r"config\.distributed\.initialize=True.*no cluster to join "
-                                          r"\(coordinator_address should be defined\.\).*"
-                                          r"--config\.distributed\.initialize=False"):
-        trainer.initialize_distributed(config)
+def test_a_many_host_config_on_one_machine_is_a_config_error(tmp_path):
+    """`empatheia train --config configs/vicuna7b.py` on one machine (distributed.initialize with no cluster to
+    join and no coordinator) ends in one config error naming the key and the way out, not jax's bare
+    ValueError traceback. Its own process: jax.distributed.initialize must come before any backend use, and
+    this pytest process has long used one."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COORDINATOR")}
+    env["HF_HUB_OFFLINE"] = "1"
+    run = subprocess.run(
+        [sys.executable, "-m", "empatheia_jax.cli", "train", "--config", str(REPO / "configs/vicuna7b.py"),
+         "--workdir", str(tmp_path / "run")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    assert re.search(r"config\.distributed\.initialize=True.*no cluster to join "
+                     r"\(coordinator_address should be defined\.\).*--config\.distributed\.initialize=False",
+                     run.stderr), run.stderr
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
