@@ -484,8 +484,8 @@ def test_two_process_resume_continues_exactly(runs):
 
 
 def test_a_many_host_config_on_one_machine_is_a_config_error(tmp_path):
-    """`empatheia train --config configs/vicuna7b.py` on one machine (distributed.initialize with no cluster to
-    join and no coordinator) ends in one config error naming the key and the way out, not jax's bare
+    """`empatheia train --config configs/vicuna7b.py` on one machine (distributed.initialize with no cluster
+    to join and no coordinator) ends in one config error naming the key and the way out, not jax's bare
     ValueError traceback. Its own process: jax.distributed.initialize must come before any backend use, and
     this pytest process has long used one."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COORDINATOR")}
