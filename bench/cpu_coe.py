@@ -114,7 +114,8 @@ class Variant:
         self.name, self.config, self.mesh, self.pad_id, self.trim_to = name, config, mesh, pad_id, trim_to
         self.stage = config_lib.resolve_stage(config)
         self.model, self.tokenizer = trainer.build_model(config, manifest, mesh)
-        tx, _ = trainer.make_tx(config, config_lib.stage_schedule(config))
+        tx, _ = trainer.make_tx(config, config_lib.stage_schedule(config),
+                                stages.trainable_state(self.model, self.stage))
         with jax.set_mesh(mesh):
             opt = stages.make_optimizer(self.model, self.stage, tx)
         self.graphs, self.params, self.frozen, self.opt_state = stages.split_for_step(

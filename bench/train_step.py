@@ -190,7 +190,8 @@ class StageRun:
         self.stage = config_lib.resolve_stage(self.config)
         cfg = empatheia_cfg(args, self.config)
         self.model = Empatheia(cfg, rngs=nnx.Rngs(seed + 1))
-        tx, _ = trainer.make_tx(self.config, config_lib.stage_schedule(self.config))
+        tx, _ = trainer.make_tx(self.config, config_lib.stage_schedule(self.config),
+                                stages.trainable_state(self.model, self.stage))
         optimizer = stages.make_optimizer(self.model, self.stage, tx)
         graphs, params, frozen, opt_state = stages.split_for_step(self.model, optimizer, self.stage)
         # Committed to their device, as the trainer's sharded state is: the step's outputs are (it pins

@@ -254,6 +254,11 @@ def apply_update(
     return nnx.state(model, optimizer.wrt), nnx.state(optimizer)
 
 
+def trainable_state(model: Empatheia, stage: Stage) -> nnx.State:
+    """The parameters `stage` trains (what its optimizer updates; `trainer.make_tx` reads their placement)."""
+    return nnx.state(model, trainable_filter(stage.trainable_groups))
+
+
 def trainable_paths(model: Empatheia, groups: Iterable[str]) -> set[tuple[str, ...]]:
     """Paths of the parameters that `groups` select (what an optimizer over them updates)."""
     state = nnx.state(model, trainable_filter(groups))
@@ -307,4 +312,5 @@ __all__ = [
     "split_for_step",
     "stage_plan",
     "trainable_paths",
+    "trainable_state",
 ]

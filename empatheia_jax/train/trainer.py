@@ -66,7 +66,7 @@ from empatheia_jax.models.lora import LoraConfig
 from empatheia_jax.models.trainable import groups as all_groups
 from empatheia_jax.models.trainable import trainable_filter
 from empatheia_jax.train import config as config_lib
-from empatheia_jax.train import ema, losses, objective, sd_warmup, stages
+from empatheia_jax.train import ema, flat_update, losses, objective, sd_warmup, stages
 from empatheia_jax.train.checkpoint import (
     CHECKPOINT_DIR,
     CheckpointError,
@@ -290,27 +290,27 @@ def saved_state(model: Empatheia, include_backbone: bool) -> nnx.State:
 
 
 def make_tx(
-    config: ml_collections.ConfigDict, schedule: config_lib.Schedule
+    config: ml_collections.ConfigDict, schedule: config_lib.Schedule, params: Any = None
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW, linear warmup then cosine decay, global-norm clipping; no decay on vectors (norms, biases);
-    with optim.ema_decay > 0 the parameter EMA last (train/ema.py)."""
+    with optim.ema_decay > 0 the parameter EMA last (train/ema.py). Given the parameters it will train and
+    every one replicated, the update runs on one vector (train/flat_update.py), the state still per leaf."""
     o = config.optim
     decay_steps = max(schedule.steps, schedule.warmup_steps + 1)
     lr = optax.warmup_cosine_decay_schedule(
         0.0, schedule.lr, schedule.warmup_steps, decay_steps, end_value=schedule.lr * o.end_lr_ratio
     )
-    adamw = optax.adamw(
-        lr,
-        b1=o.b1,
-        b2=o.b2,
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        mask=lambda params: jax.tree.map(lambda p: jnp.ndim(p) >= 2, params),
-    )
-    tx = optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw) if o.clip_norm > 0 else adamw
-    if o.get("ema_decay", 0.0) > 0:
-        tx = optax.chain(tx, ema.ema_params(o.ema_decay))
-    return tx, lr
+
+    def make(weight_decay: Any, mask: Callable) -> optax.GradientTransformation:
+        adamw = optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=weight_decay, mask=mask)
+        tx = optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw) if o.clip_norm > 0 else adamw
+        if o.get("ema_decay", 0.0) > 0:
+            tx = optax.chain(tx, ema.ema_params(o.ema_decay))
+        return tx
+
+    if params is not None and flat_update.replicated(params):
+        return flat_update.on_one_vector(make, o.weight_decay), lr
+    return make(o.weight_decay, flat_update.decays), lr
 
 
 def pipeline_fields(
@@ -650,8 +650,8 @@ def _sd_warmup_program(
     weights = loss_weights(config)
     warm = config_lib.Schedule(steps=steps, lr=schedule.sd_warmup_lr,
                                warmup_steps=min(schedule.warmup_steps, steps))
-    tx, lr_schedule = make_tx(config, warm)
     graphdef, params, rest = nnx.split(model.style_dis, nnx.Param, ...)
+    tx, lr_schedule = make_tx(config, warm, params)
     with jax.set_mesh(mesh):
         opt_state = tx.init(params)
 
@@ -955,7 +955,7 @@ def _build_run(config: ml_collections.ConfigDict, workdir: Path) -> _Run:
 
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     model, tokenizer = build_model(config, manifest, mesh)
-    tx, lr_schedule = make_tx(config, schedule)
+    tx, lr_schedule = make_tx(config, schedule, stages.trainable_state(model, stage))
     with jax.set_mesh(mesh):
         optimizer = stages.make_optimizer(model, stage, tx)
     meta = _checkpoint_meta(config, stage, model, manifest)
