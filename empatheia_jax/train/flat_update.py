@@ -48,9 +48,10 @@ def on_one_vector(make: MakeTx, weight_decay: float) -> optax.GradientTransforma
         leaves, treedef = jax.tree.flatten(params)
         if len(leaves) < 2 or len({x.dtype for x in leaves}) > 1:
             return tree_tx.update(updates, state, params)
-        order = sorted(range(len(leaves)), key=lambda i: jnp.ndim(leaves[i]) < 2)  # matrices first
+        decayed_leaf = treedef.flatten_up_to(decays(params))  # the one mask rule, read per leaf
+        order = sorted(range(len(leaves)), key=lambda i: not decayed_leaf[i])  # decayed leaves first
         sizes = [leaves[i].size for i in order]
-        decayed = sum(s for s, i in zip(sizes, order, strict=True) if jnp.ndim(leaves[i]) >= 2)
+        decayed = sum(leaves[i].size for i in order if decayed_leaf[i])
 
         def is_tree(x: Any) -> bool:  # a subtree shaped like the params (AdamW's mu and nu, the EMA)
             return jax.tree.structure(x) == treedef
