@@ -1,7 +1,7 @@
 """The reference model's first stage: SmolLM2-135M-Instruct learns the Chain of Empathy on real dialogue.
 
 Stage coe on EmpatheticDialogues (the shipped validation csv, imported with a conversation-level dev
-hold-out and prepared text-only; launch/ed_reference.sh builds it), so that the emotion of CoE step 2 is
+hold-out and prepared text-only; launch/ed_reference.py builds it), so that the emotion of CoE step 2 is
 learnt from 4.7k real listener turns instead of the sample's few hundred. The model is the demo's
 (`configs/smollm2_demo.py`: same backbone, LoRA and demo-sized VAEs, feature dims from the sample's shards
 via data.features_like), so the later stages run on the sample with `configs/smollm2_demo.py` and

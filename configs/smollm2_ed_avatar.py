@@ -4,7 +4,7 @@ The sample's 64 training dialogues gave the CS 10-40 steps and it learnt the mea
 "Aligned Content Synchronizer"). ED's 4.8k training replies carry content targets without any media:
 Kokoro's t_en ++ d_en of each reply's phonemes (`converters.styletts2_targets --responses-only`) and the face
 generator's mouth track laid on Kokoro's predicted durations (`converters.face_targets --mouth phonemes
---responses-only`); launch/ed_reference.sh exports them and prepares the text-only shards with them.
+--responses-only`); launch/ed_reference.py exports them and prepares the text-only shards with them.
 
 The CS's speech rows are aligned to the reply's Kokoro phoneme tokens (`cs_units`, 178 ids) and its video
 frames to the unit each frame shows (`cv_units`), as in `configs/smollm2_ed.py`; here each block also reads
@@ -15,7 +15,7 @@ at WER 0.162 where the block's 128 (64 per LSTM direction) gave the first refere
 features reach the output rows straight (`cs_context_skip`), since every other path to a row passes a
 128-wide layer, and the gold rows on their best 128 principal directions are heard at WER 0.306 (0.155 on
 256). That CS design differs from the coe run's, so `init_from` a coe run (or the committed reference
-export, COE_FROM in launch/ed_reference.sh) starts the CS fresh and keeps everything else.
+export, --coe_from of launch/ed_reference.py) starts the CS fresh and keeps everything else.
 
 Two stages, because what is heard is learnt from the units and a ccl step is mostly the frozen LLM's
 forward (4-5 s at batch 8 on 2 cores):

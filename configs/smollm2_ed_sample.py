@@ -1,4 +1,4 @@
-"""The reference model's stages on the sample (stage sac after the ED stages, `launch/ed_reference.sh`).
+"""The reference model's stages on the sample (stage sac after the ED stages, `launch/ed_reference.py`).
 
 The demo's config (`configs/smollm2_demo.py`: the sample's shards, schedule and learning rates) with the
 Content Synchronizer the ED stages trained (`smollm2_ed_avatar.reference_cs`), so that `init_from` the ED

@@ -1,5 +1,6 @@
 """What the generator-target exporters share (styletts2_targets, dreamtalk_targets, face_targets): their
-error classes and how they read the utterances of an AvaMERG folder."""
+error classes, how they read the utterances of an AvaMERG folder, and whether targets they wrote were made
+under today's voice map and mouth rule."""
 
 from __future__ import annotations
 
@@ -40,6 +41,38 @@ def raw_dialogues(raw: str | os.PathLike, splits: list[str] | None = None,
             raise UsageError(f"split {split!r}: {path} does not exist")
         out.extend(schema.load_dialogues(path))
     return out
+
+
+# The kinds whose values follow the voice map (the listener's style rule and voices:
+# kokoro_voices.MAP_VERSION) or the mouth rule (visemes.MOUTH_VERSION), and the version keys the exporters
+# record for them in meta.json.
+VERSIONED_KINDS = {"speech_style": ("voice_map_version",),
+                   "video_content": ("voice_map_version", "mouth_version"),
+                   "video_style": ("voice_map_version",)}
+
+
+def stale_targets(directory: str | os.PathLike) -> list[str]:
+    """Why the Kokoro and face targets in `directory` must be made again, [] when they are current: a kind
+    missing (never written, or its writer did not finish) or made under another voice map or mouth rule
+    than today's (`VERSIONED_KINDS`). Shards that embed stale targets must be prepared again too."""
+    from empatheia_jax.data.targets import TargetFormatError, read_targets_meta
+    from empatheia_jax.generators.kokoro_voices import MAP_VERSION
+    from empatheia_jax.generators.visemes import MOUTH_VERSION
+
+    try:
+        meta = read_targets_meta(Path(directory))
+    except TargetFormatError as e:
+        return [str(e)]
+    today = {"voice_map_version": MAP_VERSION, "mouth_version": MOUTH_VERSION}
+    why = []
+    for kind, keys in VERSIONED_KINDS.items():
+        entry = meta.get(kind)
+        if not isinstance(entry, dict):
+            why.append(f"no {kind} targets")
+            continue
+        why += [f"{kind} made with {key} {entry.get(key)!r}, today's is {today[key]!r}"
+                for key in keys if entry.get(key) != today[key]]
+    return why
 
 
 def safe_torch_load(path: Path, hint: str) -> Any:

@@ -1,5 +1,5 @@
 """The packaged reference model: SmolLM2-135M-Instruct with the Empatheia heads, trained by
-`launch/ed_reference.sh` (stage coe on EmpatheticDialogues, then the AvaMERG sample's stages).
+`launch/ed_reference.py` (stage coe on EmpatheticDialogues, then the AvaMERG sample's stages).
 
     python -m empatheia_jax.reference        # prints its folder, for `empatheia chat/eval --ckpt`
 

@@ -31,6 +31,7 @@ from empatheia_jax.train.checkpoint import (
     TrainCheckpointer,
     read_meta,
     resolve_checkpoint,
+    stage_finished,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,6 +171,20 @@ def test_read_meta_without_a_model(tmp_path):
         read_meta(tmp_path, 7)
     with pytest.raises(CheckpointError, match="no checkpoint directory"):
         read_meta(tmp_path / "absent")
+
+
+def test_stage_finished_needs_a_saved_step_at_the_schedules_last(tmp_path):
+    """A workdir's stage is finished when a complete step reaches its config.json's schedule steps: not before
+    its first save, nor when only an interrupted write of the last step is there (the trainer exits 0 after a
+    preemption too, so a chain of stages asks this)."""
+    assert not stage_finished(tmp_path, "coe")  # no config.json: the trainer never started
+    schedule = {"coe": {"steps": 4}, "ccl": {"steps": 2}}
+    (tmp_path / "config.json").write_text(json.dumps({"schedule": schedule}))
+    assert not stage_finished(tmp_path, "coe")
+    with TrainCheckpointer(tmp_path / "checkpoints") as ck:
+        ck.save(2, params={"w": jnp.ones(4)}, opt_state=None, data_state=None, meta={"stage": "coe"})
+    (tmp_path / "checkpoints" / "4.orbax-checkpoint-tmp-0").mkdir()
+    assert not stage_finished(tmp_path, "coe") and stage_finished(tmp_path, "ccl")
 
 
 # ----------------------------------------------------------------------------------------------------------

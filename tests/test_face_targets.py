@@ -169,3 +169,23 @@ def test_reply_mouth_times_the_listener_by_kokoro_and_the_speaker_by_the_wav(sam
     assert ("video_units", s.uid) not in reader
     gold = speech_reader.get("video_content", s.uid)
     np.testing.assert_array_equal(reader.get("video_content", s.uid), gold)
+
+
+def test_stale_targets_name_what_changed(tmp_path):
+    """Targets are current when every versioned kind was made under today's voice map and mouth rule."""
+    from converters.target_export import stale_targets
+    from empatheia_jax.generators import visemes
+    from empatheia_jax.generators.kokoro_voices import MAP_VERSION
+
+    assert stale_targets(tmp_path) == ["no speech_style targets", "no video_content targets",
+                                       "no video_style targets"]
+    meta = {kind: {"voice_map_version": MAP_VERSION, "mouth_version": visemes.MOUTH_VERSION}
+            for kind in ("speech_style", "video_content", "video_style")}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    assert stale_targets(tmp_path) == []
+    meta["video_content"]["mouth_version"] = "old"
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    assert stale_targets(tmp_path) == [f"video_content made with mouth_version 'old', today's is "
+                                       f"{visemes.MOUTH_VERSION!r}"]
+    (tmp_path / "meta.json").write_text("{")
+    assert len(stale_targets(tmp_path)) == 1 and "not valid JSON" in stale_targets(tmp_path)[0]

@@ -11,10 +11,15 @@
 
 Also every launcher exists, starts with a shebang, sets `-euo pipefail` and passes `bash -n` (moved here
 from tests/test_multihost.py).
+
+`launch/ed_reference.py` (the reference model) is tested in-process: its `--dry_run` plan for the main flag
+combinations, its done checks (the finished steps' files made in a tmp folder), a real run with the
+subprocesses recorded, and its flag errors (one line, exit 2).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -282,94 +287,331 @@ def test_slurm_refuses_to_run_outside_a_job() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The reference model's launcher
+# The reference model's launcher (launch/ed_reference.py): its plan, its done checks, its flags
 # ----------------------------------------------------------------------------------------------------------
 
-ED_REFERENCE = REPO / "launch" / "ed_reference.sh"
+ED_REFERENCE = REPO / "launch" / "ed_reference.py"
+ALL_STEPS = ["import", "reply targets", "text-only shards", "stage coe", "dev evaluation of the coe stage",
+             "stage ccl_units", "stage ccl", "stage sac", "export", "emotion head", "the avatar",
+             "dev evaluation of the export", "the head's combination", "dev evaluation of the first 16",
+             "model card"]
 
 
-def fake_python(bin_dir: Path, log: Path) -> Path:
-    """A stand-in PY for launch/ed_reference.sh: its inline snippets (`PY -`) run in this interpreter; every
-    `PY -m MODULE ...` is recorded (argv) and leaves the files the launcher checks for (the head, the
-    report), so the steps run without a model."""
-    bin_dir.mkdir(exist_ok=True)
-    exe = bin_dir / "python"
-    exe.write_text(textwrap.dedent(f"""\
-        #!{sys.executable}
-        import json, os, sys
-        from pathlib import Path
-        argv = sys.argv[1:]
-        if argv[0] == "-":
-            os.execv({sys.executable!r}, [{sys.executable!r}, *argv])
-        with open({str(log)!r}, "a") as f:
-            f.write(json.dumps(argv) + "\\n")
-        def flag(name):
-            return argv[argv.index(name) + 1] if name in argv else None
-        if argv[1:3] == ["empatheia_jax.eval.fit_emotion_head", "probe"]:
-            Path(flag("--ckpt"), "emotion_head.safetensors").write_bytes(b"head")
-        if flag("--report"):
-            Path(flag("--report")).mkdir(parents=True, exist_ok=True)
-            Path(flag("--report"), "metrics.json").write_text("{{}}")
-        """))
-    exe.chmod(0o755)
-    return exe
+@pytest.fixture(scope="module")
+def ed_reference():
+    """launch/ed_reference.py as a module (launch/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("ed_reference", ED_REFERENCE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ed_reference"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["ed_reference"]
 
 
-def test_ed_reference_measures_a_finished_export_again_without_training(tmp_path: Path) -> None:
-    """`COE_FROM=EXPORT ED_STAGES=0 SAMPLE_STAGES=0 TEXT_EVAL=1`: no stage trains, nothing is exported and no
-    reply targets are made (the text evaluation reads none);
-    the export measured is COE_FROM's files (a head it carries is fitted again), every reading of it names
-    the converted backbone, the avatar is not evaluated but carried (`model_card --avatar_from`, no
-    --chained_from), and the card's command says how it was made. Run again, the finished steps are
-    skipped. Without TEXT_EVAL=1 the same command does nothing."""
-    work, run_dir, coe_from = tmp_path / "work", tmp_path / "run", tmp_path / "reference"
-    (work / "smollm2").mkdir(parents=True)  # the backbone; no sample shards: a re-measure reads none
-    (work / "smollm2" / "COMPLETE").write_text("{}")
-    coe_from.mkdir()
+def plan_of(ed_reference, args: list[str], capsys, monkeypatch
+            ) -> tuple[list[tuple[str, str, str]], list[str]]:
+    """`--dry_run`'s plan as (status, step name, command) and its other lines (needs, notes)."""
+    monkeypatch.chdir(REPO)  # main() moves to the repository root; this puts the test's cwd back after
+    assert ed_reference.main([*args, "--dry_run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    steps, other = [], []
+    for i, line in enumerate(lines):
+        head = line.split(". [", 1)
+        if head[0].strip().isdigit():
+            status, name = head[1].split("] ", 1)
+            steps.append((status, name, lines[i + 1].strip()))
+        elif not line.startswith("      "):
+            other.append(line)
+    return steps, other
+
+
+def names(steps: list[tuple[str, str, str]]) -> list[str]:
+    """Each step's name as the ALL_STEPS prefix it starts with (or whole)."""
+    return [next((p for p in ALL_STEPS if name.startswith(p)), name) for _, name, _ in steps]
+
+
+def command(steps: list[tuple[str, str, str]], prefix: str) -> list[str]:
+    return shlex.split(next(c for _, name, c in steps if name.startswith(prefix)))
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def make_export(folder: Path, max_len: int = 256, card: bool = True) -> Path:
+    """A stand-in PEFT export (the launcher reads its files, never its tensors, in a dry run)."""
+    folder.mkdir(parents=True)
     for name, data in (("adapter_model.safetensors", b"lora"), ("heads.safetensors", b"cs+sd"),
-                       ("emotion_head.safetensors", b"old head"), ("card.json", b"{}")):
-        (coe_from / name).write_bytes(data)
-    (coe_from / "empatheia_config.json").write_text(json.dumps({"config": {"data": {"max_len": 256}}}))
-    log = tmp_path / "calls.jsonl"
-    env = {"PY": str(fake_python(tmp_path / "bin", log)), "WORK": str(work), "COE_FROM": str(coe_from),
-           "ED_STAGES": "0", "SAMPLE_STAGES": "0", "TEXT_EVAL": "1"}
+                       ("emotion_head.safetensors", b"old head")):
+        (folder / name).write_bytes(data)
+    if card:
+        (folder / "card.json").write_text("{}")
+    (folder / "empatheia_config.json").write_text(json.dumps({"config": {"data": {"max_len": max_len}}}))
+    return folder
 
-    def steps(start: int = 0) -> list[list[str]]:  # the recorded model steps (not the data import)
-        lines = log.read_text().splitlines()[start:] if log.exists() else []
-        return [c for c in map(json.loads, lines) if not c[1].startswith(("data.", "converters."))]
 
-    p = run(ED_REFERENCE, [str(run_dir)], env)
-    assert p.returncode == 0, p.stderr
-    data = [c for c in map(json.loads, log.read_text().splitlines())
-            if c[1].startswith(("data.", "converters."))]
-    assert [c[1] for c in data] == ["data.import_ed", "data.prepare"] and "--targets" not in data[1]
-    calls = steps()
-    assert [c[1:3] for c in calls] == [
-        ["empatheia_jax.eval.fit_emotion_head", "probe"], ["empatheia_jax.cli", "eval"],
-        ["empatheia_jax.eval.fit_emotion_head", "weights"], ["empatheia_jax.cli", "eval"],
-        ["empatheia_jax.eval.model_card", str(run_dir / "export")]]  # no train, export or avatar eval
-    export = run_dir / "export"
+def test_ed_reference_help_and_usage_errors() -> None:
+    """The launcher runs as a script: --help lists its flags; a bad flag is one line on stderr and exit 2."""
+    p = subprocess.run([sys.executable, str(ED_REFERENCE), "--help"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and "--coe_from" in p.stdout and "Exit status" in p.stdout
+    p = subprocess.run([sys.executable, str(ED_REFERENCE), "/tmp/run", "--bogus"], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2 and not p.stdout
+    assert p.stderr.splitlines() == [
+        "error: unrecognized argument '--bogus' (only --config.FIELD=VALUE passes, to the coe stage) "
+        "(python launch/ed_reference.py --help)"]
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    (["--holdout", "val:0.2"], "--holdout val:0.2: expected dev:FRACTION"),
+    (["--holdout", "dev:1.5"], "--holdout dev:1.5: expected dev:FRACTION"),
+    (["--ed_stages", "ccl_unit ccl"], "--ed_stages: unknown stage 'ccl_unit'"),
+    (["--sample_stages", "sac,overal"], "--sample_stages: unknown stage 'overal'"),
+    (["--text_eval"], "--text_eval measures again what --coe_from's card would carry: give --coe_from"),
+    (["--coe_from", "{tmp}/nothing"], "--coe_from: {tmp}/nothing: neither an export"),
+    (["--coe_from", "{tmp}/reference", "--config.optim.lr=1"],
+     "--config.optim.lr=1: --config overrides reach the coe stage, which --coe_from replaces"),
+    (["--head_from", "{tmp}/head.safetensors"], "--head_from {tmp}/head.safetensors: no such file"),
+    (["--export_dtype", "int8"], "--export_dtype int8: expected one of"),
+    (["--ed_ckpt_every", "0"], "--ed_ckpt_every 0: must be at least 1"),
+    (["--speech_examples", "-1"], "--speech_examples -1: must be at least 0"),
+    (["--eval_flags", "--x 'open"], "--eval_flags: No closing quotation"),
+    (["--config.optim.lr", "1"], "unrecognized argument '--config.optim.lr'"),
+    (["--coe_fro", "x"], "unrecognized argument '--coe_fro'"),  # no abbreviations
+    ([], "the following arguments are required: rundir"),
+])
+def test_ed_reference_flag_errors_are_one_line_and_exit_2(ed_reference, tmp_path, capsys, monkeypatch, args,
+                                                          error) -> None:
+    make_export(tmp_path / "reference")
+    args = [a.format(tmp=tmp_path) for a in args]
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as exit_:
+        ed_reference.main(([str(tmp_path / "run")] if args else []) + [*args, "--dry_run"])
+    out = capsys.readouterr()
+    assert exit_.value.code == 2 and not out.out
+    assert len(out.err.splitlines()) == 1 and out.err.startswith(f"error: {error.format(tmp=tmp_path)}")
+
+
+def test_ed_reference_plans_a_fresh_run(ed_reference, tmp_path, capsys, monkeypatch) -> None:
+    """Every step to do, in order; each stage starts from the one before; the --config overrides reach the
+    coe stage alone; the card records the command; the missing `make demo` files are named."""
+    run = tmp_path / "run"
+    steps, other = plan_of(ed_reference, [str(run), "--config.schedule.coe.steps=7"], capsys, monkeypatch)
+    assert names(steps) == ALL_STEPS
+    assert {status for status, _, _ in steps} == {"to do"}
+    coe, units, ccl, sac = (command(steps, f"stage {s} ") for s in ("coe", "ccl_units", "ccl", "sac"))
+    assert coe[-1] == "--config.schedule.coe.steps=7" and flag(coe, "--config") == "configs/smollm2_ed.py"
+    assert all("--config.schedule.coe.steps=7" not in c for c in (units, ccl, sac))
+    assert [flag(c, "--workdir") for c in (coe, units, ccl, sac)] == [
+        str(run / d) for d in ("coe", "ed_ccl_units", "ed_ccl", "sac")]
+    assert [c[c.index("--workdir") - 1] for c in (units, ccl, sac)] == [
+        f"--config.init_from={run / d}" for d in ("coe", "ed_ccl_units", "ed_ccl")]
+    assert f"--config.data.shards={run / 'ed' / 'shards'}" in ccl
+    assert "--config.data.shards=work/shards" in sac
+    assert flag(command(steps, "export"), "--ckpt") == str(run / "sac")
+    assert "--max_len" not in command(steps, "export")
+    card = command(steps, "model card")
+    assert [card[i + 1] for i, w in enumerate(card) if w == "--workdir"] == [
+        str(run / d) for d in ("coe", "ed_ccl_units", "ed_ccl", "sac")]
+    assert flag(card, "--command") == f"python launch/ed_reference.py {run} --config.schedule.coe.steps=7"
+    assert "--text_from" not in card and "--chained_from" not in card and "--avatar_from" not in card
+    assert "needs work/smollm2/COMPLETE (missing: run `make demo`, or give --work)" in other
+
+
+def test_ed_reference_plans_a_chain_from_a_finished_coe_stage(ed_reference, tmp_path, capsys,
+                                                               monkeypatch) -> None:
+    """--coe_from: no coe stage or its evaluation; the ED stages start from it; the export keeps its prompt
+    budget; the card lists its adapter's history (--chained_from) and the command names it."""
+    run, coe_from = tmp_path / "run", make_export(tmp_path / "reference", max_len=123)
+    args = [str(run), "--coe_from", str(coe_from), "--sample_stages", "0", "--work", str(tmp_path / "w")]
+    steps, other = plan_of(ed_reference, args, capsys, monkeypatch)
+    left_out = ("stage coe", "dev evaluation of the coe stage", "stage sac")
+    assert names(steps) == [n for n in ALL_STEPS if n not in left_out]
+    assert f"--config.init_from={coe_from}" in command(steps, "stage ccl_units ")
+    export = command(steps, "export")
+    assert flag(export, "--ckpt") == str(run / "ed_ccl") and flag(export, "--max_len") == "123"
+    card = command(steps, "model card")
+    assert flag(card, "--chained_from") == str(coe_from)
+    assert [card[i + 1] for i, w in enumerate(card) if w == "--workdir"] == [str(run / "ed_ccl_units"),
+                                                                           str(run / "ed_ccl")]
+    assert flag(card, "--command") == (f"python launch/ed_reference.py {run} --coe_from={coe_from} "
+                                       "--sample_stages=0")
+    assert f"note: the coe stage is {coe_from} (--coe_from)" in other
+
+
+def test_ed_reference_skips_the_text_steps_when_the_adapter_is_coe_froms(ed_reference, tmp_path, capsys,
+                                                                        monkeypatch) -> None:
+    """When the export's adapter holds --coe_from's values (decided once it is exported), the head, the text
+    evaluations and the head's weights are skipped and the card carries --coe_from's text figures."""
+    run, coe_from = tmp_path / "run", make_export(tmp_path / "reference")
+    monkeypatch.setattr(ed_reference.Reference, "carries_text", lambda self: True)
+    steps, _ = plan_of(ed_reference, [str(run), "--coe_from", str(coe_from), "--sample_stages", "0"], capsys,
+                       monkeypatch)
+    status = dict(zip(names(steps), (s for s, _, _ in steps), strict=True))
+    skipped = ["emotion head", "dev evaluation of the export", "the head's combination",
+               "dev evaluation of the first 16"]
+    assert [n for n in status if status[n].startswith("skip")] == skipped
+    assert status["emotion head"] == f"skip: the text figures are carried from {coe_from}"
+    card = command(steps, "model card")
+    assert flag(card, "--text_from") == str(coe_from) and "--metrics" not in card
+    assert "--chained_from" not in card and flag(card, "--avatar_metrics") == str(run / "report_avatar.json")
+
+
+def test_ed_reference_plans_a_remeasure(ed_reference, tmp_path, capsys, monkeypatch) -> None:
+    """`--coe_from EXPORT --ed_stages 0 --sample_stages 0 --text_eval`: no stage trains, nothing is exported,
+    no reply targets are made; the export is a copy of EXPORT's files, every reading of it names the
+    converted backbone, the avatar is carried (--avatar_from), and the sample's shards are not needed."""
+    run, coe_from, work = tmp_path / "run", make_export(tmp_path / "reference"), tmp_path / "w"
+    args = [str(run), "--coe_from", str(coe_from), "--ed_stages", "0", "--sample_stages", "0", "--text_eval",
+            "--work", str(work)]
+    steps, other = plan_of(ed_reference, args, capsys, monkeypatch)
+    assert names(steps) == ["import", "text-only shards", f"--coe_from's export, to be measured again -> "
+                            f"{run / 'export'}", "emotion head", "dev evaluation of the export",
+                            "the head's combination", "dev evaluation of the first 16", "model card"]
+    assert "--targets" not in command(steps, "text-only shards")
+    assert steps[2][2] == f"shutil.copytree({coe_from}, {run / 'export'}) less emotion_head.safetensors"
+    readers = [command(steps, p) for p in ("emotion head", "dev evaluation of the export",
+                                           "dev evaluation of the first 16")]
+    assert all(flag(c, "--backbone") == str(work / "smollm2") for c in readers)
+    assert "--reply_candidates" in readers[1]
+    card = command(steps, "model card")
+    assert flag(card, "--avatar_from") == str(coe_from) and "--workdir" not in card
+    assert "--avatar_metrics" not in card and "--chained_from" not in card
+    assert flag(card, "--command") == (f"python launch/ed_reference.py {run} --coe_from={coe_from} "
+                                       "--ed_stages=0 --sample_stages=0 --text_eval")
+    assert [line for line in other if line.startswith("needs")] == [
+        f"needs {work / 'smollm2' / 'COMPLETE'} (missing: run `make demo`, or give --work)"]
+
+
+def test_ed_reference_plans_without_sample_stages(ed_reference, tmp_path, capsys, monkeypatch) -> None:
+    """--sample_stages 0 exports the last ED stage; with --ed_stages 0 too the coe stage is all there is
+    (nothing to export); --nocoe_eval drops its evaluation."""
+    run = tmp_path / "run"
+    steps, _ = plan_of(ed_reference, [str(run), "--sample_stages", "0"], capsys, monkeypatch)
+    assert names(steps) == [n for n in ALL_STEPS if n != "stage sac"]
+    assert flag(command(steps, "export"), "--ckpt") == str(run / "ed_ccl")
+    steps, other = plan_of(ed_reference, [str(run), "--sample_stages", "0", "--ed_stages", "0"], capsys,
+                           monkeypatch)
+    assert names(steps) == ALL_STEPS[:5] and "note: no stage after the coe stage: nothing to export" in other
+    steps, _ = plan_of(ed_reference, [str(run), "--sample_stages=0", "--ed_stages=0", "--nocoe_eval"], capsys,
+                       monkeypatch)
+    assert names(steps) == ALL_STEPS[:4]
+
+
+def finished_stage(workdir: Path, stage: str, steps: int, saved: int) -> None:
+    """A training workdir as the trainer leaves it: its config.json and a complete checkpoint step."""
+    (workdir / "checkpoints" / str(saved)).mkdir(parents=True)
+    (workdir / "config.json").write_text(json.dumps({"schedule": {stage: {"steps": steps}}}))
+
+
+def current_targets(folder: Path, mouth: str | None = None) -> None:
+    from empatheia_jax.generators.kokoro_voices import MAP_VERSION
+    from empatheia_jax.generators.visemes import MOUTH_VERSION
+
+    folder.mkdir(parents=True)
+    meta = {kind: {"voice_map_version": MAP_VERSION, "mouth_version": mouth or MOUTH_VERSION}
+            for kind in ("speech_content", "speech_style", "video_content", "video_style")}
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def test_ed_reference_done_checks_skip_finished_steps(ed_reference, tmp_path, capsys, monkeypatch) -> None:
+    """A step whose output exists is done: the data, a stage saved at its last step, an evaluation newer
+    than the checkpoints it read. A stage saved short of its last step, targets made with another mouth
+    rule, and an evaluation older than its checkpoints are to do."""
+    run = tmp_path / "run"
+    (run / "ed" / "raw").mkdir(parents=True)
+    (run / "ed" / "raw" / "dev.json").write_text("[]")
+    current_targets(run / "ed" / "targets")
+    (run / "ed" / "shards").mkdir()
+    (run / "ed" / "shards" / "manifest.json").write_text("{}")
+    finished_stage(run / "coe", "coe", 10, 10)
+    (run / "report").mkdir()
+    (run / "report" / "metrics.json").write_text("{}")
+    os.utime(run / "coe" / "checkpoints", (1, 1))  # the report is newer than the checkpoints it read
+    finished_stage(run / "ed_ccl_units", "ccl_units", 10, 5)  # preempted at step 5
+    steps, _ = plan_of(ed_reference, [str(run)], capsys, monkeypatch)
+    status = dict(zip(names(steps), (s for s, _, _ in steps), strict=True))
+    assert [n for n in ALL_STEPS if status[n] == "done"] == ALL_STEPS[:5]
+    os.utime(run / "coe" / "checkpoints")  # trained on since the report: evaluated again
+    (run / "ed" / "targets" / "meta.json").unlink()
+    current_targets(run / "ed" / "targets2", mouth="0")
+    (run / "ed" / "targets2" / "meta.json").rename(run / "ed" / "targets" / "meta.json")
+    steps, _ = plan_of(ed_reference, [str(run), "--config.schedule.coe.steps=10"], capsys, monkeypatch)
+    status = dict(zip(names(steps), (s for s, _, _ in steps), strict=True))
+    # with --config overrides the coe stage goes to the trainer (it alone resolves them; finished, it returns)
+    assert [n for n in ALL_STEPS if status[n] == "done"] == ["import", "text-only shards"]
+
+
+def test_ed_reference_run_skips_what_is_done_and_stops_a_preempted_stage(ed_reference, tmp_path,
+                                                                        monkeypatch) -> None:
+    """A real run calls only the steps to do; a stage whose trainer returns before its last step (a
+    preemption) ends the run with status 3 before the next step; run again, it goes on from there."""
+    run, work = tmp_path / "run", tmp_path / "work"
+    for need in (work / "smollm2" / "COMPLETE", work / "shards" / "manifest.json"):
+        need.parent.mkdir(parents=True)
+        need.write_text("{}")
+    (run / "ed" / "raw").mkdir(parents=True)
+    (run / "ed" / "raw" / "dev.json").write_text("[]")
+    current_targets(run / "ed" / "targets")
+    (run / "ed" / "shards").mkdir()
+    (run / "ed" / "shards" / "manifest.json").write_text("{}")
+    finished_stage(run / "coe", "coe", 10, 10)
+    calls: list[list[str]] = []
+    monkeypatch.setattr(ed_reference.Reference, "call", lambda self, argv: calls.append(argv))
+    monkeypatch.chdir(REPO)
+    args = [str(run), "--work", str(work), "--nocoe_eval", "--sample_stages", "0"]
+    assert ed_reference.main(args) == 3  # ccl_units trained nothing: not finished
+    assert [c[3:5] for c in calls] == [["train", "--config"]]
+    assert "--config.stage=ccl_units" in calls[0]
+    finished_stage(run / "ed_ccl_units", "ccl_units", 10, 10)
+    calls.clear()
+    assert ed_reference.main(args) == 3
+    assert [c for c in calls[0] if c.startswith("--config.stage=")] == ["--config.stage=ccl"]
+
+
+def test_ed_reference_remeasure_runs_the_steps_to_do_once(ed_reference, tmp_path, monkeypatch) -> None:
+    """The re-measure for real, with the subprocesses recorded (each leaves the file it makes): the export
+    is a copy of --coe_from's files whose emotion head is fitted again; run again, every step is done; a
+    head fitted again later makes the steps that read it run again."""
+    run, work, coe_from = tmp_path / "run", tmp_path / "work", make_export(tmp_path / "reference")
+    (work / "smollm2").mkdir(parents=True)
+    (work / "smollm2" / "COMPLETE").write_text("{}")
+    calls: list[list[str]] = []
+
+    def call(self, argv: list[str]) -> None:  # a stand-in subprocess: records argv, writes its output
+        calls.append(argv)
+        outputs = {"--json": None, "--report": "metrics.json", "--out": "manifest.json"}
+        for name, inside in outputs.items():
+            if name in argv:
+                out = Path(flag(argv, name))
+                if inside:
+                    out.mkdir(parents=True, exist_ok=True)
+                    out = out / inside
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text("{}")
+        if "probe" in argv:
+            Path(flag(argv, "--ckpt"), "emotion_head.safetensors").write_bytes(b"new head")
+        if "empatheia_jax.eval.model_card" in argv:
+            Path(argv[3], "card.json").write_text("{}")
+
+    monkeypatch.setattr(ed_reference.Reference, "call", call)
+    monkeypatch.chdir(REPO)
+    args = [str(run), "--coe_from", str(coe_from), "--ed_stages", "0", "--sample_stages", "0", "--text_eval",
+            "--work", str(work)]
+    (run / "ed" / "raw").mkdir(parents=True)
+    (run / "ed" / "raw" / "dev.json").write_text("[]")
+    assert ed_reference.main(args) == 0
+    assert [c[2:4] for c in calls] == [
+        ["data.prepare", "--raw"], ["empatheia_jax.eval.fit_emotion_head", "probe"],
+        ["empatheia_jax.cli", "eval"], ["empatheia_jax.eval.fit_emotion_head", "weights"],
+        ["empatheia_jax.cli", "eval"],
+        ["empatheia_jax.eval.model_card", str(run / "export")]]  # no train, export or avatar evaluation
+    export = run / "export"
     assert (export / "adapter_model.safetensors").read_bytes() == b"lora"
-    assert (export / "emotion_head.safetensors").read_bytes() == b"head"  # fitted again, not COE_FROM's
-    readers = [c for c in calls if "--ckpt" in c]
-    assert len(readers) == 3 and all(c[c.index("--backbone") + 1] == f"{work}/smollm2" for c in readers)
-    assert "--reply_candidates" in calls[1] and "--max_examples" in calls[3]
-    card = calls[-1]
-    assert card[card.index("--avatar_from") + 1] == str(coe_from)
-    assert "--avatar_metrics" not in card and "--chained_from" not in card and "--text_from" not in card
-    assert card[card.index("--command") + 1] == (f"COE_FROM={coe_from} ED_STAGES=\"0\" SAMPLE_STAGES=0 "
-                                                 f"TEXT_EVAL=1 bash launch/ed_reference.sh {run_dir}")
-
-    n = len(log.read_text().splitlines())
-    assert run(ED_REFERENCE, [str(run_dir)], env).returncode == 0  # again: the head and the dev eval are done
-    assert [c[1:3] for c in steps(n)] == [
-        ["empatheia_jax.eval.fit_emotion_head", "weights"], ["empatheia_jax.cli", "eval"],
-        ["empatheia_jax.eval.model_card", str(export)]]
-
-    n = len(log.read_text().splitlines())
-    p = run(ED_REFERENCE, [str(run_dir)], {**env, "TEXT_EVAL": "0"})
-    assert p.returncode == 2 and "shards/manifest.json is missing" in p.stderr  # not a re-measure: needed
-    (work / "shards").mkdir()
-    (work / "shards" / "manifest.json").write_text("{}")
-    assert run(ED_REFERENCE, [str(run_dir)], {**env, "TEXT_EVAL": "0"}).returncode == 0
-    assert steps(n) == []
+    assert (export / "emotion_head.safetensors").read_bytes() == b"new head"  # fitted again, not --coe_from's
+    calls.clear()
+    assert ed_reference.main(args) == 0 and calls == []
+    os.utime(run / "emotion_head_weights.json", (1, 1))  # older than the head: chosen again, card rewritten
+    assert ed_reference.main(args) == 0
+    assert [c[3] for c in calls] == ["weights", str(export)]

@@ -311,6 +311,18 @@ def test_card_carries_the_avatar_figures_of_an_earlier_export_with_the_same_weig
         model_card.build_card(export, new, avatar_from=earlier)
 
 
+def test_recorded_config_reads_an_export_or_a_workdir(tmp_path):
+    """The config a run recorded, from an export (its empatheia_config.json) or a training workdir."""
+    export = _export(tmp_path)
+    meta = json.loads((export / "empatheia_config.json").read_text())
+    (export / "empatheia_config.json").write_text(json.dumps({**meta, "config": {"data": {"max_len": 256}}}))
+    assert model_card.recorded_config(export) == {"data": {"max_len": 256}}
+    workdir = _workdir(tmp_path, "coe", "coe", [])
+    assert model_card.recorded_config(workdir)["data"]["max_len"] == get_config().data.max_len
+    with pytest.raises(model_card.CardError, match="neither an export"):
+        model_card.recorded_config(tmp_path / "absent")
+
+
 def _json(tmp_path, obj):
     path = tmp_path / "report.json"
     path.write_text(json.dumps(obj))

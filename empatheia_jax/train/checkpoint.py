@@ -74,6 +74,7 @@ __all__ = [
     "TrainCheckpointer",
     "read_meta",
     "resolve_checkpoint",
+    "stage_finished",
 ]
 
 ARRAY_ITEMS = ("params", "opt_state", "ema")
@@ -483,6 +484,21 @@ def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, int]:
         found = f"interrupted writes only: {tmp}" if tmp else "no step folders"
         raise CheckpointError(f"--init_from {p}: {found}; {hint}")
     return p, steps[-1]
+
+
+def stage_finished(workdir: str | os.PathLike, stage: str) -> bool:
+    """Whether a training workdir's `stage` reached its last step: a complete checkpoint at or past the
+    schedule's steps in the config.json the trainer wrote at its start (False without one).
+
+    Why: `empatheia train` exits 0 after a preemption checkpoint too, so a caller that chains stages
+    (launch/ed_reference.py) asks this before it exports a partial stage or starts the next one."""
+    workdir = Path(workdir)
+    config = workdir / "config.json"
+    if not config.is_file():
+        return False
+    steps = json.loads(config.read_text())["schedule"][stage]["steps"]
+    saved = _complete_steps(workdir / CHECKPOINT_DIR)
+    return bool(saved) and saved[-1] >= steps
 
 
 # ----------------------------------------------------------------------------------------------------------
