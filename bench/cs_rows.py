@@ -12,7 +12,7 @@ the paper has it, k = a depthwise row convolution of width k in every layer, `VA
 the ccl loss (`--scale`: eq 9, or `loss.ccl_scale=balanced`) and schedule of `configs/smollm2_ed_avatar.py`,
 and reports per variant the dev row L2 (eq 9's measure; `bench/cs_oracles.py` gives the unit-mean oracle's)
 and the corpus WER / CER of `--replies` dev replies spoken from the predicted rows in their gold voice and
-heard by Whisper tiny.en (`data.asr`); with `--mix` also of the rows whose t_en half (or d_en half) is gold,
+heard by Whisper tiny.en (`asr`); with `--mix` also of the rows whose t_en half (or d_en half) is gold,
 to tell which half the errors heard are in.
 
     python bench/cs_rows.py --video --raw RAW --targets TARGETS [--steps 600] [--json OUT]
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     from cs_oracles import halves, hear  # the bench folder is this script's sys.path[0]
     from tqdm import tqdm
 
-    from empatheia_jax.data import asr
+    from empatheia_jax.data.encoders import asr
     from empatheia_jax.data.targets import TargetReader
     from empatheia_jax.generators import kokoro
     from empatheia_jax.generators.kokoro_speech import KokoroSpeech

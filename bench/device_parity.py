@@ -66,7 +66,7 @@ def measure(ckpt: str, shards: str | None, split: str, batches: int, precision: 
     from empatheia_jax import sharding
     from empatheia_jax.serve.load import load_trained
     from empatheia_jax.train import config as config_lib
-    from empatheia_jax.train import trainer
+    from empatheia_jax.train import step as step_lib
 
     model, tokenizer, config, _ = load_trained(ckpt)
     config = ml_collections.ConfigDict(config.to_dict())
@@ -77,7 +77,7 @@ def measure(ckpt: str, shards: str | None, split: str, batches: int, precision: 
     mesh = sharding.make_mesh(1, 1, 1)
     sharding.shard_model(model, mesh)
     stage = config_lib.resolve_stage(config)
-    got = trainer.evaluate_loss(config, stage, model, tokenizer, mesh, split=split, max_batches=batches)
+    got = step_lib.evaluate_loss(config, stage, model, tokenizer, mesh, split=split, max_batches=batches)
     return {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "flax": flax.__version__, "precision": precision, "loss": float(got["total"]),
             "tokens": float(got.get("emp_tokens", 0.0))}

@@ -11,7 +11,7 @@ plan answers "which mesh, micro-batch, sequence length and remat policy fit in 8
 
 How: the model is built abstractly (`nnx.eval_shape`: shapes, dtypes and logical axes, no weights), split
 and given the rule shardings exactly as the trainer does (`stages.make_optimizer`, `stages.split_for_step`,
-`sharding.state_shardings`), and the trainer's own step (`trainer.jit_step`: the scan over micro-batches,
+`sharding.state_shardings`), and the trainer's own step (`step.jit_step`: the scan over micro-batches,
 the gradient, the optax update, the non-finite guard) is lowered and compiled for a mesh of
 `--xla_force_host_platform_device_count` fake CPU devices. Nothing is allocated or run.
 
@@ -22,8 +22,8 @@ Columns (per device, GiB = 2**30 bytes):
   logical-axis rules); the two must be equal to the byte.
 - opt: the optimizer state (`nnx.Optimizer` over the stage's trainable groups: AdamW mu + nu per trainable
   leaf, the step counter and two optax counts), measured the same way and cross-checked the same way.
-- batch: one step's input batch `[grad_accum, micro, ...]` (`input_pipeline.batch_spec` of the stage, micro
-  axis sharded over data x fsdp as `trainer.step_batch` does) plus the step key.
+- batch: one step's input batch `[grad_accum, micro, ...]` (`batching.batch_spec` of the stage, micro
+  axis sharded over data x fsdp as `pipelines.step_batch` does) plus the step key.
 - temp: `compiled.memory_analysis().temp_size_in_bytes`: everything XLA allocates besides arguments and
   outputs: activations saved for the backward pass, gradient accumulators, all-gathered weights, logits
   and every other temporary, after XLA's buffer sharing. XLA does not label them; docs/design.md gives the
@@ -35,7 +35,7 @@ Columns (per device, GiB = 2**30 bytes):
 - FLOPs per optimizer step: `compiled.cost_analysis()["flops"]` of the partitioned (per-device) program times
   devices times grad_accum, because XLA's cost analysis counts a while-loop body (the micro-batch scan) once.
   It includes rematerialised forwards and work replicated over the tensor axis. Beside it the trainer's MFU
-  convention (`trainer.flops_per_token`: 4N + 2 N_trainable + attention) and the textbook 6N, both times
+  convention (`metrics.flops_per_token`: 4N + 2 N_trainable + attention) and the textbook 6N, both times
   the step's tokens (grad_accum x micro x seq, every position counted).
 
 Caveats: the numbers are XLA:CPU's buffer assignment of the SPMD-partitioned program. GPU and TPU compile the
@@ -45,7 +45,7 @@ exact). `--layers A,B` compiles two depths and extrapolates temp and FLOPs linea
 
 Findings it led to (docs/design.md, "Memory plan of the 7B step"): without activation constraints GSPMD
 all-gathered the micro-batch onto every device (fixed by `sharding.constrain`), and XLA hoisted every
-layer's FSDP weight gather out of the micro-batch loop (fixed by the barrier in `trainer.make_step`);
+layer's FSDP weight gather out of the micro-batch loop (fixed by the barrier in `step.make_step`);
 the 7B overall step at fsdp=8, full remat went from 63 to 8 GiB of temporaries. `residuals` (the
 JAX-level saved values per shard) is what the remat policy keeps between forward and backward.
 Extrapolate the overall stage from 4 and 8 layers (`--layers 4,8`): at 2 layers its peak falls at another
@@ -204,12 +204,12 @@ def feature_dims(config: Any, audio_dim: int, video_dim: int) -> dict[str, Any]:
 
 
 def empatheia_config(config: Any, llm: Any, manifest: Mapping[str, Any]) -> Any:
-    """The EmpatheiaConfig `trainer.build_model` would build (`model_config_overrides` on this backbone);
+    """The EmpatheiaConfig `init.build_model` would build (`model_config_overrides` on this backbone);
     the added-token ids are the defaults, which are what `from_llm` assigns to a vocab_size-long tokenizer."""
-    from empatheia_jax.models.empatheia import EmpatheiaConfig
-    from empatheia_jax.train import trainer
+    from empatheia_jax.models.empatheia_config import EmpatheiaConfig
+    from empatheia_jax.train import init
 
-    return EmpatheiaConfig(llm=llm, **trainer.model_config_overrides(config, manifest))
+    return EmpatheiaConfig(llm=llm, **init.model_config_overrides(config, manifest))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -387,7 +387,7 @@ class HandCount:
 def hand_count(cfg: Any, trainable_groups: Iterable[str], mesh: Mapping[str, int]) -> HandCount:
     """Parameter and optimizer-state bytes of the stage, whole and per device.
 
-    Optimizer state = what `trainer.make_tx` + `stages.make_optimizer` hold: AdamW's mu and nu for every
+    Optimizer state = what `init.make_tx` + `stages.make_optimizer` hold: AdamW's mu and nu for every
     trainable leaf (same dtype and sharding as the leaf; frozen leaves have none) plus OPT_SCALAR_BYTES of
     counters on every device.
     """
@@ -455,10 +455,10 @@ def build_abstract(config: Any, cfg: Any) -> tuple[Any, Any]:
 
     from empatheia_jax.models.empatheia import Empatheia
     from empatheia_jax.train import config as config_lib
-    from empatheia_jax.train import stages, trainer
+    from empatheia_jax.train import init, stages
 
     stage = config_lib.resolve_stage(config)
-    tx, _ = trainer.make_tx(config, config_lib.stage_schedule(config))
+    tx, _ = init.make_tx(config, config_lib.stage_schedule(config))
 
     def build():
         model = Empatheia(cfg, rngs=nnx.Rngs(config.seed + 1))
@@ -505,10 +505,11 @@ def _nbytes(dtype: Any) -> int:
 def abstract_batch(config: Any, stage: Any, cfg: Any, micro: int, seq: int, accum: int | None = None,
                    sharding: Any = None) -> dict[str, Any]:
     """One step's batch `[accum, micro, ...]` (or one micro-batch `[micro, ...]`) as the trainer gets it:
-    `input_pipeline.batch_spec` of the stage's pipeline, with `sharding` on every array."""
+    `batching.batch_spec` of the stage's pipeline, with `sharding` on every array."""
     import jax
 
-    from empatheia_jax.data.input_pipeline import PipelineConfig, batch_spec, pipeline_config_fields
+    from empatheia_jax.data.batching import batch_spec
+    from empatheia_jax.data.pipeline_config import PipelineConfig, pipeline_config_fields
 
     fields = pipeline_config_fields(cfg, stage, {"max_aud": int(config.data.max_aud),
                                                  "max_vid": int(config.data.max_vid)})
@@ -535,16 +536,16 @@ class Compiled:
 
 def compile_step(config: Any, run: AbstractRun, stage: Any, mesh: Any, micro: int, accum: int, seq: int,
                  options: Mapping[str, Any]) -> Compiled:
-    """Lowers and compiles `trainer.jit_step` (the real step) for these abstract arguments and reads XLA's
-    memory and cost analyses; the batch is sharded like `trainer.step_batch` shards it."""
+    """Lowers and compiles `step.jit_step` (the real step) for these abstract arguments and reads XLA's
+    memory and cost analyses; the batch is sharded like `pipelines.step_batch` shards it."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from empatheia_jax.train import trainer
+    from empatheia_jax.train import step as step_lib
 
     t0 = time.perf_counter()
-    step = trainer.jit_step(stage, trainer.loss_weights(config), run.params, run.opt_state,
-                            compiler_options=options)
+    step = step_lib.jit_step(stage, step_lib.loss_weights(config), run.params, run.opt_state,
+                             compiler_options=options)
     batch = abstract_batch(config, stage, run.model.config, micro, seq, accum,
                            NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"))))
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
@@ -577,9 +578,10 @@ def residual_bytes(config: Any, run: AbstractRun, stage: Any, micro: int, seq: i
     import jax
     from jax._src.ad_checkpoint import saved_residuals  # public jax only prints them
 
-    from empatheia_jax.train import objective, trainer
+    from empatheia_jax.train import objective
+    from empatheia_jax.train import step as step_lib
 
-    loss_fn = objective.make_loss_fn(stage, trainer.loss_weights(config))
+    loss_fn = objective.make_loss_fn(stage, step_lib.loss_weights(config))
     graphdef = run.graphs.model
 
     def _no_gradient(tree):
@@ -640,7 +642,7 @@ class Row:
     alias: int
     donated: int  # trainable params + optimizer state: what alias should be
     flops_xla: float  # per optimizer step, all devices
-    flops_trainer: float  # trainer.flops_per_token x tokens
+    flops_trainer: float  # metrics.flops_per_token x tokens
     flops_6n: float
     seconds: float
     fits: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -658,11 +660,11 @@ def fit(total: int) -> dict[str, str]:
 
 def model_flops(model: Any, n_trainable: int, seq: int, tokens: int) -> tuple[float, float]:
     """(trainer convention, 6N) FLOPs for `tokens` tokens of length-`seq` sequences; N = the backbone's
-    parameters without the embedding lookup, `trainer.flops_per_token`'s N."""
-    from empatheia_jax.train import trainer
+    parameters without the embedding lookup, `metrics.flops_per_token`'s N."""
+    from empatheia_jax.train.metrics import flops_per_token
 
     llm = model.config.llm
-    per_token = trainer.flops_per_token(model, seq, n_trainable)
+    per_token = flops_per_token(model, seq, n_trainable)
     attention = 12 * llm.num_hidden_layers * seq * llm.num_attention_heads * llm.head_dim
     n = (per_token - 2 * n_trainable - attention) / 4
     return per_token * tokens, 6 * n * tokens

@@ -2,7 +2,7 @@
 
     python bench/mouth_loudness.py --shards RUN/ed/shards [--split dev] [--replies 16] [--json OUT]
 
-SHARDS are text shards with Kokoro reply targets (`launch/ed_reference.sh`'s RUN/ed/shards). For the first
+SHARDS are text shards with Kokoro reply targets (`launch/ed_reference.py`'s RUN/ed/shards). For the first
 REPLIES records: the gold speech is Kokoro speaking the record's speech targets (`gold_speech_from_targets`,
 the timeline its phoneme mouth was laid on); each mouth track (`visemes.mouth_track` without and with
 `energy=Kokoro.energy`) is scored by the eval's `lip_sync` against that speech's RMS envelope, as a track
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from empatheia_jax.data import input_pipeline as ip
+    from empatheia_jax.data.shard_reader import ShardReader
     from empatheia_jax.eval.metrics.video import lip_sync
     from empatheia_jax.eval.speech import gold_speech_from_targets
     from empatheia_jax.generators import kokoro, visemes
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from empatheia_jax.generators.kokoro_voices import LISTENER_SPEED, to_pcm16
     from empatheia_jax.generators.speech_synth import speech_envelope
 
-    reader = ip.ShardReader.for_split(args.shards, args.split)
+    reader = ShardReader.for_split(args.shards, args.split)
     engine = kokoro.shared(1)
     scores: dict[str, list[float]] = {}
     for i in tqdm(range(min(args.replies, len(reader))), desc="replies", unit="reply"):

@@ -1,8 +1,8 @@
 """How much of a training step is padding: real tokens / padded positions of a config's train batches, for
 sort windows (`data.window_batches`) and bucket steps (`data.bucket_step`) side by side.
 
-A pipeline statistic, not a timing: the batches are the trainer's own (`trainer.make_train_pipeline` on the
-model `trainer.build_model` builds), so the figure is the share of a step's positions that are not pad.
+A pipeline statistic, not a timing: the batches are the trainer's own (`pipelines.make_train_pipeline` on the
+model `init.build_model` builds), so the figure is the share of a step's positions that are not pad.
 
     python bench/padding.py --config configs/smollm2_ed.py --override model.backbone=work/smollm2 \
         --override data.shards=ED_TEXT_SHARDS 8 64 64:16          # WINDOW_BATCHES[:BUCKET_STEP] ...
@@ -21,14 +21,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from memory_plan import load_config  # noqa: E402
 
 from empatheia_jax.train import config as config_lib  # noqa: E402
-from empatheia_jax.train import trainer  # noqa: E402
+from empatheia_jax.train import init, pipelines  # noqa: E402
 
 
 def padding_row(config, stage, model, tokenizer, batches: int) -> dict:
     """`batches` train batches: real tokens over positions, and how many of each length (one compile each)."""
     real = positions = n = 0
     lengths: collections.Counter = collections.Counter()
-    for batch in trainer.make_train_pipeline(config, stage, model, tokenizer):
+    for batch in pipelines.make_train_pipeline(config, stage, model, tokenizer):
         mask = batch["attention_mask"]
         real, positions, n = real + int(mask.sum()), positions + mask.size, n + 1
         lengths[mask.shape[1]] += 1
@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = load_config(args.config, None, args.override)
     stage = config_lib.resolve_stage(config)
-    manifest = trainer.model_manifest(config)
-    model, tokenizer = trainer.build_model(config, manifest)
+    manifest = init.model_manifest(config)
+    model, tokenizer = init.build_model(config, manifest)
     # one epoch by default: the train split's records over the batch size (the remainder dropped)
     records = manifest["splits"][config.data.train_split]["records"]
     batches = args.batches or records // config.train.batch_size

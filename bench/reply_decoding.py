@@ -42,27 +42,30 @@ from tqdm import tqdm  # noqa: E402
 
 
 def draw(args: argparse.Namespace) -> None:
-    from empatheia_jax.data import input_pipeline as ip
     from empatheia_jax.data import templates as tpl
+    from empatheia_jax.data.examples import ExampleBuilder
     from empatheia_jax.data.parse import parse_generation
-    from empatheia_jax.eval import evaluate as ev
+    from empatheia_jax.data.pipeline_config import PipelineConfig, pipeline_config_fields
+    from empatheia_jax.data.shard_reader import ShardReader
+    from empatheia_jax.eval import generation_pass as gp
     from empatheia_jax.serve.generation import eos_token_ids, generate_tokens
     from empatheia_jax.serve.load import load_trained
+    from empatheia_jax.train.stages import eval_stage
 
     model, tok, _, _ = load_trained(args.ckpt)
     preds = [json.loads(line) for line in Path(args.predictions).read_text().splitlines() if line.strip()]
     greedy = {p["record_index"]: p.get("text_greedy", p["text"]) for p in preds}
     cfg = model.config
-    stage = ev.eval_stage(cfg, "coe")
-    pcfg = ip.PipelineConfig(stage=stage.template_stage, max_len=1024, include_target=False,
-                             **ev.pipeline_config_fields(cfg, stage, None))
-    reader = ip.ShardReader.for_split(args.shards, args.split)
-    builder = ip.ExampleBuilder(tok, pcfg, audio_dim=cfg.audio_dim, video_dim=cfg.video_dim)
+    stage = eval_stage(cfg, "coe")
+    pcfg = PipelineConfig(stage=stage.template_stage, max_len=1024, include_target=False,
+                          **pipeline_config_fields(cfg, stage, None))
+    reader = ShardReader.for_split(args.shards, args.split)
+    builder = ExampleBuilder(tok, pcfg, audio_dim=cfg.audio_dim, video_dim=cfg.video_dim)
     if cfg.has_media and pcfg.template_spec().has_media:
         sys.exit("reply_decoding: the model splices media here; this bench reads text-only shards (ED dev)")
     eos = eos_token_ids(model.llm, tok)
     stop = len(reader) if args.stop is None else min(args.stop, len(reader))
-    kept = [e for e in ev._window_prompts(reader, builder, args.start, stop) if e["record_index"] in greedy]
+    kept = [e for e in gp._window_prompts(reader, builder, args.start, stop) if e["record_index"] in greedy]
     n, size = args.samples, args.batch
     with open(args.out, "w") as f:
         for b0 in tqdm(range(0, len(kept), size), desc="draw replies"):

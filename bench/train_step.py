@@ -6,12 +6,12 @@ device memory; beside it the plain LoRA LM step and the HF + PEFT reference at t
         [--warmup 1] [--peak-tflops 989]
         [--dtype bfloat16] [--param-dtype bfloat16] [--json OUT.jsonl] [--md OUT.md]
 
-What is timed (ours): the trainer's own jitted step, `trainer.jit_step(stage overall, ...)` over
+What is timed (ours): the trainer's own jitted step, `step.jit_step(stage overall, ...)` over
 `stages.split_for_step` of a real `Empatheia` (random weights) built from configs/vicuna7b.py as
 bench/memory_plan.py builds it (`load_config`, `llm_config`, `empatheia_config`): media splice of the
 `<Aud>`/`<Vid>` placeholders, signal tokens, the Content Synchronizer and Style Disentangler heads and all
 their losses, the clipped AdamW update over the stage's groups, the non-finite guard. The batch is a
-synthetic one in the input pipeline's layout (`input_pipeline.batch_spec`, grad_accum 1): BOS, 4 utterances
+synthetic one in the input pipeline's layout (`batching.batch_spec`, grad_accum 1): BOS, 4 utterances
 of text + `<Aud>` + `<Vid>`, SEP, a reply filling the row, the 2 x n_signal signal tokens, EOS; every row
 is exactly T tokens (no padding), with content/style targets and class labels. `loss` in the output is the
 first timed call's `metrics["total"]` before any update is applied (tests/test_bench_train_step.py checks
@@ -32,7 +32,7 @@ a CPU, to check the script, not a performance figure. Remat default: `full`, the
 the 7B step (docs/design.md "Memory plan of the 7B step") and configs/vicuna7b.py's.
 
 Figures: step_s = median of --steps timed calls after --warmup calls (the first call compiles:
-compile_s); tokens/s = B x T / step_s; MFU = the trainer's convention (`trainer.flops_per_token`: 4N +
+compile_s); tokens/s = B x T / step_s; MFU = the trainer's convention (`metrics.flops_per_token`: 4N +
 2 N_trainable + 12 L T H d_head) and 6N (`memory_plan.model_flops`) x tokens / step_s / peak, peak from
 --peak-tflops (default 989: H100/H200 SXM dense bf16). Both count the backbone only: the stage-4 step's
 VAE heads are extra work its MFU does not credit. Peak memory: `jax.devices()[0].memory_stats()`'s
@@ -176,7 +176,7 @@ def synthetic_batch(config: Any, stage: Any, cfg: Any, batch: int, seq: int, see
 
 class StageRun:
     """The trainer's step arguments for stage overall: (graphs, params, frozen, opt_state), the step function
-    (`trainer.jit_step`), the model, the stage and the loss weights."""
+    (`step.jit_step`), the model, the stage and the loss weights."""
 
     def __init__(self, args: argparse.Namespace, seed: int = 0):
         import jax
@@ -184,23 +184,24 @@ class StageRun:
 
         from empatheia_jax.models.empatheia import Empatheia
         from empatheia_jax.train import config as config_lib
-        from empatheia_jax.train import stages, trainer
+        from empatheia_jax.train import init, stages
+        from empatheia_jax.train import step as step_lib
 
         self.config = run_config(args)
         self.stage = config_lib.resolve_stage(self.config)
         cfg = empatheia_cfg(args, self.config)
         self.model = Empatheia(cfg, rngs=nnx.Rngs(seed + 1))
-        tx, _ = trainer.make_tx(self.config, config_lib.stage_schedule(self.config),
-                                stages.trainable_state(self.model, self.stage))
+        tx, _ = init.make_tx(self.config, config_lib.stage_schedule(self.config),
+                             stages.trainable_state(self.model, self.stage))
         optimizer = stages.make_optimizer(self.model, self.stage, tx)
         graphs, params, frozen, opt_state = stages.split_for_step(self.model, optimizer, self.stage)
         # Committed to their device, as the trainer's sharded state is: the step's outputs are (it pins
         # out_shardings), and uncommitted first inputs would make the second call compile again.
         commit = lambda tree: jax.tree.map(lambda x: jax.device_put(x, x.sharding), tree)  # noqa: E731
         self.graphs, self.params, self.frozen, self.opt_state = graphs, *commit((params, frozen, opt_state))
-        self.weights = trainer.loss_weights(self.config)
-        self.step = trainer.jit_step(self.stage, self.weights, self.params, self.opt_state,
-                                     compiler_options=cpu_compiler_options())
+        self.weights = step_lib.loss_weights(self.config)
+        self.step = step_lib.jit_step(self.stage, self.weights, self.params, self.opt_state,
+                                      compiler_options=cpu_compiler_options())
         self.n_trainable = sum(math.prod(x.shape) for x in _leaves(self.params))
 
     def batch(self, batch: int, seq: int, seed: int = 0) -> dict:
@@ -273,7 +274,7 @@ def _leaves(tree: Any) -> list:
 
 def flops(model: Any, n_trainable: int, seq: int, tokens: int) -> tuple[float, float]:
     """(trainer convention, 6N) FLOPs of `tokens` tokens (`memory_plan.model_flops`); a bare Llama is seen
-    through the `.config.llm` / `.llm` attributes `trainer.flops_per_token` reads."""
+    through the `.config.llm` / `.llm` attributes `metrics.flops_per_token` reads."""
     if not hasattr(model, "llm"):
         model = types.SimpleNamespace(config=types.SimpleNamespace(llm=model.config), llm=model)
     return memory_plan.model_flops(model, n_trainable, seq, tokens)

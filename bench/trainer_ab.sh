@@ -15,7 +15,7 @@
 #   today_f32  today with float32 dot operands (what a CPU without AVX512-BF16 is told to use).
 # Dev loss on DEV_BATCHES (2) batches at the end of each run; FROM (default 40) is the last warm-up step.
 # Needs make demo's work/smollm2 and work/shards (the config's backbone and features_like); the text-only ED
-# shards are ED_SHARDS, else made in OUT/ed as launch/ed_reference.sh makes them. Prints one table.
+# shards are ED_SHARDS, else made in OUT/ed as launch/ed_reference.py makes them. Prints one table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/find_python.sh

@@ -146,7 +146,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # Per-stage schedule, picked by `stage`: steps and (optionally) lr / warmup; lr 0 / warmup -1 =
     # optim.lr / optim.warmup_steps. sd_warmup_steps: SD-only steps on the cached signal states of the
-    # calibration batches before the stage's first step (stages that train the SD; trainer.warmup_sd), at
+    # calibration batches before the stage's first step (stages that train the SD; sd_warmup.warmup_sd), at
     # sd_warmup_lr (0 = the stage's lr). The paper has no warm-up: 0.
     c.schedule = ml_collections.ConfigDict(
         {

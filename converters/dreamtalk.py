@@ -268,7 +268,7 @@ def render_video(r: Any, content: np.ndarray, style: np.ndarray, wav: str | os.P
     (frames, notes): T of the speech, at most the number of content rows."""
     from PIL import Image
 
-    from empatheia_jax.data.encoders import load_audio
+    from empatheia_jax.data.encoders.media import load_audio
 
     audio = load_audio(wav, SAMPLE_RATE)
     t = num_video_frames(len(audio))

@@ -507,7 +507,7 @@ Result = tuple[str, dict[str, np.ndarray] | None, str | None]
 
 
 def _results(parts: Any, jobs: list[VideoJob], content_window: str) -> Iterator[Result]:
-    from empatheia_jax.data.encoders import load_audio
+    from empatheia_jax.data.encoders.media import load_audio
 
     for job in jobs:
         try:

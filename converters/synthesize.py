@@ -31,7 +31,7 @@ import converters.dreamtalk  # noqa: F401 - registers the "dreamtalk" video gene
 from empatheia_jax.generators import registry
 from empatheia_jax.generators.kokoro import KokoroAssetError
 from empatheia_jax.serve.avatar import render_avatar, synthesize_reply
-from empatheia_jax.serve.chat import read_outputs
+from empatheia_jax.serve.outputs import read_outputs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,11 +29,8 @@ bug and keeps its traceback.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import difflib
-import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -43,135 +40,182 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from empatheia_jax import compile_cache, host_memory
-from empatheia_jax.data import splits
-from empatheia_jax.eval import report as eval_report
-from empatheia_jax.eval.metrics import text as mtext
-from empatheia_jax.serve import load as serve_load
-from empatheia_jax.train import stages
+from empatheia_jax.eval import run as eval_run
 
 FLAGS = flags.FLAGS
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "train: ml-collections config file", lock_config=True
-)
-flags.DEFINE_string("workdir", None, "train: run folder (checkpoints, TensorBoard, metrics.jsonl)")
-flags.DEFINE_string("ckpt", None, "eval/chat/serve/export: a training workdir, its checkpoints "
-                    "folder, one step folder or an export folder")
-flags.DEFINE_string("backbone", None, "eval/chat/serve: the converted backbone folder, when the one the run "
-                    "or export recorded has moved (e.g. the packaged reference model on another machine)")
-flags.DEFINE_integer("step", None, "eval/chat/serve/export: checkpoint step (default: the latest)")
-flags.DEFINE_string("split", "test", "eval: the split of the run's shards to evaluate")
-flags.DEFINE_string("shards", None, "eval: shards folder (default: the run's data.shards)")
-flags.DEFINE_string("data", None, "eval: what to evaluate on: a shards folder (as --shards) or an "
-                    "EmpatheticDialogues-format csv, imported and prepared text-only (cached in "
-                    "--data_cache); a csv's split is named from its file (validation -> valid) or --split")
-flags.DEFINE_string("data_cache", None, "eval: folder for the shards prepared from a --data csv or for "
-                    "--asr, reused by a later run on the same input (default: $XDG_CACHE_HOME or "
-                    "~/.cache, then empatheia_jax/eval_data)")
-flags.DEFINE_bool("asr", False, "eval: evaluate as if the speaker's words were known only from their speech: "
-                  "the split is prepared again (cached in --data_cache) with every history utterance's text "
-                  "replaced by Whisper tiny.en's transcript of its .wav (rows input_wer, asr_utterances); "
-                  "needs shards prepared from AvaMERG media, not a csv")
-flags.DEFINE_string("raw", None, "eval --asr: the AvaMERG folder the shards were prepared from, when it is "
-                    "no longer where their manifest says (default: the manifest's `raw`)")
-# stages.TEMPLATES, spelt out so that parsing the flags imports no jax
-TEMPLATE_NAMES = ("coe", "ccl", "sac", "overall", "pipeline")
-flags.DEFINE_enum("template", None, list(TEMPLATE_NAMES), "eval: the stage whose prompt and loss formula "
-                  "score the model (default: the stage the checkpoint was trained for; overall for older "
-                  "checkpoints)")
-flags.DEFINE_bool("untrained", False, "eval: also evaluate the untrained model (same config, fresh heads)")
-flags.DEFINE_bool("generate", True, "eval: generate the CoE text (emotion accuracy from text, Dist-n)")
-flags.DEFINE_integer("batch_size", 8, "eval: batch size", lower_bound=1)
-flags.DEFINE_integer("max_examples", 0, "eval: score the first N records of the split only (0 = all; a "
-                     "quick look at a large file before the whole run)", lower_bound=0)
-flags.DEFINE_integer("generate_batch_size", 0, "eval: batch size of the generation (0 = --batch_size)",
-                     lower_bound=0)
-flags.DEFINE_integer("max_new_tokens", 160, "eval/chat/serve: generation budget", lower_bound=1)
-flags.DEFINE_float("repetition_penalty", 1.0, "eval/chat/serve: HF's repetition penalty (1.0 = off)",
-                   lower_bound=1e-6)
-flags.DEFINE_integer("no_repeat_ngram_size", 0, "eval/chat/serve: HF's no_repeat_ngram_size (0 = off)",
-                     lower_bound=0)
-flags.DEFINE_bool("score_emotions", False, "eval: also choose CoE step 2 among the 32 ED labels by "
-                  "likelihood after the model's own step 1 (rows emotion*_acc_scored; CoE templates)")
-flags.DEFINE_string("emotion_head", None, "eval: an emotion head file (python -m "
-                    "empatheia_jax.eval.fit_emotion_head): rows emotion*_acc_head, and with "
-                    "--score_emotions emotion*_acc_combined (default: the --ckpt folder's "
-                    "emotion_head.safetensors when it has one)")
-flags.DEFINE_float("reply_temperature", 0.0, "eval/chat/serve: draw each reply with this temperature after "
-                   "the greedy Chain of Empathy (its steps and the emotion rows stay greedy; 0 = greedy "
-                   "replies)", lower_bound=0.0)
-flags.DEFINE_float("reply_top_p", 0.95, "eval/chat/serve: the nucleus of the drawn replies "
-                   "(--reply_temperature)", lower_bound=1e-6, upper_bound=1.0)
-flags.DEFINE_integer("reply_candidates", 1, "eval/chat/serve: draw this many replies per turn and keep their "
-                     "consensus (the one that agrees most with the others: ROUGE-L and BLEU-2; "
-                     "--reply_temperature)", lower_bound=1)
-flags.DEFINE_integer("seed", 0, "eval/chat/serve: the seed of the drawn replies (--reply_temperature)")
-flags.DEFINE_string("json", None, "eval: also write the metrics table as JSON here")
-flags.DEFINE_string("report", None, "eval: a report folder: report.md (table, per-class tables and plots), "
-                    "metrics.json, per_class.json, per_class_*.png, predictions_*.jsonl")
-flags.DEFINE_string("journal", None, "eval: keep each finished generation batch in this file, so a "
-                    "killed eval, run again with the same model, data and flags, generates only the batches "
-                    "it lacks (default with --report: REPORT/generation.journal.jsonl); removed once the "
-                    "eval is written")
-flags.DEFINE_list("vote_templates", [], "eval: emotion voting (E3RG): these templates also predict each "
-                  "record's emotion with the same model; the majority decides (rows emotion*_acc_vote)")
-flags.DEFINE_multi_string("vote_ckpt", [], "eval: emotion voting: these checkpoints also predict each "
-                          "record's emotion, each on the template of the stage it was trained for")
-flags.DEFINE_integer("speech_examples", 16, "eval: test replies spoken by Kokoro for the speech rows (MCD, "
-                     "speaker similarity, F0, duration); 0 = no speech rows", lower_bound=0)
-flags.DEFINE_integer("video_examples", 6, "eval: test replies drawn by the face generator for the video rows "
-                     "(SSIM, PSNR, CPBD, landmark distances, lip sync); 0 = no video rows", lower_bound=0)
-flags.DEFINE_string("gold_speech", None, "eval: folder of gold speech wavs (default: RAW/gold_speech of the "
-                    "shards' manifest)")
-flags.DEFINE_string("text", None, "chat: the speaker's latest utterance (without it, the transcript of "
-                    "--audio by Whisper tiny.en)")
-flags.DEFINE_string("audio", None, "chat: its speech (.wav)")
-flags.DEFINE_string("video", None, "chat: its talking-face video (.mp4)")
-flags.DEFINE_string(
-    "history", None, "chat: earlier utterances, a JSON list of {role, utterance, audio?, video?}"
-)
-flags.DEFINE_bool("speak", False, "chat: also speak the reply with Kokoro-82M from the predicted C^s/S^s "
-                  "(OUT.wav; the checkpoint must be trained on Kokoro speech targets)")
-flags.DEFINE_bool("avatar", False, "chat: also render the talking avatar from the predicted C^v/S^v with the "
-                  "spoken reply (OUT.mp4; implies --speak; needs face_render video targets)")
-flags.DEFINE_string("listener", None, "chat: pin the listener avatar, age,gender,timbre (e.g. "
-                    "young,female,mid): the voice and face are that avatar's, the predicted emotion sets "
-                    "expression and prosody (default: the SD's predicted style); with --speak / --avatar")
-flags.DEFINE_string("out", None, "chat: output path stem (default: ./chat_reply); export: the folder")
-flags.DEFINE_bool("merged", False, "export: LoRA merged into a full HF checkpoint (default: a PEFT adapter)")
-flags.DEFINE_bool("peft", False, "export: a PEFT adapter on the converted backbone (the default)")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "export: the stored dtype of the "
-                  "weights (bfloat16 halves the files; loading casts back to the model's dtype)")
-flags.DEFINE_bool("overwrite", False, "export: replace an existing --out folder")
-flags.DEFINE_integer("max_len", None, "export: the prompt budget in tokens the export serves at (its "
-                     "config.data.max_len; default the run's)", lower_bound=16)
-flags.DEFINE_string("host", "127.0.0.1", "serve: the address to listen on (the default answers this machine "
-                    "only; 0.0.0.0 exposes the model, unauthenticated, to the network)")
-flags.DEFINE_integer("port", 7860, "serve: the TCP port", lower_bound=0, upper_bound=65535)
-flags.DEFINE_float("max_upload_mb", 20.0, "serve: the largest audio or video upload, MB", lower_bound=0.01)
-flags.DEFINE_float("max_media_seconds", 30.0, "serve: the longest audio or video upload, seconds",
-                   lower_bound=0.1)
-flags.DEFINE_bool("warmup", True, "serve: compile the programs of every prompt length before serving, so no "
-                  "turn waits for a compile (start-up takes longer; --nowarmup skips it)")
-flags.DEFINE_integer("queue", 4, "serve: turns that may wait behind the running one (more get HTTP 503)",
-                     lower_bound=0)
-flags.DEFINE_bool("verbose", False, "library logging (absl, orbax, jax, grain, transformers) at INFO")
+# ----------------------------------------------------------------------------------------------------------
+# Flags, one function per concern; each help starts with the commands that read the flag
+# ----------------------------------------------------------------------------------------------------------
 
 
-def _load_trained(restore: bool = True) -> tuple[Any, Any, Any, dict[str, Any]]:
-    """`serve.load.load_trained(--ckpt, --step)`, with checkpoint errors naming `--ckpt` (the resolver behind
-    it words its messages for `--init_from`, which takes the same kinds of paths)."""
-    from empatheia_jax.train.checkpoint import CheckpointError
+def _define_train_flags() -> Any:
+    """train's --config (returned: its holder reads the loaded config) and --workdir."""
+    config = config_flags.DEFINE_config_file("config", None, "train: ml-collections config file",
+                                             lock_config=True)
+    flags.DEFINE_string("workdir", None, "train: run folder (checkpoints, TensorBoard, metrics.jsonl)")
+    return config
 
-    try:
-        return serve_load.load_trained(FLAGS.ckpt, step=FLAGS.step, restore=restore, backbone=FLAGS.backbone)
-    except CheckpointError as e:
-        message = str(e)
-        if message.startswith("--init_from "):
-            message = "--ckpt " + message[len("--init_from "):]
-        elif str(FLAGS.ckpt) not in message:
-            message = f"--ckpt {FLAGS.ckpt}: {message}"
-        raise CheckpointError(message) from e
+
+def _define_checkpoint_flags() -> None:
+    """Which trained model eval/chat/serve/export read."""
+    flags.DEFINE_string("ckpt", None, "eval/chat/serve/export: a training workdir, its checkpoints folder, "
+                        "one step folder or an export folder")
+    flags.DEFINE_string("backbone", None, "eval/chat/serve: the converted backbone folder, when the one the "
+                        "run or export recorded has moved (e.g. the packaged reference model on another "
+                        "machine)")
+    flags.DEFINE_integer("step", None, "eval/chat/serve/export: checkpoint step (default: the latest)")
+
+
+def _define_eval_data_flags() -> None:
+    """What eval scores the model on: shards, a csv, the ASR shards, the template, how many records."""
+    flags.DEFINE_string("split", "test", "eval: the split of the run's shards to evaluate")
+    flags.DEFINE_string("shards", None, "eval: shards folder (default: the run's data.shards)")
+    flags.DEFINE_string("data", None, "eval: what to evaluate on: a shards folder (as --shards) or an "
+                        "EmpatheticDialogues-format csv, imported and prepared text-only (cached in "
+                        "--data_cache); a csv's split is named from its file (validation -> valid) or "
+                        "--split")
+    flags.DEFINE_string("data_cache", None, "eval: folder for the shards prepared from a --data csv or for "
+                        "--asr, reused by a later run on the same input (default: $XDG_CACHE_HOME or "
+                        "~/.cache, then empatheia_jax/eval_data)")
+    flags.DEFINE_bool("asr", False, "eval: evaluate as if the speaker's words were known only from their "
+                      "speech: the split is prepared again (cached in --data_cache) with every history "
+                      "utterance's text replaced by Whisper tiny.en's transcript of its .wav (rows "
+                      "input_wer, asr_utterances); needs shards prepared from AvaMERG media, not a csv")
+    flags.DEFINE_string("raw", None, "eval --asr: the AvaMERG folder the shards were prepared from, when it "
+                        "is no longer where their manifest says (default: the manifest's `raw`)")
+    flags.DEFINE_enum("template", None, list(eval_run.TEMPLATE_NAMES), "eval: the stage whose prompt and "
+                      "loss formula score the model (default: the stage the checkpoint was trained for; "
+                      "overall for older checkpoints)")
+    flags.DEFINE_integer("max_examples", 0, "eval: score the first N records of the split only (0 = all; a "
+                         "quick look at a large file before the whole run)", lower_bound=0)
+
+
+def _define_eval_scoring_flags() -> None:
+    """What eval computes: the columns, batch sizes, extra emotion rows, the speech and video rows."""
+    flags.DEFINE_bool("untrained", False, "eval: also evaluate the untrained model (same config, fresh "
+                      "heads)")
+    flags.DEFINE_bool("generate", True, "eval: generate the CoE text (emotion accuracy from text, Dist-n)")
+    flags.DEFINE_integer("batch_size", 8, "eval: batch size", lower_bound=1)
+    flags.DEFINE_integer("generate_batch_size", 0, "eval: batch size of the generation (0 = --batch_size)",
+                         lower_bound=0)
+    flags.DEFINE_bool("score_emotions", False, "eval: also choose CoE step 2 among the 32 ED labels by "
+                      "likelihood after the model's own step 1 (rows emotion*_acc_scored; CoE templates)")
+    flags.DEFINE_string("emotion_head", None, "eval: an emotion head file (python -m "
+                        "empatheia_jax.eval.fit_emotion_head): rows emotion*_acc_head, and with "
+                        "--score_emotions emotion*_acc_combined (default: the --ckpt folder's "
+                        "emotion_head.safetensors when it has one)")
+    flags.DEFINE_list("vote_templates", [], "eval: emotion voting (E3RG): these templates also predict each "
+                      "record's emotion with the same model; the majority decides (rows emotion*_acc_vote)")
+    flags.DEFINE_multi_string("vote_ckpt", [], "eval: emotion voting: these checkpoints also predict each "
+                              "record's emotion, each on the template of the stage it was trained for")
+    flags.DEFINE_integer("speech_examples", 16, "eval: test replies spoken by Kokoro for the speech rows "
+                         "(MCD, speaker similarity, F0, duration); 0 = no speech rows", lower_bound=0)
+    flags.DEFINE_integer("video_examples", 6, "eval: test replies drawn by the face generator for the video "
+                         "rows (SSIM, PSNR, CPBD, landmark distances, lip sync); 0 = no video rows",
+                         lower_bound=0)
+    flags.DEFINE_string("gold_speech", None, "eval: folder of gold speech wavs (default: RAW/gold_speech of "
+                        "the shards' manifest)")
+
+
+def _define_eval_output_flags() -> None:
+    """Where eval writes its table, report and generation journal."""
+    flags.DEFINE_string("json", None, "eval: also write the metrics table as JSON here")
+    flags.DEFINE_string("report", None, "eval: a report folder: report.md (table, per-class tables and "
+                        "plots), metrics.json, per_class.json, per_class_*.png, predictions_*.jsonl")
+    flags.DEFINE_string("journal", None, "eval: keep each finished generation batch in this file, so a "
+                        "killed eval, run again with the same model, data and flags, generates only the "
+                        "batches it lacks (default with --report: REPORT/generation.journal.jsonl); removed "
+                        "once the eval is written")
+
+
+def _define_generation_flags() -> None:
+    """How eval/chat/serve decode: the budget, HF's repetition controls, the drawn replies."""
+    flags.DEFINE_integer("max_new_tokens", 160, "eval/chat/serve: generation budget", lower_bound=1)
+    flags.DEFINE_float("repetition_penalty", 1.0, "eval/chat/serve: HF's repetition penalty (1.0 = off)",
+                       lower_bound=1e-6)
+    flags.DEFINE_integer("no_repeat_ngram_size", 0, "eval/chat/serve: HF's no_repeat_ngram_size (0 = off)",
+                         lower_bound=0)
+    flags.DEFINE_float("reply_temperature", 0.0, "eval/chat/serve: draw each reply with this temperature "
+                       "after the greedy Chain of Empathy (its steps and the emotion rows stay greedy; 0 = "
+                       "greedy replies)", lower_bound=0.0)
+    flags.DEFINE_float("reply_top_p", 0.95, "eval/chat/serve: the nucleus of the drawn replies "
+                       "(--reply_temperature)", lower_bound=1e-6, upper_bound=1.0)
+    flags.DEFINE_integer("reply_candidates", 1, "eval/chat/serve: draw this many replies per turn and keep "
+                         "their consensus (the one that agrees most with the others: ROUGE-L and BLEU-2; "
+                         "--reply_temperature)", lower_bound=1)
+    flags.DEFINE_integer("seed", 0, "eval/chat/serve: the seed of the drawn replies (--reply_temperature)")
+
+
+def _define_chat_flags() -> None:
+    """chat's inputs, what it renders and where it writes (--out is also export's folder)."""
+    flags.DEFINE_string("text", None, "chat: the speaker's latest utterance (without it, the transcript of "
+                        "--audio by Whisper tiny.en)")
+    flags.DEFINE_string("audio", None, "chat: its speech (.wav)")
+    flags.DEFINE_string("video", None, "chat: its talking-face video (.mp4)")
+    flags.DEFINE_string("history", None, "chat: earlier utterances, a JSON list of {role, utterance, audio?, "
+                        "video?}")
+    flags.DEFINE_bool("speak", False, "chat: also speak the reply with Kokoro-82M from the predicted C^s/S^s "
+                      "(OUT.wav; the checkpoint must be trained on Kokoro speech targets)")
+    flags.DEFINE_bool("avatar", False, "chat: also render the talking avatar from the predicted C^v/S^v with "
+                      "the spoken reply (OUT.mp4; implies --speak; needs face_render video targets)")
+    flags.DEFINE_string("listener", None, "chat: pin the listener avatar, age,gender,timbre (e.g. "
+                        "young,female,mid): the voice and face are that avatar's, the predicted emotion sets "
+                        "expression and prosody (default: the SD's predicted style); with --speak / --avatar")
+    flags.DEFINE_string("out", None, "chat: output path stem (default: ./chat_reply); export: the folder")
+
+
+def _define_export_flags() -> None:
+    """export's format and prompt budget."""
+    flags.DEFINE_bool("merged", False, "export: LoRA merged into a full HF checkpoint (default: a PEFT "
+                      "adapter)")
+    flags.DEFINE_bool("peft", False, "export: a PEFT adapter on the converted backbone (the default)")
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "export: the stored dtype of "
+                      "the weights (bfloat16 halves the files; loading casts back to the model's dtype)")
+    flags.DEFINE_bool("overwrite", False, "export: replace an existing --out folder")
+    flags.DEFINE_integer("max_len", None, "export: the prompt budget in tokens the export serves at (its "
+                         "config.data.max_len; default the run's)", lower_bound=16)
+
+
+def _define_serve_flags() -> None:
+    """serve's address and its limits on uploads, queueing and start-up compiles."""
+    flags.DEFINE_string("host", "127.0.0.1", "serve: the address to listen on (the default answers this "
+                        "machine only; 0.0.0.0 exposes the model, unauthenticated, to the network)")
+    flags.DEFINE_integer("port", 7860, "serve: the TCP port", lower_bound=0, upper_bound=65535)
+    flags.DEFINE_float("max_upload_mb", 20.0, "serve: the largest audio or video upload, MB",
+                       lower_bound=0.01)
+    flags.DEFINE_float("max_media_seconds", 30.0, "serve: the longest audio or video upload, seconds",
+                       lower_bound=0.1)
+    flags.DEFINE_bool("warmup", True, "serve: compile the programs of every prompt length before serving, so "
+                      "no turn waits for a compile (start-up takes longer; --nowarmup skips it)")
+    flags.DEFINE_integer("queue", 4, "serve: turns that may wait behind the running one (more get HTTP 503)",
+                         lower_bound=0)
+
+
+def _define_logging_flags() -> None:
+    """How much the library logs."""
+    flags.DEFINE_bool("verbose", False, "library logging (absl, orbax, jax, grain, transformers) at INFO")
+
+
+_CONFIG = _define_train_flags()
+_define_checkpoint_flags()
+_define_eval_data_flags()
+_define_eval_scoring_flags()
+_define_eval_output_flags()
+_define_generation_flags()
+_define_chat_flags()
+_define_export_flags()
+_define_serve_flags()
+_define_logging_flags()
+
+# ----------------------------------------------------------------------------------------------------------
+# Commands
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _load_trained() -> tuple[Any, Any, Any, dict[str, Any]]:
+    """--ckpt (--step, --backbone) loaded, its checkpoint errors naming --ckpt (`eval.run.load_ckpt`)."""
+    return eval_run.load_ckpt(FLAGS.ckpt, step=FLAGS.step, backbone=FLAGS.backbone)
 
 
 def _train() -> int:
@@ -189,168 +233,18 @@ def _train() -> int:
     return 0
 
 
-class DataError(ValueError):
-    """An `eval --data` input that cannot be evaluated (not an EmpatheticDialogues csv, nothing in it to
-    evaluate); the message names the file. One `error:` line and exit 2, like every bad input."""
-
-
-def _import_ed_csv(path: Path, split: str) -> str:
-    """The AvaMERG JSON text of an EmpatheticDialogues csv (`data.import_ed`), checked as the importer's own
-    CLI checks it. Done before the model loads, so a wrong file fails in a second."""
-    from empatheia_jax.data.ed import convert_ed_csv, dumps
-    from empatheia_jax.data.schema import EmotionMap, validate_dialogues
-
-    try:
-        result = convert_ed_csv(str(path), progress=sys.stderr.isatty())  # a bar on a terminal only
-    except (ValueError, csv.Error) as e:  # no header, missing columns, not UTF-8 text, a broken csv
-        message = str(e).removeprefix(f"{path}: ")
-        raise DataError(f"--data {path}: {message}") from e
-    if not result.dialogues:
-        raise DataError(f"--data {path}: no dialogue to evaluate ({result.rows_read} csv rows, "
-                        f"{result.conversations_in} conversations, none with a listener reply that imports)")
-    problems = validate_dialogues(result.dialogues, source=path.name, media_dir=None,
-                                  emotion_map=EmotionMap.load("avamerg7"))
-    if problems:  # the importer's own output must be valid
-        raise DataError(f"--data {path}: the import gave {len(problems)} schema problem(s), "
-                        f"e.g. {problems[0]}")
-    quirks = f"; {len(result.quirks)} csv quirk(s) skipped (python -m data.import_ed lists them)"
-    # said once the import succeeded: a file that fails is one `error:` line, like every bad input
-    print(f"imported {path} (EmpatheticDialogues csv) as split {split!r}: {len(result.dialogues)} dialogues, "
-          f"{result.num_turns} turns{quirks if result.quirks else ''}", file=sys.stderr)
-    return dumps(result.dialogues)
-
-
-def _data_cache() -> Path:
-    if FLAGS.data_cache:
-        return Path(FLAGS.data_cache)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "empatheia_jax" / "eval_data"
-
-
-def _trained_stage(meta: dict[str, Any]) -> str | None:
-    """The stage a checkpoint (or export) was trained for, from its meta; None when it does not say."""
-    stage = meta.get("stage")
-    name = stage.get("name") if isinstance(stage, dict) else None
-    return name if name in TEMPLATE_NAMES else None
-
-
-_Columns = dict[str, dict[str, float]]  # column name -> {metric: value}, as the table prints them
-_Voters = dict[str, list[dict[str, Any]]]  # voter name -> its parsed generations
-
-
 def _eval() -> int:
-    from empatheia_jax.data import shard_format
-    from empatheia_jax.eval import evaluate
-
     if not FLAGS.ckpt:
         raise app.UsageError("eval needs --ckpt")
-    if FLAGS.data and FLAGS.shards:
-        raise app.UsageError("eval takes --data or --shards, not both")
-    if FLAGS.raw and not FLAGS.asr:
-        raise app.UsageError("--raw names the AvaMERG folder eval --asr transcribes; it needs --asr")
-    shards, split, ed_json = _eval_data()
-    head = _emotion_head()  # a wrong file fails before the model loads
-    heard: tuple[str, dict[str, Any]] | None = None
-    if FLAGS.asr and shards:  # a given folder: transcribed before the model loads (a wrong one fails fast)
-        heard = _asr_shards(shards, split)
-    model, tokenizer, config, meta = _load_trained()
-    shards = _eval_shards(shards, split, ed_json, model.config, config)
-    # --asr: the model reads the ASR shards; the baselines and the speech/video references, fitted on the
-    # train split the ASR shards lack, read the original ones (the same records in the same order)
-    base, asr = shards, None
-    if FLAGS.asr:
-        shards, asr = heard or _asr_shards(shards, split)
-    stage, why = _eval_template(model.config, meta)
-    kwargs = _eval_kwargs(config, stage, head)
-    manifest = splits.check_split(shards, split)
-    base_manifest = splits.check_split(base, split) if asr else manifest
-    # text-only data under a template that reads media: one line now, not a failure inside the pipeline
-    shard_format.check_media_for_template(manifest, shards, split, stage=stage.name,
-                                          needs_media=stage.template_spec(model.config.n_signal).has_media,
-                                          hint="--template coe (the CoE prompt reads text only)")
-    speech, video = evaluate.media_evals(base, split, stage, train_split=config.data.train_split,
-                                         speech_examples=FLAGS.speech_examples,
-                                         video_examples=FLAGS.video_examples, gold_speech=FLAGS.gold_speech)
-    columns, details, voters = _eval_columns(model, tokenizer, shards, split, stage, kwargs, speech, video)
-    if asr is not None:  # a property of the input, the same for every model column
-        for name in ("trained", "untrained"):
-            if name in columns:
-                columns[name].update({k: float(asr[k]) for k in ASR_ROWS if asr.get(k) is not None})
-    columns.update(evaluate.reference_columns(model.config, base, split, base_manifest, speech=speech,
-                                              video=video, train_split=config.data.train_split))
-    _eval_outputs(columns, details, voters, manifest=manifest, stage=stage.name, why=why, meta=meta,
-                  shards=shards, split=split, asr=asr)
+    eval_run.run_eval(_eval_options())
     return 0
 
 
-def _eval_data() -> tuple[str | None, str, str | None]:
-    """(--shards or the --data folder, the split, the JSON text of a --data csv), read before the model is
-    loaded, so a wrong folder or file fails in seconds. A csv's split is named from its file unless --split
-    is given: ED ships one file per split."""
-    shards, split, ed_json = FLAGS.shards, FLAGS.split, None
-    if FLAGS.data:
-        data = Path(FLAGS.data)
-        if data.is_dir():
-            shards = str(data)
-        elif data.is_file():
-            from empatheia_jax.data.ed import split_from_filename
-
-            if FLAGS.asr:
-                raise DataError(f"--data {data}: --asr transcribes speech and a csv has no audio; give a "
-                                "shards folder prepared from AvaMERG media (--data DIR or --shards)")
-
-            split = FLAGS.split if FLAGS["split"].present else split_from_filename(str(data))
-            ed_json = _import_ed_csv(data, split)
-        else:
-            raise FileNotFoundError(f"--data {data}: no such file or folder")
-    if shards:
-        splits.check_split(shards, split)
-    return shards, split, ed_json
-
-
-def _eval_shards(shards: str | None, split: str, ed_json: str | None, model_cfg: Any, config: Any) -> str:
-    """The shards folder to evaluate: an imported csv's cached text-only shards (labelled in the model's
-    emotion classes, as chat maps them, hence after loading), else the given one, else the run's own."""
-    if ed_json is not None:
-        from empatheia_jax.serve.chat import emotion_map_name
-
-        shards, _ = _prepare_cached(ed_json, split, emotion_map_name(model_cfg))
-    shards = shards or config.data.shards
-    if not FLAGS.shards and not FLAGS.data and not Path(shards).is_dir():
-        raise FileNotFoundError(f"shards folder {shards} (the run's config.data.shards) does not exist; "
-                                "pass --shards or --data")
-    return shards
-
-
-def _eval_template(model_cfg: Any, meta: dict[str, Any]) -> tuple[stages.Stage, str]:
-    """(the eval stage, why it was chosen): a checkpoint is scored on the prompt it was trained for unless
-    --template says otherwise; the choice is printed, since every number depends on it."""
-    trained_stage = _trained_stage(meta)
-    stage = stages.eval_stage(model_cfg, FLAGS.template or trained_stage)
-    why = ("--template" if FLAGS.template else "the stage this checkpoint was trained for" if trained_stage
-           else "the default: its checkpoint does not name its stage")
-    print(f"template: {stage.name} ({why})", file=sys.stderr)
-    return stage, why
-
-
-def _eval_kwargs(config: Any, stage: stages.Stage, emotion_head: Any = None) -> dict[str, Any]:
-    """`evaluate.evaluate`'s arguments from the flags, shared by every column, so the trained and untrained
-    models are scored alike (the prompt budget and media maxima are the run's training ones)."""
-    return dict(
-        batch_size=FLAGS.batch_size,
-        max_len=int(config.data.max_len),
-        max_new_tokens=FLAGS.max_new_tokens,
-        generate_text=FLAGS.generate,
-        generate_batch_size=FLAGS.generate_batch_size or None,
-        repetition_penalty=FLAGS.repetition_penalty,
-        no_repeat_ngram_size=FLAGS.no_repeat_ngram_size,
-        pipeline_overrides={"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)},
-        template=stage.name,
-        max_examples=FLAGS.max_examples or None,
-        score_emotions=FLAGS.score_emotions,
-        emotion_head=emotion_head,
-        reply_sampling=_reply_sampling(),
-    )
+def _eval_options() -> eval_run.EvalOptions:
+    """The eval flags as `eval.run.EvalOptions`, whose fields are named as the flags."""
+    names = [f.name for f in dataclasses.fields(eval_run.EvalOptions) if f.name in FLAGS]
+    return eval_run.EvalOptions(**{name: FLAGS[name].value for name in names},
+                                split_given=FLAGS["split"].present, reply_sampling=_reply_sampling())
 
 
 def _reply_sampling() -> Any:
@@ -361,164 +255,9 @@ def _reply_sampling() -> Any:
     return ReplySampling(FLAGS.reply_temperature, FLAGS.reply_top_p, FLAGS.seed, FLAGS.reply_candidates)
 
 
-def _emotion_head() -> Any:
-    """--emotion_head, else the emotion head an export folder (--ckpt) carries, else None."""
-    from empatheia_jax.eval import emotion_head
-
-    path = FLAGS.emotion_head
-    if path is None:
-        beside = Path(FLAGS.ckpt) / emotion_head.FILE_NAME
-        if not beside.is_file():
-            return None
-        path = str(beside)
-    elif not Path(path).is_file():
-        raise FileNotFoundError(f"--emotion_head {path}: no such file")
-    head = emotion_head.EmotionHead.load(path)
-    print(f"emotion head: {path} (C={head.c:g}, weights head {head.head_weight}, free {head.free_weight})",
-          file=sys.stderr)
-    return head
-
-
-def _voting() -> bool:
-    """Whether emotion voting is asked for: it decides what the run keeps as well as what is written."""
-    return bool(FLAGS.vote_templates or FLAGS.vote_ckpt)
-
-
-def _eval_columns(model: Any, tokenizer: Any, shards: str, split: str, stage: stages.Stage,
-                  kwargs: dict[str, Any], speech: Any, video: Any
-                  ) -> tuple[_Columns, dict[str, Any] | None, _Voters]:
-    """(the model columns: trained, with the voting rows, and --untrained; the trained model's details for
-    the report, None when nothing reads them; the voters' predictions by name). The details are kept only
-    for a report or a vote: they hold every generation of the split."""
-    from empatheia_jax.eval import evaluate
-
-    voting = _voting()
-    details: dict[str, Any] | None = {} if FLAGS.report or voting else None
-    columns = {"trained": evaluate.evaluate(model, tokenizer, shards, split, speech=speech, video=video,
-                                            details=details, journal=_journal(), **kwargs)}
-    voters: _Voters = {}
-    if details is not None and "predictions" in details:
-        voters[stage.name] = details["predictions"]
-    if voting:
-        voters.update(_voters(model, tokenizer, shards, split, kwargs, exclude=stage.name))
-        columns["trained"].update(mtext.vote_metrics(list(voters.values())))
-        columns["trained"]["num_voters"] = float(len(voters))
-    if FLAGS.untrained:  # loss, classifier and feature rows: an untrained head's features drive no generator
-        fresh, tok, _, _ = _load_trained(restore=False)
-        columns["untrained"] = evaluate.evaluate(fresh, tok, shards, split, name="untrained",
-                                                 **{**kwargs, "emotion_head": None})  # fitted to the trained
-    return columns, details, voters
-
-
-def _journal() -> Path | None:
-    """The trained column's generation journal (--journal, else one in the --report folder), or None."""
-    if FLAGS.journal:
-        return Path(FLAGS.journal)
-    return Path(FLAGS.report) / "generation.journal.jsonl" if FLAGS.report else None
-
-
-def _eval_outputs(columns: _Columns, details: dict[str, Any] | None, voters: _Voters, *,
-                  manifest: dict[str, Any], stage: str, why: str, meta: dict[str, Any], shards: str,
-                  split: str, asr: dict[str, Any] | None = None) -> None:
-    """Prints the table with what it was computed on (targets, template, data: the numbers mean nothing
-    without them), then writes --json and --report, which record the same."""
-    from empatheia_jax.eval import speech as speech_eval
-
-    print(eval_report.format_table(columns))
-    targets = speech_eval.describe_targets(manifest)
-    print(targets)
-    print(f"template: {stage}; data: {shards} split {split}")
-    extra = {"targets": targets, "template": stage, "shards": str(shards), "split": split}
-    if asr is not None:
-        extra["asr"] = asr
-    if _voting():
-        extra["voters"] = list(voters)
-    sampling = _reply_sampling()
-    if sampling is not None:
-        extra["reply_sampling"] = dataclasses.asdict(sampling)  # temperature, top_p, seed, candidates
-    if FLAGS.json:
-        Path(FLAGS.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(FLAGS.json).write_text(json.dumps({**columns, **extra}, indent=1))
-    if FLAGS.report:
-        notes = [f"checkpoint: {FLAGS.ckpt} (step {meta.get('step', '?')})",
-                 f"template: {stage} ({why})", f"data: {shards} split {split}", targets]
-        if asr is not None:
-            notes.append(_asr_line(asr))
-        if _voting():
-            notes.append(f"emotion voting over {len(voters)} voters: {', '.join(voters)}")
-        per_class = eval_report.per_class_report(details, splits.emotion_map_of(manifest))
-        report = eval_report.write_report(FLAGS.report, columns, notes=notes, per_class=per_class,
-                                       predictions=voters, extra=extra)
-        print(f"report: {report}", file=sys.stderr)
-    journal = _journal()
-    if journal is not None:  # the eval is written: its predictions are in the report
-        journal.unlink(missing_ok=True)
-
-
-def _voters(model: Any, tokenizer: Any, shards: str, split: str, kwargs: dict[str, Any], *, exclude: str
-            ) -> dict[str, list[dict[str, Any]]]:
-    """The generations of every other voter (`--vote_templates` with this model, `--vote_ckpt` each on its
-    trained stage), named for the report: `template:<name>` / `ckpt<i>:<template>`."""
-    from empatheia_jax.eval import evaluate
-
-    gen = {k: kwargs[k] for k in ("batch_size", "max_len", "max_new_tokens", "repetition_penalty",
-                                  "no_repeat_ngram_size", "pipeline_overrides", "max_examples")}
-    gen["batch_size"] = kwargs["generate_batch_size"] or kwargs["batch_size"]
-    out: dict[str, list[dict[str, Any]]] = {}
-    for name in FLAGS.vote_templates:
-        if name not in TEMPLATE_NAMES:
-            raise app.UsageError(f"--vote_templates {name}: expected one of {', '.join(TEMPLATE_NAMES)}")
-        if name != exclude:
-            out[f"template:{name}"] = evaluate.generate_predictions(model, tokenizer, shards, split,
-                                                                    template=name, **gen)
-    for i, ckpt in enumerate(FLAGS.vote_ckpt, 1):
-        other, tok, _, meta = serve_load.load_trained(ckpt)
-        stage = _trained_stage(meta)
-        out[f"ckpt{i}:{stage or 'overall'}"] = evaluate.generate_predictions(other, tok, shards, split,
-                                                                             template=stage, **gen)
-    return out
-
-
-ASR_ROWS = ("input_wer", "asr_utterances")  # the --asr rows of a model column (eval/metrics/names.py)
-
-
-def _asr_shards(shards: str, split: str) -> tuple[str, dict[str, Any]]:
-    """(the ASR shards of `split`, their summary): prepared under --data_cache, or reused from there; one
-    stderr line says what Whisper heard and where the shards are."""
-    from empatheia_jax.data.asr_shards import cached_asr_shards
-
-    out, reused, summary = cached_asr_shards(shards, split, _data_cache(), progress=sys.stderr.isatty(),
-                                             command=f"empatheia eval --asr ({shards} split {split})",
-                                             raw=FLAGS.raw)
-    print(_asr_line({**summary, "reused": reused}), file=sys.stderr)
-    return str(out), summary
-
-
-def _asr_line(summary: dict[str, Any]) -> str:
-    wer = summary.get("input_wer")
-    wer = "-" if wer is None else f"{wer:.4f}"
-    how = " (reused)" if summary.get("reused") else ""
-    return (f"asr: {summary['asr_utterances']} history utterances heard by {summary['recogniser']}, "
-            f"input WER {wer} against the typed text ({summary['asr_empty']} heard as "
-            f"nothing, {summary['asr_typed']} without speech left typed); shards {summary['shards']}{how}, "
-            f"transcripts {summary['transcripts']}")
-
-
-def _prepare_cached(ed_json: str, split: str, emotion_map: str) -> tuple[str, bool]:
-    """The text-only shards of an imported csv: prepared under --data_cache, or reused from there."""
-    from empatheia_jax.data.prepare import InvalidInputError, cached_text_only_shards
-
-    cache = _data_cache()
-    try:
-        shards, reused = cached_text_only_shards(ed_json, cache, split=split, emotion_map=emotion_map,
-                                                 command=f"empatheia eval --data {FLAGS.data}")
-    except InvalidInputError as e:
-        raise DataError(f"--data {FLAGS.data}: {e}") from e
-    return str(shards), reused
-
-
 def _chat() -> int:
-    from empatheia_jax.serve import chat, turn
+    from empatheia_jax.serve import outputs, turn
+    from empatheia_jax.serve.history import load_history
 
     if not FLAGS.ckpt or (FLAGS.text is None and not FLAGS.audio):
         raise app.UsageError("chat needs --ckpt and --text (or --audio alone: Whisper transcribes it)")
@@ -527,7 +266,7 @@ def _chat() -> int:
         path = FLAGS[flag].value
         if path and not Path(path).is_file():
             raise FileNotFoundError(f"--{flag} {path}: no such file")
-    history = chat.load_history(FLAGS.history) if FLAGS.history else None
+    history = load_history(FLAGS.history) if FLAGS.history else None
     listener = _listener_flag()
     replier = _load_replier()
     render = "avatar" if FLAGS.avatar else "speech" if FLAGS.speak else "text"
@@ -538,7 +277,7 @@ def _chat() -> int:
                          max_new_tokens=FLAGS.max_new_tokens, repetition_penalty=FLAGS.repetition_penalty,
                          no_repeat_ngram_size=FLAGS.no_repeat_ngram_size, reply_sampling=_reply_sampling())
     result = done.result
-    print(chat.format_result(result))
+    print(outputs.format_result(result))
     print(f"features -> {done.npz}\ntext -> {done.json}")
     if done.wav is not None:
         for n in done.speech_notes:
@@ -608,7 +347,7 @@ def _listener_flag() -> dict[str, str] | None:
     if FLAGS.listener is None:
         return None
     from empatheia_jax.serve.avatar import parse_listener
-    from empatheia_jax.serve.chat import ChatInputError
+    from empatheia_jax.serve.history import ChatInputError
 
     if not (FLAGS.speak or FLAGS.avatar):
         raise app.UsageError("--listener sets the voice and the face: add --speak or --avatar")
@@ -632,7 +371,7 @@ def _export() -> int:
 
 
 # The sub-commands: name -> function returning the exit status. A new one adds its function here (its flags
-# are defined above, with the command name at the start of their help).
+# are defined above, in a `_define_*_flags` function, with the command name at the start of their help).
 COMMANDS: dict[str, Callable[[], int]] = {"train": _train, "eval": _eval, "chat": _chat, "serve": _serve,
                                           "export": _export}
 
@@ -640,15 +379,16 @@ COMMANDS: dict[str, Callable[[], int]] = {"train": _train, "eval": _eval, "chat"
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input, not a bug: one `error:` line and exit 2. Imported only when an
     exception is being matched (the modules import jax)."""
-    from empatheia_jax.data.asr import AsrAssetError
     from empatheia_jax.data.asr_shards import AsrShardsError
+    from empatheia_jax.data.encoders.asr import AsrAssetError
     from empatheia_jax.data.shard_format import ShardRecordError
     from empatheia_jax.data.splits import ShardsError
     from empatheia_jax.eval.emotion_head import EmotionHeadError
     from empatheia_jax.eval.speech import SpeechEvalUnavailable
     from empatheia_jax.generators.base import GeneratorError
     from empatheia_jax.generators.kokoro import KokoroAssetError
-    from empatheia_jax.serve.chat import ChatInputError, EncoderManifestError
+    from empatheia_jax.serve.history import ChatInputError
+    from empatheia_jax.serve.prompt import EncoderManifestError
     from empatheia_jax.train.checkpoint import CheckpointError
     from empatheia_jax.train.config import ConfigError
     from empatheia_jax.train.stages import TemplateError
@@ -657,7 +397,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (
         ConfigError, CheckpointError, ShardsError, ShardRecordError, ChatInputError,
         EncoderManifestError, ExportError, GeneratorError, KokoroAssetError, SpeechEvalUnavailable,
-        DataError, TemplateError, AsrAssetError, AsrShardsError, EmotionHeadError,
+        eval_run.DataError, TemplateError, AsrAssetError, AsrShardsError, EmotionHeadError,
         FileNotFoundError, NotADirectoryError, IsADirectoryError,
         PermissionError,
     )
@@ -693,7 +433,7 @@ def _run(command: str, argv: list[str]) -> None:
         if len(argv) > 1:
             raise app.UsageError(f"unexpected argument(s) {argv[1:]} (flags are --name=value)")
         code = COMMANDS[command]()
-    except app.UsageError as e:
+    except (app.UsageError, eval_run.EvalUsageError) as e:
         code = fail(f"{e} (empatheia {command} --helpfull lists the flags)")
     except _user_errors() as e:
         code = fail(str(e))

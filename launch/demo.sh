@@ -20,7 +20,7 @@ mkdir -p "$WORK"
 # only warnings there (Python's last-resort handler).
 V=()
 if [[ -n "${VERBOSE:-}" ]]; then V=(--verbose); fi
-# ENCODER picks the input encoder of step 4 (data/encoders.py): `lite` (default: no weights, ~1 min for the
+# ENCODER picks the input encoder of step 4 (data/encoders/): `lite` (default: no weights, ~1 min for the
 # sample) or the pretrained ones that ship with the install, e.g. `ENCODER=whisper_tiny_en+facemesh make
 # demo` (~9 min more for the sample's 626 utterances on 2 cores: Whisper runs a 30-s window per clip;
 # docs/benchmarks.md "lite vs the pretrained encoders"). Another encoder gets its own shards and run folders
@@ -190,7 +190,7 @@ REF=$("$PY" -m empatheia_jax.reference)
     --text "${TURN[0]}" --audio "${TURN[1]}" --video "${TURN[2]}" --out "$RUN/chat_reference" \
     --no_repeat_ngram_size "${CHAT_NO_REPEAT_NGRAM:-4}" --avatar ${V[@]+"${V[@]}"}
 check_reply "$RUN/chat_reference"
-# chat wrote what an independent recogniser hears in the spoken reply (data/asr.py) into its JSON.
+# chat wrote what an independent recogniser hears in the spoken reply (data/encoders/asr.py) into its JSON.
 "$PY" - "$RUN/chat_reference.json" <<'EOF_HEARD'
 import json, sys
 js = json.load(open(sys.argv[1]))

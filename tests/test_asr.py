@@ -1,4 +1,4 @@
-"""The intelligibility rows' recogniser and scoring (`empatheia_jax.data.asr`).
+"""The intelligibility rows' recogniser and scoring (`empatheia_jax.data.encoders.asr`).
 
 - WER/CER are corpus-level jiwer rates of the normalised texts: equal to jiwer on texts normalised by hand
   here, and different from the mean of per-pair rates where the pairs' lengths differ.
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from helpers import require
 
-from empatheia_jax.data import asr
+from empatheia_jax.data.encoders import asr
 
 jiwer = require("jiwer", "the WER/CER of the intelligibility rows")
 

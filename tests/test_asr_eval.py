@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 from helpers import make_raw, read_shard_split, require, synthetic_dialogue, write_gold_speech
 
-from empatheia_jax.data import asr, schema
+from empatheia_jax.data import schema
 from empatheia_jax.data.asr_shards import TRANSCRIPTS, AsrShardsError, cached_asr_shards
+from empatheia_jax.data.encoders import asr
 from empatheia_jax.data.prepare import prepare
 
 jiwer = require("jiwer", "the input WER of eval --asr")

@@ -45,7 +45,8 @@ def test_stage4_row_reports_the_trainers_loss(bench):
     import jax
     import jax.numpy as jnp
 
-    from empatheia_jax.train import objective, trainer
+    from empatheia_jax.train import objective
+    from empatheia_jax.train import step as step_lib
 
     args = _args(bench)
     run = bench.StageRun(args)
@@ -53,14 +54,14 @@ def test_stage4_row_reports_the_trainers_loss(bench):
     # The trainer's objective on the initial weights and the bench's batch, with the step's per-example keys.
     batch = {k: jnp.asarray(v) for k, v in run.batch(args.batch, 32).items()}
     counts = objective.loss_counts(run.model.config, batch)
-    keys = trainer.example_keys(jax.random.key(0), (1, args.batch))[0]
+    keys = step_lib.example_keys(jax.random.key(0), (1, args.batch))[0]
     loss_fn = jax.jit(objective.make_loss_fn(run.stage, run.weights), static_argnums=1,
                       compiler_options=bench.cpu_compiler_options())
     total, metrics = loss_fn(run.params, run.graphs.model, run.frozen, batch, keys, counts=counts)
     # Every head's loss takes part (media splice -> signal states -> SD; response rows -> CS).
     for term in ("emp", "ccl_speech", "ccl_video", "sal_speech", "cls_emotion"):
         assert float(metrics[term]) > 0, term
-    (row,) = bench.run_ours(args, run)  # times `trainer.jit_step` on `run`, donating its state
+    (row,) = bench.run_ours(args, run)  # times `step.jit_step` on `run`, donating its state
     _check_row(row, "ours")
     assert row["what"].startswith("Empatheia stage-4")
     assert row["loss"] == pytest.approx(float(total), rel=1e-5)

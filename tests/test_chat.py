@@ -1,6 +1,6 @@
-"""`empatheia_jax.serve.chat`: the prompt equals training's, the heads read the generated sequence exactly
-where
-teacher forcing reads it, output files round-trip, and bad inputs are named.
+"""`empatheia_jax.serve.chat` (with `serve.history`, `serve.prompt`, `serve.outputs`): the prompt equals
+training's, the heads read the generated sequence exactly where teacher forcing reads it, output files
+round-trip, and bad inputs are named.
 
 A tiny random Empatheia (2 layers, d=32) around the real SmolLM2 tokenizer, with the lite encoder on the
 media of the tiny shards (`helpers.make_tiny_shards`). The reference for the features is an independent
@@ -19,10 +19,15 @@ import pytest
 from flax import nnx
 from helpers import FAST, TINY_ROWS, load_smollm2_tokenizer, make_tiny_shards, tiny_empatheia
 
-from empatheia_jax.data import input_pipeline as ip
 from empatheia_jax.data.encoders import get_encoder
+from empatheia_jax.data.examples import build_example
+from empatheia_jax.data.pipeline_config import PipelineConfig
+from empatheia_jax.data.shard_reader import ShardReader
 from empatheia_jax.models.empatheia import Empatheia
 from empatheia_jax.serve import chat
+from empatheia_jax.serve.history import ChatInputError, load_history
+from empatheia_jax.serve.outputs import format_result, read_outputs, write_outputs
+from empatheia_jax.serve.prompt import build_prompt, encoder_from_manifest
 
 ROWS = TINY_ROWS
 HEADS = ("speech_content", "video_content", "speech_style", "video_style")
@@ -121,13 +126,13 @@ def _check_against_teacher_forcing(model, result, media):
 
 
 def test_prompt_is_the_training_template_with_the_shards_features(model, tok, shards, media):
-    rec = ip.ShardReader.for_split(shards, "test")[2]  # three history utterances, all with media
+    rec = ShardReader.for_split(shards, "test")[2]  # three history utterances, all with media
     utts = [{"role": u["role"], "utterance": u["utterance"], "audio": media / f"{u['utt_id']}.wav",
              "video": media / f"{u['utt_id']}.mp4"} for u in rec["history"]]
-    prompt = chat.build_prompt(model.config, tok, utts, encoder=get_encoder("lite"))
-    cfg = ip.PipelineConfig(stage="overall", include_target=False, n_signal=4, max_speech_len=ROWS,
-                            max_video_len=ROWS)
-    ex = ip.build_example(rec, "overall", tok, cfg)
+    prompt = build_prompt(model.config, tok, utts, encoder=get_encoder("lite"))
+    cfg = PipelineConfig(stage="overall", include_target=False, n_signal=4, max_speech_len=ROWS,
+                         max_video_len=ROWS)
+    ex = build_example(rec, "overall", tok, cfg)
     assert prompt.ids == ex["input_ids"].tolist()
     np.testing.assert_allclose(prompt.aud_feats, ex["aud_feats"], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(prompt.vid_feats, ex["vid_feats"], rtol=1e-6, atol=1e-6)
@@ -135,7 +140,7 @@ def test_prompt_is_the_training_template_with_the_shards_features(model, tok, sh
     # Mixed media: no placeholder without a feature; one modality gets only its own placeholder.
     feats = [(np.ones((1, 96), np.float32), np.ones((1, 526), np.float32)), (None, None),
              (np.ones((1, 96), np.float32), None)]
-    mixed = chat.build_prompt(model.config, tok, utts, features=feats)
+    mixed = build_prompt(model.config, tok, utts, features=feats)
     text = tok.decode(mixed.ids)
     assert "  Speaker:test1 line 0: I feel disgusted<Aud> <Vid>.\n" in text
     assert "  Listener:test1 line 1: Oh no, tell me more.\n" in text
@@ -143,11 +148,11 @@ def test_prompt_is_the_training_template_with_the_shards_features(model, tok, sh
     assert mixed.aud_feats.shape == (2, 96) and mixed.vid_feats.shape == (1, 526)
     assert any("only one of speech/video" in n for n in mixed.notes)
     # Too long: the oldest utterances go first, the latest stays.
-    short = chat.build_prompt(model.config, tok, utts, features=feats, max_len=len(mixed.ids) - 5)
+    short = build_prompt(model.config, tok, utts, features=feats, max_len=len(mixed.ids) - 5)
     assert short.dropped_utterances == 1
     assert short.aud_feats.shape == (1, 96) and short.vid_feats.shape == (0, 526)
     with pytest.raises(ValueError, match="latest utterance alone"):
-        chat.build_prompt(model.config, tok, utts, features=feats, max_len=40)
+        build_prompt(model.config, tok, utts, features=feats, max_len=40)
 
 
 def test_forced_signal_tokens_and_features_equal_a_teacher_forced_forward(model, tok, media, forced):
@@ -161,7 +166,7 @@ def test_forced_signal_tokens_and_features_equal_a_teacher_forced_forward(model,
     assert r.text == tok.decode(gen[:5].tolist(), skip_special_tokens=False)
     latest = {"role": "speaker", "utterance": "test1 line 2: I feel disgusted",
               "audio": str(media / "diatest1utt2_7.wav"), "video": str(media / "diatest1utt2_7.mp4")}
-    prompt = chat.build_prompt(cfg, tok, [*_history(media), latest], encoder=get_encoder("lite"))
+    prompt = build_prompt(cfg, tok, [*_history(media), latest], encoder=get_encoder("lite"))
     assert r.input_ids[: r.prompt_length].tolist() == prompt.ids
     # r^t = the reply's tokens: the generated text (no CoE headers in a random model's output).
     assert r.response_mask[: r.prompt_length].sum() == 0 and r.response_mask[r.prompt_length :][:5].all()
@@ -212,9 +217,9 @@ def test_generated_signal_tokens_are_not_forced_and_features_equal_teacher_forci
 
 
 def test_outputs_round_trip(forced, tmp_path):
-    npz, js = chat.write_outputs(forced, tmp_path / "out" / "reply.npz")
+    npz, js = write_outputs(forced, tmp_path / "out" / "reply.npz")
     assert (npz.name, js.name) == ("reply.npz", "reply.json")
-    arrays, meta = chat.read_outputs(tmp_path / "out" / "reply")
+    arrays, meta = read_outputs(tmp_path / "out" / "reply")
     for k in HEADS:
         np.testing.assert_array_equal(arrays[k], forced.features[k])
     np.testing.assert_array_equal(arrays["emotion_probs"], forced.emotion_probs)
@@ -230,7 +235,7 @@ def test_outputs_round_trip(forced, tmp_path):
         forced.text, forced.coe, forced.reply, forced.emotion)
     assert meta["signal_tokens_forced"] is True and meta["notes"] == forced.notes
     assert meta["speech_content_units"] == forced.speech_content_units
-    assert "Reply: " + forced.reply in chat.format_result(forced)
+    assert "Reply: " + forced.reply in format_result(forced)
 
 
 def _write(path, obj) -> str:
@@ -242,7 +247,7 @@ def test_history_errors_name_the_file_and_the_entry(tmp_path, media):
     ok = {"role": "speaker", "utterance": "hi"}
     (tmp_path / "a.wav").write_bytes(b"RIFF")
     second = {"role": "listener", "utterance": "yes", "audio": "a.wav"}
-    h = chat.load_history(_write(tmp_path / "h.json", [ok, second]))
+    h = load_history(_write(tmp_path / "h.json", [ok, second]))
     assert h[1]["audio"] == str(tmp_path / "a.wav") and h[0]["video"] is None  # relative to the file
     cases = [
         ("{not json", "h1.json: invalid JSON"),
@@ -254,12 +259,12 @@ def test_history_errors_name_the_file_and_the_entry(tmp_path, media):
     ]
     for i, (content, message) in enumerate(cases, 1):
         with pytest.raises(ValueError, match=message):
-            chat.load_history(_write(tmp_path / f"h{i}.json", content))
+            load_history(_write(tmp_path / f"h{i}.json", content))
     with pytest.raises(FileNotFoundError, match=r"h6.json: entry 1: video file .*missing.mp4 does not exist"):
-        chat.load_history(_write(tmp_path / "h6.json", [ok, {"role": "speaker", "utterance": "x",
+        load_history(_write(tmp_path / "h6.json", [ok, {"role": "speaker", "utterance": "x",
                                                              "video": "missing.mp4"}]))
     with pytest.raises(FileNotFoundError, match="history file .*nothere.json does not exist"):
-        chat.load_history(tmp_path / "nothere.json")
+        load_history(tmp_path / "nothere.json")
 
 
 def test_missing_or_unreadable_media_is_named(model, tok, tmp_path, media):
@@ -280,8 +285,8 @@ def test_audio_only_turn_is_transcribed_into_the_prompt(model, tok, tmp_path, me
     utterance's <Aud> <Vid>; OUT.json records it with its confidence."""
     import soundfile as sf
 
-    from empatheia_jax.data import asr
     from empatheia_jax.data import templates as tpl
+    from empatheia_jax.data.encoders import asr
     from empatheia_jax.generators.kokoro import SAMPLE_RATE
     from empatheia_jax.generators.kokoro_voices import gold_speech
 
@@ -296,33 +301,33 @@ def test_audio_only_turn_is_transcribed_into_the_prompt(model, tok, tmp_path, me
     prompt = tok.decode(result.input_ids[: result.prompt_length])
     assert f"  Speaker:{tpl.clean_text(heard['transcript'])}<Aud> <Vid>.\n}}" in prompt, prompt
     assert "Listener:test1 line 1: Oh no, tell me more." in prompt  # the typed history is untouched
-    first_line = chat.format_result(result).splitlines()[0]
+    first_line = format_result(result).splitlines()[0]
     assert first_line.startswith(f"heard (Whisper tiny.en, utterance 2): {heard['transcript']!r}")
-    _, js = chat.write_outputs(result, tmp_path / "out")
+    _, js = write_outputs(result, tmp_path / "out")
     assert json.loads(js.read_text())["input_transcripts"] == [heard]
 
 
 def test_an_utterance_without_text_or_audio_is_refused_by_name(model, tok, media):
     video = media / "diatest1utt2_7.mp4"
-    with pytest.raises(chat.ChatInputError, match=r"^the latest utterance \(--text/--audio/--video\) has no "
+    with pytest.raises(ChatInputError, match=r"^the latest utterance \(--text/--audio/--video\) has no "
                        r"text and no audio to transcribe"):
         chat.respond(model, tok, text="  ", video=video, encoder="lite", max_new_tokens=2)
     silent = [_history(media)[0], {"role": "listener", "utterance": "", "video": str(video)}]
-    with pytest.raises(chat.ChatInputError, match=r"^history: entry 1 has no text and no audio"):
+    with pytest.raises(ChatInputError, match=r"^history: entry 1 has no text and no audio"):
         chat.respond(model, tok, text="hello", history=silent, encoder="lite", max_new_tokens=2)
 
 
 def test_encoder_from_manifest_rebuilds_the_shards_encoder(shards):
-    enc = chat.encoder_from_manifest(shards)
+    enc = encoder_from_manifest(shards)
     manifest = json.loads((shards / "manifest.json").read_text())
     assert enc.name == "lite" and enc.config() == manifest["encoder"]["config"]
     feats = manifest["features"]
     assert (enc.audio_dim, enc.video_dim) == (feats["audio_dim"], feats["video_dim"])
     entry = {"name": "lite", "config": dict(manifest["encoder"]["config"], n_mels=20, audio_dim=56)}
-    assert chat.encoder_from_manifest(entry).audio_dim == 56  # constructor arguments come from the config
+    assert encoder_from_manifest(entry).audio_dim == 56  # constructor arguments come from the config
     tampered = {"name": "lite", "config": dict(manifest["encoder"]["config"], version=99)}
     with pytest.raises(ValueError, match="differs .* in \\['version'\\]"):
-        chat.encoder_from_manifest(tampered)
+        encoder_from_manifest(tampered)
 
 
 def test_unit_aligned_video_block_runs_after_the_reply_is_timed_by_its_speech(tmp_path_factory, shards,

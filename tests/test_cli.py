@@ -135,12 +135,14 @@ def chat_inputs(media, tmp_path_factory) -> dict:
 REFERENCE = """
 import json, sys
 import numpy as np
-from empatheia_jax.data import input_pipeline as ip
+from empatheia_jax.data.shard_reader import ShardReader
 from empatheia_jax.eval import baselines, evaluate, report
 from empatheia_jax.eval import speech as speech_eval
 from empatheia_jax.eval import video as video_eval
 from empatheia_jax.serve import chat
+from empatheia_jax.serve.history import load_history
 from empatheia_jax.serve.load import load_trained
+from empatheia_jax.serve.prompt import encoder_from_manifest
 
 workdir, shards, out, inputs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 ed_shards = sys.argv[5]
@@ -161,7 +163,7 @@ columns["baseline"] = baselines.baselines(shards, "test", train_split=config.dat
                                           max_video_len=model.config.max_video_len)
 split_records = {}
 for part in (config.data.train_split, "test"):
-    reader = ip.ShardReader.for_split(shards, part)
+    reader = ShardReader.for_split(shards, part)
     split_records[part] = [reader[i] for i in range(len(reader))]
 train_part = config.data.train_split
 columns["bag_of_words"] = baselines.bag_of_words(split_records[train_part], split_records["test"])
@@ -173,9 +175,9 @@ overrides = {"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max
 ed = evaluate.evaluate(model, tokenizer, ed_shards, "test", batch_size=4, max_len=int(config.data.max_len),
                        max_new_tokens=4, pipeline_overrides=overrides, progress=False, template="coe")
 n = inputs["max_new_tokens"]
-encoder = chat.encoder_from_manifest(meta["encoder"])
+encoder = encoder_from_manifest(meta["encoder"])
 r = chat.respond(model, tokenizer, text=inputs["text"], audio=inputs["audio"], video=inputs["video"],
-                 history=chat.load_history(inputs["history"]), encoder=encoder, max_new_tokens=n,
+                 history=load_history(inputs["history"]), encoder=encoder, max_new_tokens=n,
                  max_len=int(config.data.max_len) + n + 2 * model.config.n_signal + 2)
 np.savez(out + ".npz", input_ids=r.input_ids, emotion_probs=r.emotion_probs, **r.features)
 c = chat.respond(model, tokenizer, text=inputs["text"], encoder=encoder, max_new_tokens=12,
@@ -236,7 +238,7 @@ def _tensorboard_scalars(folder: Path) -> dict[tuple[int, str], float]:
 
 def test_train_logs_its_metrics_to_tensorboard_as_to_metrics_jsonl(trained):
     """TensorBoard's event files hold every scalar metrics.jsonl logs, at the same steps (tensorboardX is
-    imported with torch hidden from it: `trainer._summary_writer_class`)."""
+    imported with torch hidden from it: `metrics._summary_writer_class`)."""
     workdir, _ = trained
     logged = {}
     for line in (workdir / "metrics.jsonl").read_text().splitlines():
@@ -561,7 +563,7 @@ def test_chat_audio_only_turn_is_transcribed(trained, chat_inputs, cli_env, tmp_
     first and recorded in OUT.json; neither --text nor --audio is a usage error."""
     import soundfile as sf
 
-    from empatheia_jax.data import asr
+    from empatheia_jax.data.encoders import asr
     from empatheia_jax.generators.kokoro import SAMPLE_RATE
     from empatheia_jax.generators.kokoro_voices import gold_speech
 
@@ -603,7 +605,7 @@ def test_chat_avatar_speaks_and_renders_the_reply_from_its_features(trained, cha
     np.testing.assert_array_equal(wav, to_pcm16(registry.get("kokoro").speak(content, style, rows)))
     assert np.abs(wav).max() > 300  # not silence
     # Whisper tiny.en's transcript of that wav, its confidence and its WER against the reply, in OUT.json
-    from empatheia_jax.data import asr
+    from empatheia_jax.data.encoders import asr
 
     heard = asr.shared().transcribe(wav, sr)
     assert js["speech_transcript"] == heard.text

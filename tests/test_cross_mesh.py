@@ -18,7 +18,7 @@ from the saved layout). These tests pin that down through the trainer's own code
   `saved_state` + the optimizer state) on a one-device mesh of the LAST device (not the default one);
 - `serve.load.load_trained`, what `empatheia eval` and `chat` load through: a host model on one device.
 
-The final eval of both runs is stubbed out (`trainer.evaluate_loss`): its compiles would double the test's
+The final eval of both runs is stubbed out (`step.evaluate_loss`): its compiles would double the test's
 time, and it reads but does not restore the state checked here. The resumed run takes no step on the new
 mesh (step 1 is its last): that would cost another compile, and the state it would start from is what is
 checked here.
@@ -44,7 +44,8 @@ from empatheia_jax.data.shard_format import load_manifest
 from empatheia_jax.serve import load as serve_load
 from empatheia_jax.train import checkpoint as train_checkpoint
 from empatheia_jax.train import config as config_lib
-from empatheia_jax.train import stages, trainer
+from empatheia_jax.train import init, stages, trainer
+from empatheia_jax.train import step as step_lib
 from empatheia_jax.train.checkpoint import TrainCheckpointer
 
 require(len(jax.devices()) == 8, f"needs the 8 fake CPU devices tests/conftest.py sets up, found "
@@ -111,7 +112,7 @@ def saved_run(tok, shards, tmp_path_factory) -> tuple[Path, dict[str, Any]]:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(TrainCheckpointer, "save", save)
-        mp.setattr(trainer, "evaluate_loss", lambda *a, **k: {})
+        mp.setattr(step_lib, "evaluate_loss", lambda *a, **k: {})
         result = trainer.train(tiny_config(tok, shards, 8, 1, 1), workdir)
     assert result.status == "completed" and sorted(saves) == [1]
     saved = saves[1]
@@ -138,7 +139,7 @@ def test_resume_on_fsdp4_x_tensor2_restores_every_leaf_on_the_new_mesh(saved_run
         return r
 
     def split_for_step(model, optimizer, stage):  # called once, after the restore, before any step
-        params = trainer.saved_state(model, include_backbone=True)
+        params = init.saved_state(model, include_backbone=True)
         seen["params"], seen["opt_state"] = snapshot(params), snapshot(nnx.state(optimizer))
         seen["rules"] = {"/".join(map(str, p)): s.get_value()
                          for p, s in nnx.to_flat_state(sharding.state_shardings(params, mesh))}
@@ -147,7 +148,7 @@ def test_resume_on_fsdp4_x_tensor2_restores_every_leaf_on_the_new_mesh(saved_run
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(TrainCheckpointer, "restore", restore)
         mp.setattr(stages, "split_for_step", split_for_step)
-        mp.setattr(trainer, "evaluate_loss", lambda *a, **k: {})
+        mp.setattr(step_lib, "evaluate_loss", lambda *a, **k: {})
         result = trainer.train(tiny_config(tok, shards, 1, 4, 2), resumed)
     assert result.status == "completed" and result.step == 1
 
@@ -179,16 +180,16 @@ def test_trainer_restore_onto_one_device(saved_run, tok, shards):
     config = tiny_config(tok, shards, 1, 1, 1)
     device = jax.devices()[-1]
     mesh = sharding.make_mesh(1, 1, 1, devices=[device])
-    model, _ = trainer.build_model(config, load_manifest(config.data.shards), mesh)
-    tx, _ = trainer.make_tx(config, config_lib.stage_schedule(config))
+    model, _ = init.build_model(config, load_manifest(config.data.shards), mesh)
+    tx, _ = init.make_tx(config, config_lib.stage_schedule(config))
     with jax.set_mesh(mesh):
         optimizer = stages.make_optimizer(model, config_lib.resolve_stage(config), tx)
     with TrainCheckpointer(workdir / train_checkpoint.CHECKPOINT_DIR, create=False, async_save=False) as ckpt:
-        restored = ckpt.restore(params=trainer.saved_state(model, True), opt_state=nnx.state(optimizer))
+        restored = ckpt.restore(params=init.saved_state(model, True), opt_state=nnx.state(optimizer))
     nnx.update(model, restored.params)
     nnx.update(optimizer, restored.opt_state)
     assert restored.step == 1 and restored.data_state == saved["data_state"]
-    for item, state in (("params", trainer.saved_state(model, True)), ("opt_state", nnx.state(optimizer))):
+    for item, state in (("params", init.saved_state(model, True)), ("opt_state", nnx.state(optimizer))):
         held = snapshot(state)
         assert_same_bytes(held, saved[item], f"{item} on one device")
         for k, (_, s) in held.items():

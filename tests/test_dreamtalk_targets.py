@@ -635,7 +635,8 @@ def _fake_renderer_checkout(root: Path) -> Path:
 
 def _reply_features(tmp_path: Path, video_targets: str, rows: int = 30
                     ) -> tuple[Path, np.ndarray, np.ndarray]:
-    from empatheia_jax.serve.chat import ChatResult, write_outputs
+    from empatheia_jax.serve.chat import ChatResult
+    from empatheia_jax.serve.outputs import write_outputs
 
     rng = np.random.default_rng(11)
     content = rng.uniform(-1, 1, (rows, 256)).astype(np.float32)

@@ -23,7 +23,8 @@ from test_trainer import tiny_config
 from empatheia_jax import sharding
 from empatheia_jax.serve import load as serve_load
 from empatheia_jax.train import config as config_lib
-from empatheia_jax.train import ema, trainer
+from empatheia_jax.train import ema, init, trainer
+from empatheia_jax.train import step as step_lib
 from empatheia_jax.train.checkpoint import TrainCheckpointer
 
 
@@ -95,9 +96,9 @@ def test_a_run_with_ema_saves_evaluates_loads_and_resumes_the_average(tok, shard
     assert result.status == "completed"
     model, tokenizer, config, meta = serve_load.load_trained(run)
     assert meta["ema"] is True
-    target = trainer.saved_state(model, meta["include_backbone"])
-    untrained = _flat(trainer.saved_state(serve_load.load_trained(run, restore=False)[0],
-                                          meta["include_backbone"]))
+    target = init.saved_state(model, meta["include_backbone"])
+    untrained = _flat(init.saved_state(serve_load.load_trained(run, restore=False)[0],
+                                       meta["include_backbone"]))
     live = [_saved(run, s, "params", target) for s in (1, 2, 3)]
     trained = [k for k in untrained if not np.array_equal(live[-1][k], untrained[k])]
     assert trained  # the LoRA moved
@@ -108,15 +109,15 @@ def test_a_run_with_ema_saves_evaluates_loads_and_resumes_the_average(tok, shard
             np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=f"step {step} {k}")
         assert all(np.array_equal(got[k], live[step - 1][k]) for k in untrained if k not in trained)
     # what eval, chat and export load is the average, not the last iterate
-    loaded = _flat(trainer.saved_state(model, meta["include_backbone"]))
+    loaded = _flat(init.saved_state(model, meta["include_backbone"]))
     ema3 = _saved(run, 3, "ema", target)
     assert all(np.array_equal(loaded[k], ema3[k]) for k in trained)
     assert any(not np.array_equal(loaded[k], live[-1][k]) for k in trained)
     # the run's own final evaluation was of the average: the loaded model scores the same
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     sharding.shard_model(model, mesh)
-    got = trainer.evaluate_loss(config, config_lib.resolve_stage(config), model, tokenizer, mesh,
-                                max_batches=config.train.eval_batches)
+    got = step_lib.evaluate_loss(config, config_lib.resolve_stage(config), model, tokenizer, mesh,
+                                 max_batches=config.train.eval_batches)
     assert {f"eval/{k}": v for k, v in got.items()} == pytest.approx(result.eval_metrics, rel=1e-6)
     # killed after step 2 (its step-3 checkpoint never written), resumed: the same average, bit for bit
     resumed = tmp_path / "resumed"
@@ -129,6 +130,6 @@ def test_a_run_with_ema_saves_evaluates_loads_and_resumes_the_average(tok, shard
     # the next stage starts from the average: ccl trains only the CS, so its adapters are the coe EMA's
     ccl = tmp_path / "ccl"
     trainer.train(tiny_config(tok, shards, stage="ccl", init_from=str(run), **{"schedule.ccl.steps": 2}), ccl)
-    chained = _flat(trainer.saved_state(serve_load.load_trained(ccl)[0], meta["include_backbone"]))
+    chained = _flat(init.saved_state(serve_load.load_trained(ccl)[0], meta["include_backbone"]))
     lora = [k for k in trained if "lora" in k]
     assert lora and all(np.array_equal(chained[k], ema3[k]) for k in lora)

@@ -22,7 +22,9 @@ from empatheia_jax import sharding
 from empatheia_jax.data.templates import added_tokens, extend_tokenizer
 from empatheia_jax.models import empatheia as emp_mod
 from empatheia_jax.models import trainable
-from empatheia_jax.models.empatheia import SD_VAES, Empatheia, EmpatheiaConfig, copy_backbone, run_vaes
+from empatheia_jax.models.empatheia import Empatheia, copy_backbone
+from empatheia_jax.models.empatheia_config import CS_VAES, SD_VAES, EmpatheiaConfig
+from empatheia_jax.models.heads import run_vaes
 from empatheia_jax.models.llama import Llama, LlamaConfig, base_shapes_only, is_shape_only
 from empatheia_jax.models.lora import LoraConfig, apply_lora, set_lora_b
 from empatheia_jax.models.vae import TransformerVAE
@@ -672,16 +674,16 @@ def test_kl_cs_and_kl_sd_match_numpy_with_their_masks():
     assert has["speech"].tolist() == [True, True, True, False] and has["video"].tolist() == [True, False,
                                                                                                 True, False]
     want_sd = 0.0
-    for name in emp_mod.SD_VAES:
+    for name in SD_VAES:
         mu, logvar = vae[name]
         valid = np.broadcast_to(has["speech" if "speech" in name else "video"][:, None], mu.shape[:2])
         want_sd += _np_block_kl(mu, logvar, valid)
     np.testing.assert_allclose(float(m["kl_cs"]), want_cs, rtol=1e-5)
     np.testing.assert_allclose(float(m["kl_sd"]), want_sd, rtol=1e-5)
     # The masks matter at this batch: every query/example counted would give other values.
-    every = sum(_np_block_kl(*vae[n], np.ones(vae[n][0].shape[:2], bool)) for n in emp_mod.CS_VAES)
+    every = sum(_np_block_kl(*vae[n], np.ones(vae[n][0].shape[:2], bool)) for n in CS_VAES)
     assert abs(every - want_cs) > 1e-3 * want_cs
-    every = sum(_np_block_kl(*vae[n], np.ones(vae[n][0].shape[:2], bool)) for n in emp_mod.SD_VAES)
+    every = sum(_np_block_kl(*vae[n], np.ones(vae[n][0].shape[:2], bool)) for n in SD_VAES)
     assert abs(every - want_sd) > 1e-3 * want_sd
     # Each stage's KL is the KL of the groups it trains.
     for stage, want in (("ccl", want_cs), ("sac", want_sd), ("overall", want_cs + want_sd)):

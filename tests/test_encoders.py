@@ -7,17 +7,9 @@ import pytest
 import soundfile as sf
 from helpers import require
 
-from empatheia_jax.data.encoders import (
-    AUDIO_SCALAR_NAMES,
-    VIDEO_SCALAR_NAMES,
-    LiteEncoder,
-    available_encoders,
-    frame_signal,
-    get_encoder,
-    mel_filterbank,
-    stft_power,
-    yin,
-)
+from empatheia_jax.data.encoders import available_encoders, get_encoder
+from empatheia_jax.data.encoders.dsp import frame_signal, mel_filterbank, stft_power, yin
+from empatheia_jax.data.encoders.lite import AUDIO_SCALAR_NAMES, VIDEO_SCALAR_NAMES, LiteEncoder
 
 SR = 16000
 
@@ -139,7 +131,7 @@ def test_lite_video_carries_mouth_motion_and_colour(media, tmp_path):
 
 # ----------------------------------------------------------------------------------------------
 # the numpy DSP against librosa (the lite encoder and the stand-in targets use these, not librosa: see
-# the comment above `encoders._hz_to_mel`; these tests are what makes them librosa's definitions)
+# the docstring of `encoders.dsp`; these tests are what makes them librosa's definitions)
 
 
 @pytest.fixture(scope="module")

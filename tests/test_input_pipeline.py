@@ -16,7 +16,11 @@ from helpers import saved_smollm2_tokenizer
 from empatheia_jax.assets import sha256_file
 from empatheia_jax.data import input_pipeline as ip
 from empatheia_jax.data import shard_format
+from empatheia_jax.data.batching import collate, make_global_batch
+from empatheia_jax.data.examples import ExampleBuilder, ExampleTooLongError, PipelineCounters, build_example
+from empatheia_jax.data.pipeline_config import PipelineConfig
 from empatheia_jax.data.shard_format import ShardRecordError
+from empatheia_jax.data.shard_reader import ShardReader
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D_A, D_V = 8, 6
@@ -246,19 +250,19 @@ def test_stage4_batch_text_masks_and_features_exact(paper_shards, tok):
 
 
 def test_stage3_and_ablation_targets(tok):
-    ex = ip.build_example(make_record(0), "sac", tok)
+    ex = build_example(make_record(0), "sac", tok)
     assert tok.decode(ex["target_ids"][ex["loss_mask"] == 1]) == SIGNALS + "<|im_end|>"
     assert ex["response_mask"].sum() == 0 and len(ex["aud_feats"]) == 3
-    cfg = ip.PipelineConfig(use_coe=False)
-    ex = ip.build_example(make_record(0), "overall", tok, cfg)
+    cfg = PipelineConfig(use_coe=False)
+    ex = build_example(make_record(0), "overall", tok, cfg)
     assert tok.decode(ex["target_ids"][ex["loss_mask"] == 1]) == RESP + "\n" + SIGNALS + "<|im_end|>"
-    cfg = ip.PipelineConfig(pipeline_baseline=True)
-    ex = ip.build_example(make_record(0), "overall", tok, cfg)
+    cfg = PipelineConfig(pipeline_baseline=True)
+    ex = build_example(make_record(0), "overall", tok, cfg)
     assert tok.decode(ex["target_ids"][ex["loss_mask"] == 1]) == (
         f"Emotion: content\nProfile: elderly, female, low\nResponse: {RESP}<|im_end|>"
     )
     assert len(ex["aud_feats"]) == 0 and "<Aud>" not in tok.decode(ex["input_ids"])
-    prompt = ip.build_example(make_record(0), "overall", tok, ip.PipelineConfig(include_target=False))
+    prompt = build_example(make_record(0), "overall", tok, PipelineConfig(include_target=False))
     assert tok.decode(prompt["input_ids"]).endswith(CHAT_SUFFIX) and prompt["loss_mask"].sum() == 0
 
 
@@ -273,18 +277,18 @@ def test_speech_units_follow_the_reply_and_are_checked_against_its_target(tok):
     rec = make_record(0)
     units = _word_units(rec["response"])
     rec["targets"]["speech_content"] = np.ones((len(units), 1024), np.float32)
-    cfg = ip.PipelineConfig(speech_units=_word_units, max_speech_len=12)
-    ex = ip.build_example(rec, "ccl", tok, cfg)
+    cfg = PipelineConfig(speech_units=_word_units, max_speech_len=12)
+    ex = build_example(rec, "ccl", tok, cfg)
     np.testing.assert_array_equal(ex["speech_units"], units[:12])
-    b = ip.collate([ex, ex], cfg, 3, audio_dim=D_A, video_dim=D_V, pad_id=0)
+    b = collate([ex, ex], cfg, 3, audio_dim=D_A, video_dim=D_V, pad_id=0)
     assert b["speech_units"].shape == (3, 12) and b["speech_units"].dtype == np.int32
     np.testing.assert_array_equal(b["speech_units"][1], units[:12])
     assert not b["speech_units"][2].any()  # a filler row
-    assert "speech_units" not in ip.collate([ip.build_example(rec, "ccl", tok)], ip.PipelineConfig(), 1,
-                                            audio_dim=D_A, video_dim=D_V, pad_id=0)
+    assert "speech_units" not in collate([build_example(rec, "ccl", tok)], PipelineConfig(), 1,
+                                         audio_dim=D_A, video_dim=D_V, pad_id=0)
     rec["targets"]["speech_content"] = np.ones((len(units) + 1, 1024), np.float32)
     with pytest.raises(ValueError, match=f"{len(units)} content units but its speech_content target"):
-        ip.build_example(rec, "ccl", tok, cfg)
+        build_example(rec, "ccl", tok, cfg)
 
 
 def test_video_units_are_the_records_stored_frame_units_and_are_refused_when_they_disagree(tok):
@@ -295,34 +299,34 @@ def test_video_units_are_the_records_stored_frame_units_and_are_refused_when_the
     frames = np.array([0, 0, 12, 12, 44, 7, 7, 7, 0, 0], np.float32)
     rec["targets"]["video_content"] = np.zeros((len(frames), 256), np.float32)
     rec["targets"]["video_units"] = frames[:, None]
-    cfg = ip.PipelineConfig(video_units=True, max_video_len=8)
-    ex = ip.build_example(rec, "ccl", tok, cfg)
+    cfg = PipelineConfig(video_units=True, max_video_len=8)
+    ex = build_example(rec, "ccl", tok, cfg)
     assert ex["video_units"].dtype == np.int32 and ex["video_units"].tolist() == [0, 0, 12, 12, 44, 7, 7, 7]
-    b = ip.collate([ex, ex], cfg, 3, audio_dim=D_A, video_dim=D_V, pad_id=0)
+    b = collate([ex, ex], cfg, 3, audio_dim=D_A, video_dim=D_V, pad_id=0)
     assert b["video_units"].shape == (3, 8) and b["video_units"][1].tolist() == ex["video_units"].tolist()
     assert not b["video_units"][2].any()  # a filler row
-    assert "video_units" not in ip.collate([ip.build_example(rec, "ccl", tok)], ip.PipelineConfig(), 1,
-                                           audio_dim=D_A, video_dim=D_V, pad_id=0)
+    assert "video_units" not in collate([build_example(rec, "ccl", tok)], PipelineConfig(), 1,
+                                        audio_dim=D_A, video_dim=D_V, pad_id=0)
     where = "test-00000-of-00001.array_record record 3"
     short = {**rec, "targets": {**rec["targets"], "video_units": frames[:-1, None]}}
     with pytest.raises(ValueError, match=f"{where}: 9 video_units but 10 video_content rows"):
-        ip.ExampleBuilder(tok, cfg, audio_dim=D_A, video_dim=D_V)(short, where=where)
+        ExampleBuilder(tok, cfg, audio_dim=D_A, video_dim=D_V)(short, where=where)
     none = {**rec, "targets": {k: v for k, v in rec["targets"].items() if k != "video_units"}}
     with pytest.raises(ValueError, match=f"{where}: the video block is unit-aligned"):
-        ip.ExampleBuilder(tok, cfg, audio_dim=D_A, video_dim=D_V)(none, where=where)
+        ExampleBuilder(tok, cfg, audio_dim=D_A, video_dim=D_V)(none, where=where)
     half = {**rec, "targets": {**rec["targets"], "video_units": frames[:, None] + 0.5}}
     with pytest.raises(ValueError, match="whole unit ids"):
-        ip.build_example(half, "ccl", tok, cfg)
+        build_example(half, "ccl", tok, cfg)
     # A record with no video target at all (text-only shards: the reference model's dev re-measure) has no
     # frame to align: its units are empty, as its video_content is.
     text_only = {**rec, "targets": {k: v for k, v in rec["targets"].items()
                                     if k not in ("video_units", "video_content")}}
-    ex = ip.build_example(text_only, "coe", tok, cfg)
+    ex = build_example(text_only, "coe", tok, cfg)
     assert ex["video_units"].shape == (0,) and ex["video_content"].shape[0] == 0
 
 
 def test_k_vectors_per_placeholder(tok):
-    ex = ip.build_example(make_record(2, k=2), "overall", tok)
+    ex = build_example(make_record(2, k=2), "overall", tok)
     text = tok.decode(ex["input_ids"])
     assert "great!<Aud><Aud> <Vid><Vid>." in text
     # rows: utterance-major, then vector index, in placeholder order
@@ -336,10 +340,10 @@ def test_k_vectors_per_placeholder(tok):
 def test_truncation_drops_oldest_utterances_first_and_never_the_target(tok):
     hist = [(("speaker", "listener")[j % 2], f"utterance number {j} " + "blah " * 30) for j in range(8)]
     rec = make_record(5, hist=hist)
-    full = ip.build_example(rec, "overall", tok, ip.PipelineConfig(max_len=2048))
-    cfg = ip.PipelineConfig(max_len=len(full["input_ids"]) - 60)
-    counters = ip.PipelineCounters()
-    ex = ip.build_example(rec, "overall", tok, cfg, counters=counters)
+    full = build_example(rec, "overall", tok, PipelineConfig(max_len=2048))
+    cfg = PipelineConfig(max_len=len(full["input_ids"]) - 60)
+    counters = PipelineCounters()
+    ex = build_example(rec, "overall", tok, cfg, counters=counters)
     text = tok.decode(ex["input_ids"])
     assert len(ex["input_ids"]) <= cfg.max_len
     kept = [j for j in range(8) if f"utterance number {j} " in text]
@@ -353,24 +357,24 @@ def test_truncation_drops_oldest_utterances_first_and_never_the_target(tok):
 
     # only one utterance left and still too long: its text is cut from the left
     rec = make_record(6, hist=[("speaker", "first words " + "very long " * 200 + "last words")])
-    counters = ip.PipelineCounters()
-    ex = ip.build_example(rec, "overall", tok, ip.PipelineConfig(max_len=400), counters=counters)
+    counters = PipelineCounters()
+    ex = build_example(rec, "overall", tok, PipelineConfig(max_len=400), counters=counters)
     text = tok.decode(ex["input_ids"])
     assert len(ex["input_ids"]) <= 400 and "last words<Aud> <Vid>." in text and "first words" not in text
     assert counters["text_truncated"] == 1 and counters["truncated_examples"] == 1
     assert tok.decode(ex["target_ids"][ex["loss_mask"] == 1]).startswith("Firstly, the event scenario")
 
     # the target alone does not fit: refused and counted
-    counters = ip.PipelineCounters()
-    with pytest.raises(ip.ExampleTooLongError):
-        ip.build_example(make_record(7), "overall", tok, ip.PipelineConfig(max_len=120), counters=counters)
+    counters = PipelineCounters()
+    with pytest.raises(ExampleTooLongError):
+        build_example(make_record(7), "overall", tok, PipelineConfig(max_len=120), counters=counters)
     assert counters["skipped_target_too_long"] == 1
 
 
 def test_placeholder_budget_drops_oldest(tok):
-    counters = ip.PipelineCounters()
-    ex = ip.build_example(
-        make_record(3), "sac", tok, ip.PipelineConfig(max_aud=2, max_vid=2), counters=counters
+    counters = PipelineCounters()
+    ex = build_example(
+        make_record(3), "sac", tok, PipelineConfig(max_aud=2, max_vid=2), counters=counters
     )
     assert tok.decode(ex["input_ids"]).count("<Aud>") == 2 and counters["dropped_utterances"] == 1
     np.testing.assert_array_equal(ex["aud_feats"][:, 0], [3010, 3020])
@@ -558,7 +562,7 @@ def test_make_global_batch_shards_the_batch_axis(paper_shards, tok):
         ip.make_dataset(paper_shards, "train", "sac", tok, batch_size=2, process_index=0, process_count=1)
     )
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-    g = ip.make_global_batch(b, NamedSharding(mesh, PartitionSpec("data")))
+    g = make_global_batch(b, NamedSharding(mesh, PartitionSpec("data")))
     assert g["aud_feats"].shape == b["aud_feats"].shape
     assert g["aud_feats"].sharding.spec == PartitionSpec("data", None, None)
     np.testing.assert_array_equal(np.asarray(g["input_ids"]), b["input_ids"])
@@ -575,7 +579,7 @@ def test_exported_frame_units_survive_into_the_batch(tmp_path, tok):
     shards = make_tiny_shards(tmp_path, counts=(("train", 2), ("test", 2)), real_targets=True,
                               mouth="replies")
     reader = TargetReader(tmp_path / "raw" / "targets")
-    records = ip.ShardReader.for_split(shards, "test")
+    records = ShardReader.for_split(shards, "test")
     pipe = ip.make_dataset(shards, "test", "ccl", tok, batch_size=4, max_len=512, shuffle=False, num_epochs=1,
                            drop_remainder=False, window_batches=1, process_index=0, process_count=1,
                            video_units=True, max_video_len=400)

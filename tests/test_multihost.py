@@ -3,7 +3,7 @@
 
 Three runs of the `tiny` config (stage coe, 6 steps, global batch 2 = 1 per process, mesh data=1 x fsdp=2),
 each a `python driver.py` that runs the real CLI (`empatheia_jax.cli.main`). The model is built and placed by
-the real `trainer.build_model(config, manifest, mesh)`: across the two processes `sharding.shard_model` cuts
+the real `init.build_model(config, manifest, mesh)`: across the two processes `sharding.shard_model` cuts
 each process's shards of the fsdp-split parameters from its host copy, so no process holds those whole. The
 driver only observes: a few trainer functions are wrapped to record this process's shards of the parameters
 (at the start and after every step), each step's record indices, the metrics, the batch lengths:
@@ -62,8 +62,10 @@ import jax
 from flax import nnx
 
 from empatheia_jax import cli
-from empatheia_jax.train import stages, trainer
-from empatheia_jax.data.input_pipeline import TOKEN_KEYS, make_dataset
+from empatheia_jax.train import distributed, pipelines, stages, trainer
+from empatheia_jax.train import step as step_lib
+from empatheia_jax.data.batching import TOKEN_KEYS
+from empatheia_jax.data.input_pipeline import make_dataset
 
 rec = {"model": None, "init": {}, "shardings": {}, "records": [], "metrics": [], "steps": {}, "lengths": [],
        "global_shapes": []}
@@ -88,7 +90,7 @@ def local_copy(state):
 _split_for_step = stages.split_for_step
 
 
-def split_for_step(model, optimizer, stage):  # an observer: the model trainer.build_model really built
+def split_for_step(model, optimizer, stage):  # an observer: the model init.build_model really built
     rec["model"] = model
     rec["init"] = local_copy(nnx.state(model, nnx.Param))
     rec["shardings"] = {"/".join(map(str, p)): str(v.get_value().sharding.spec)
@@ -96,7 +98,7 @@ def split_for_step(model, optimizer, stage):  # an observer: the model trainer.b
     return _split_for_step(model, optimizer, stage)
 
 
-_step_batch = trainer.step_batch
+_step_batch = pipelines.step_batch
 
 
 def step_batch(batch, mesh, grad_accum):
@@ -104,7 +106,7 @@ def step_batch(batch, mesh, grad_accum):
     return _step_batch(batch, mesh, grad_accum)
 
 
-_agree = trainer.agree_on_length
+_agree = distributed.agree_on_length
 
 
 def agree_on_length(batch, pad_id):  # every train and eval batch: (its own length, the agreed one)
@@ -113,7 +115,7 @@ def agree_on_length(batch, pad_id):  # every train and eval batch: (its own leng
     return out
 
 
-_make_global_batch = trainer.make_global_batch
+_make_global_batch = pipelines.make_global_batch
 
 
 def make_global_batch(batch, sharding, **kwargs):
@@ -122,7 +124,7 @@ def make_global_batch(batch, sharding, **kwargs):
     return out
 
 
-_jit_step = trainer.jit_step
+_jit_step = step_lib.jit_step
 
 
 def jit_step(*args, **kwargs):
@@ -156,7 +158,7 @@ class BothSlices:
             make_dataset(config.data.shards, config.data.train_split, stage.template_stage, tok,
                          batch_size=config.train.batch_size // 2, seed=config.seed, shuffle=True,
                          window_batches=int(config.data.window_batches), process_index=p, process_count=2,
-                         **trainer.pipeline_fields(config, stage, model))
+                         **pipelines.pipeline_fields(config, stage, model))
             for p in range(2)
         ]
         self.pad_id = self.pipes[0].pad_id
@@ -197,11 +199,11 @@ def train(config, workdir):
     return result
 
 
-stages.split_for_step, trainer.step_batch = split_for_step, step_batch
-trainer.jit_step, trainer.train = jit_step, train
-trainer.agree_on_length, trainer.make_global_batch = agree_on_length, make_global_batch
+stages.split_for_step, pipelines.step_batch = split_for_step, step_batch
+step_lib.jit_step, trainer.train = jit_step, train
+distributed.agree_on_length, pipelines.make_global_batch = agree_on_length, make_global_batch
 if mode == "reference":
-    trainer.make_train_pipeline = BothSlices
+    pipelines.make_train_pipeline = BothSlices
 cli.main(["empatheia", "train", *argv])
 '''
 
@@ -471,7 +473,7 @@ def test_two_process_resume_continues_exactly(runs):
     )
     # The eval split (3 records) is read per process too, one example per batch: process 1's second batch
     # is a filler row in the 128 bucket while process 0's is 256 long. They agree on the length
-    # (`trainer.agree_on_length`), so every global array, train or eval, has one shape on both processes
+    # (`distributed.agree_on_length`), so every global array, train or eval, has one shape on both processes
     # (one program), and the split's exact mean is still the one-process value.
     assert [128, 256] in i1["lengths"] and [128, 256] not in i0["lengths"]
     for a, b in ((f0, f1), (i0, i1)):

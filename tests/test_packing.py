@@ -1,4 +1,4 @@
-"""Sequence packing of the text stages (`data.pack_len`, `input_pipeline.pack_text_batch`, segment-aware
+"""Sequence packing of the text stages (`data.pack_len`, `batching.pack_text_batch`, segment-aware
 attention in `Llama.decode`): a packed batch's loss and gradients equal the unpacked batch's, i.e. the sum
 over its turns; a mask that lets a turn see the one before it in the row breaks that equality."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from empatheia_jax.data.input_pipeline import PACKED_KEYS, pack_text_batch
+from empatheia_jax.data.batching import PACKED_KEYS, pack_text_batch
 from empatheia_jax.models import trainable
 from empatheia_jax.models.empatheia import Empatheia
 from empatheia_jax.models.lora import set_lora_b

@@ -23,7 +23,8 @@ from empatheia_jax.models.empatheia import Empatheia
 from empatheia_jax.models.llama import init_added_rows
 from empatheia_jax.models.lora import set_lora_b
 from empatheia_jax.models.trainable import trainable_filter
-from empatheia_jax.train import losses, objective, stages, trainer
+from empatheia_jax.train import losses, objective, stages
+from empatheia_jax.train import step as step_lib
 from empatheia_jax.train.stages import (
     PIPELINE_BASELINE,
     STAGE_ORDER,
@@ -190,9 +191,9 @@ def build(stage: Stage, seed: int = 0) -> Empatheia:
 
 @functools.cache
 def compiled_step(name: str):
-    """The trainer's jitted step (`trainer.make_step`) on one micro-batch: (graphs, params, frozen, opt_state,
+    """The trainer's jitted step (`step.make_step`) on one micro-batch: (graphs, params, frozen, opt_state,
     batch, key) -> (params, opt_state, metrics)."""
-    step = jax.jit(trainer.make_step(stages.get_stage(name), losses.LossWeights()), static_argnums=0,
+    step = jax.jit(step_lib.make_step(stages.get_stage(name), losses.LossWeights()), static_argnums=0,
                    compiler_options=FAST)
     return lambda graphs, params, frozen, opt_state, batch, key: step(
         graphs, params, frozen, opt_state, {k: v[None] for k, v in batch.items()}, key)

@@ -11,7 +11,8 @@ from empatheia_jax.generators.base import GeneratorError
 from empatheia_jax.generators.kokoro_voices import to_pcm16, voice
 from empatheia_jax.generators.speech_synth import read_wav
 from empatheia_jax.serve.avatar import render_avatar, synthesize_reply
-from empatheia_jax.serve.chat import ChatResult, write_outputs
+from empatheia_jax.serve.chat import ChatResult
+from empatheia_jax.serve.outputs import write_outputs
 
 REPLY = "That sounds really hard. I am here for you."
 MS_PER_PHONEME = 65  # Kokoro at speed 1 on English: 62-68 ms per phoneme row, pauses included (measured)

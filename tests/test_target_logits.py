@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 from empatheia_jax.models import trainable
-from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
+from empatheia_jax.models.empatheia import Empatheia
+from empatheia_jax.models.empatheia_config import EmpatheiaConfig
 from empatheia_jax.models.llama import gather_target_nll
 from empatheia_jax.models.lora import set_lora_b
 from empatheia_jax.train import objective, stages

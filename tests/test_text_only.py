@@ -205,7 +205,7 @@ def model(tok):
 
 
 def test_eval_stage_follows_the_template(model):
-    from empatheia_jax.models.empatheia import EmpatheiaConfig
+    from empatheia_jax.models.empatheia_config import EmpatheiaConfig
     from empatheia_jax.train import stages
 
     cfg = model.config
@@ -221,9 +221,9 @@ def test_eval_stage_follows_the_template(model):
         stages.eval_stage(no_media, "sac")
     with pytest.raises(stages.TemplateError, match="unknown evaluation template 'stage5'"):
         stages.eval_stage(cfg, "stage5")
-    from empatheia_jax import cli
+    from empatheia_jax.eval import run as eval_run
 
-    assert cli.TEMPLATE_NAMES == stages.TEMPLATES
+    assert eval_run.TEMPLATE_NAMES == stages.TEMPLATES
 
 
 def test_coe_template_on_text_only_shards_equals_the_media_shards(model, tok, optional_raw, tmp_path):

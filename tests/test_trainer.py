@@ -45,7 +45,8 @@ from empatheia_jax.data import target_stats
 from empatheia_jax.models.vae import split_keys
 from empatheia_jax.serve import load as serve_load
 from empatheia_jax.train import config as config_lib
-from empatheia_jax.train import losses, objective, stages, trainer
+from empatheia_jax.train import init, losses, objective, pipelines, sd_warmup, stages, trainer
+from empatheia_jax.train import step as step_lib
 from empatheia_jax.train.objective import sd_head_loss
 from empatheia_jax.train.sd_warmup import collect_sd_inputs, sd_inputs_calibrated
 
@@ -120,13 +121,13 @@ def test_balanced_ccl_scale_weighs_content_dims_by_the_train_targets_spread(tok,
     """loss.ccl_scale="balanced": each content kind's weights are balanced_dim_weights of its train rows'
     variance (every row of the split here; evenly spaced records when it has more than max_records), and
     "none" leaves eq 9 as it is."""
-    weights = trainer.loss_weights(tiny_config(tok, shards, **{"loss.ccl_scale": "balanced"}))
+    weights = step_lib.loss_weights(tiny_config(tok, shards, **{"loss.ccl_scale": "balanced"}))
     recs = read_shard_split(shards, "train")
     for kind in ("speech_content", "video_content"):
         rows = np.concatenate([r["targets"][kind] for r in recs])
         want = losses.balanced_dim_weights(rows.astype(np.float64).var(0))
         np.testing.assert_allclose(weights.dim_weight(kind), want, rtol=1e-5)
-    assert trainer.loss_weights(tiny_config(tok, shards)).ccl_dims == ()
+    assert step_lib.loss_weights(tiny_config(tok, shards)).ccl_dims == ()
     picks = np.unique(np.linspace(0, len(recs) - 1, 3).round().astype(int))
     rows = np.concatenate([recs[i]["targets"]["speech_content"] for i in picks]).astype(np.float64)
     np.testing.assert_allclose(target_stats.row_variance(shards, "train", "speech_content", max_records=3),
@@ -172,7 +173,7 @@ def test_every_shipped_config_resolves():
     with pytest.raises(ValueError, match="no_everything"):
         base.get_config("no_everything")
     # the reference's sample stages build the CS its ED stages trained (init_from keeps every CS weight)
-    design = [f for f in trainer.CS_DESIGN_FIELDS if f in smollm2_ed_avatar.get_config().model.empatheia]
+    design = [f for f in init.CS_DESIGN_FIELDS if f in smollm2_ed_avatar.get_config().model.empatheia]
     ed = smollm2_ed_avatar.get_config().model.empatheia
     sample = smollm2_ed_sample.get_config().model.empatheia
     assert design and {f: sample[f] for f in design} == {f: ed[f] for f in design}
@@ -188,9 +189,9 @@ def test_every_shipped_config_resolves():
 def built(tok, shards):
     """The tiny model (stage overall: every head, VAE sampling on) and one host batch of 8 examples."""
     cfg = tiny_config(tok, shards, stage="overall", **{"train.batch_size": 8})
-    model, tokenizer = trainer.build_model(cfg, json.loads((Path(shards) / "manifest.json").read_text()))
+    model, tokenizer = init.build_model(cfg, json.loads((Path(shards) / "manifest.json").read_text()))
     stage = config_lib.resolve_stage(cfg)
-    batch = next(iter(trainer.make_train_pipeline(cfg, stage, model, tokenizer)))
+    batch = next(iter(pipelines.make_train_pipeline(cfg, stage, model, tokenizer)))
     return cfg, stage, model, batch
 
 
@@ -202,8 +203,8 @@ def _one_step(built, mesh, host_batch, grad_accum, tx):
     with jax.set_mesh(mesh):
         opt = stages.make_optimizer(model, stage, tx)
     graphs, params, frozen, opt_state = stages.split_for_step(model, opt, stage)
-    step = trainer.jit_step(stage, losses.LossWeights(), params, opt_state, compiler_options=FAST)
-    batch = trainer.step_batch(host_batch, mesh, grad_accum)
+    step = step_lib.jit_step(stage, losses.LossWeights(), params, opt_state, compiler_options=FAST)
+    batch = pipelines.step_batch(host_batch, mesh, grad_accum)
     before = {tuple(map(str, p)): np.array(v.get_value(), copy=True) for p, v in nnx.to_flat_state(params)}
     new, _, metrics = step(graphs, params, frozen, opt_state, batch, jax.random.key(7))
     delta = {
@@ -252,8 +253,8 @@ def test_model_built_in_its_shards_equals_the_host_build(tok, shards):
     cfg.model.llm = ml_collections.ConfigDict({"dtype": "float32", "remat": "none"})  # the converted shapes
     manifest = json.loads((Path(shards) / "manifest.json").read_text())
     mesh = sharding.make_mesh(1, 4, 2)
-    host, _ = trainer.build_model(cfg, manifest)
-    sharded, _ = trainer.build_model(cfg, manifest, mesh)
+    host, _ = init.build_model(cfg, manifest)
+    sharded, _ = init.build_model(cfg, manifest, mesh)
     _assert_built_in_shards(host, sharded, mesh)
     assert any(len(v.get_value().sharding.device_set) == 8 and not v.get_value().sharding.is_fully_replicated
                for _, v in nnx.to_flat_state(nnx.state(sharded, nnx.Param)))
@@ -273,16 +274,17 @@ def test_sd_input_calibration_standardises_the_signal_states(tok, shards):
     of the signal states of the first train batches under the stage's template (numpy reference). A later
     stage that trains the SD (overall) re-estimates them on its own template (AdaBN)."""
     cfg = tiny_config(tok, shards, stage="sac", **{"train.calibration_batches": 2})
-    model, tokenizer = trainer.build_model(cfg, json.loads((Path(shards) / "manifest.json").read_text()))
+    model, tokenizer = init.build_model(cfg, json.loads((Path(shards) / "manifest.json").read_text()))
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     assert not sd_inputs_calibrated(model)
     for stage_name in ("sac", "overall"):
         cfg.stage = stage_name
         stage = config_lib.resolve_stage(cfg)
-        batches = list(trainer.eval_batches(cfg, stage, model, tokenizer, mesh, split="train", max_batches=2))
+        batches = list(pipelines.eval_batches(cfg, stage, model, tokenizer, mesh, split="train",
+                                              max_batches=2))
         with jax.default_matmul_precision("highest"):
             states = [model(b, train=False, heads=frozenset()) for b in batches]
-            assert trainer.prepare_sd(cfg, stage, model, tokenizer, mesh, config_lib.stage_schedule(cfg))
+            assert sd_warmup.prepare_sd(cfg, stage, model, tokenizer, mesh, config_lib.stage_schedule(cfg))
         assert sd_inputs_calibrated(model)
         for key, norm in (("r_s", model.style_dis.speech_in), ("r_v", model.style_dis.video_in)):
             r, m, mean, std = _numpy_standardisation(states, key)
@@ -310,15 +312,15 @@ def test_sd_warmup_trains_only_the_sd_on_its_stage_loss(tok, shards):
     manifest = json.loads((Path(shards) / "manifest.json").read_text())
     stage, schedule = config_lib.resolve_stage(cfg), config_lib.stage_schedule(cfg)
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    model, tokenizer = trainer.build_model(cfg, manifest)
-    batches = list(trainer.eval_batches(cfg, stage, model, tokenizer, mesh, split="train", max_batches=3))
-    trainer.prepare_sd(cfg, stage, model, tokenizer, mesh, dataclasses.replace(schedule, sd_warmup_steps=0))
+    model, tokenizer = init.build_model(cfg, manifest)
+    batches = list(pipelines.eval_batches(cfg, stage, model, tokenizer, mesh, split="train", max_batches=3))
+    sd_warmup.prepare_sd(cfg, stage, model, tokenizer, mesh, dataclasses.replace(schedule, sd_warmup_steps=0))
     inputs = collect_sd_inputs(model, batches)
-    weights = trainer.loss_weights(cfg)
+    weights = step_lib.loss_weights(cfg)
 
     # The warm-up objective is the model's own SD terms: same examples, same latent noise.
     b = batches[0]
-    keys = trainer.example_keys(jax.random.key(3), (b["input_ids"].shape[0],))
+    keys = step_lib.example_keys(jax.random.key(3), (b["input_ids"].shape[0],))
     with jax.default_matmul_precision("highest"):
         outputs = model(b, train=True, rng=keys, heads=stage.heads)
         _, full = objective.stage_loss(model, b, outputs, stage, weights)
@@ -331,24 +333,25 @@ def test_sd_warmup_trains_only_the_sd_on_its_stage_loss(tok, shards):
     def head_loss(m):  # deterministic: fixed keys over the whole cache
         n = inputs["r_s"].shape[0]
         return float(sd_head_loss(m.style_dis, inputs, stage, weights,
-                                  rng=trainer.example_keys(jax.random.key(0), (n,)))[0])
+                                  rng=step_lib.example_keys(jax.random.key(0), (n,)))[0])
 
     before = {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     loss_before = head_loss(model)
-    assert trainer.warmup_sd(cfg, stage, model, inputs, schedule, mesh)
+    assert sd_warmup.warmup_sd(cfg, stage, model, inputs, schedule, mesh)
     after = {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     moved = {k for k in before if not np.array_equal(before[k], after[k])}
     assert moved and all(k[0] == "style_dis" for k in moved)
     assert len(moved) > len([k for k in before if k[0] == "style_dis"]) // 2
     assert head_loss(model) < 0.8 * loss_before
 
-    again, _ = trainer.build_model(cfg, manifest)
-    trainer.prepare_sd(cfg, stage, again, tokenizer, mesh, schedule)  # calibrate + warm up, from scratch
+    again, _ = init.build_model(cfg, manifest)
+    sd_warmup.prepare_sd(cfg, stage, again, tokenizer, mesh, schedule)  # calibrate + warm up, from scratch
     for k, v in nnx.to_flat_state(nnx.state(again, nnx.Param)):
         np.testing.assert_array_equal(np.asarray(v.get_value()), after[k], err_msg=str(k))
 
-    stopped, _ = trainer.build_model(cfg, manifest)
-    assert not trainer.prepare_sd(cfg, stage, stopped, tokenizer, mesh, schedule, stop_requested=lambda: True)
+    stopped, _ = init.build_model(cfg, manifest)
+    assert not sd_warmup.prepare_sd(cfg, stage, stopped, tokenizer, mesh, schedule,
+                                    stop_requested=lambda: True)
 
 
 def test_grad_accumulation_4x1_equals_1x4(built):
@@ -387,8 +390,8 @@ def test_nonfinite_loss_leaves_the_state_untouched(built):
 
 def test_example_keys_do_not_depend_on_the_micro_batch_split():
     key = jax.random.key(3)
-    a = jax.random.key_data(trainer.example_keys(key, (4, 1))).reshape(4, -1)
-    b = jax.random.key_data(trainer.example_keys(key, (1, 4))).reshape(4, -1)
+    a = jax.random.key_data(step_lib.example_keys(key, (4, 1))).reshape(4, -1)
+    b = jax.random.key_data(step_lib.example_keys(key, (1, 4))).reshape(4, -1)
     np.testing.assert_array_equal(a, b)
     assert len({tuple(r) for r in np.asarray(a)}) == 4
 
@@ -397,11 +400,11 @@ def test_bucket_step_pads_batches_to_its_multiples(built):
     """data.bucket_step: the train pipeline pads each batch to the next multiple of the step (the tiny
     shards' rows need 128 with the default buckets)."""
     cfg, stage, model, _ = built
-    default = next(iter(trainer.make_train_pipeline(cfg, stage, model, cfg.model.tokenizer)))
+    default = next(iter(pipelines.make_train_pipeline(cfg, stage, model, cfg.model.tokenizer)))
     finer = cfg.copy_and_resolve_references()
     finer.data.bucket_step = 16
     assert config_lib.bucket_lengths(finer) == (*range(16, finer.data.max_len, 16), finer.data.max_len)
-    batch = next(iter(trainer.make_train_pipeline(finer, stage, model, cfg.model.tokenizer)))
+    batch = next(iter(pipelines.make_train_pipeline(finer, stage, model, cfg.model.tokenizer)))
     width, longest = batch["input_ids"].shape[1], int(batch["attention_mask"].sum(1).max())
     assert width % 16 == 0 and longest <= width < longest + 16
     assert width < default["input_ids"].shape[1]
@@ -415,8 +418,8 @@ def test_a_step_that_compiles_a_new_batch_length_is_no_throughput_sample(tok, sh
     cfg = tiny_config(tok, shards, **{"schedule.coe.steps": 8, "train.log_every": 1, "data.bucket_step": 8,
                                       "train.eval_every": 8, "checkpoint.every": 8})
     manifest = json.loads((Path(shards) / "manifest.json").read_text())
-    model, tokenizer = trainer.build_model(cfg, manifest)
-    pipe = trainer.make_train_pipeline(cfg, config_lib.resolve_stage(cfg), model, tokenizer)
+    model, tokenizer = init.build_model(cfg, manifest)
+    pipe = pipelines.make_train_pipeline(cfg, config_lib.resolve_stage(cfg), model, tokenizer)
     widths = [b["input_ids"].shape[1] for b in itertools.islice(iter(pipe), 8)]
     new = [w not in widths[:i] for i, w in enumerate(widths)]
     assert any(new[1:]) and not all(new), widths  # a length first seen mid-run, and a repeated one
@@ -431,7 +434,7 @@ def test_a_step_that_compiles_a_new_batch_length_is_no_throughput_sample(tok, sh
 
 def test_schedule_warms_up_then_decays(tok, shards):
     cfg = tiny_config(tok, shards, **{"optim.lr": 1e-3, "optim.warmup_steps": 2, "schedule.coe.steps": 10})
-    _, lr = trainer.make_tx(cfg, config_lib.stage_schedule(cfg))
+    _, lr = init.make_tx(cfg, config_lib.stage_schedule(cfg))
     values = [float(lr(i)) for i in range(11)]
     assert values[0] == 0 and values[2] == pytest.approx(1e-3) and values[10] == pytest.approx(0, abs=1e-9)
     assert values[1] < values[2] and all(x >= y for x, y in zip(values[2:], values[3:], strict=False))
@@ -520,8 +523,9 @@ def test_keep_best_ranks_steps_by_a_metric_the_evaluation_reports(tok, shards, t
 
 
 def test_a_completed_stage_run_again_reports_its_saved_final_evaluation(tok, shards, tmp_path, monkeypatch):
-    """launch/ed_reference.sh runs every stage again when it is re-run: a complete stage must not spend an
-    evaluation of the whole dev part (minutes) on the weights it already evaluated, nor log it twice."""
+    """A re-run of launch/ed_reference.py with --config overrides hands the coe stage to the trainer again: a
+    complete stage must not spend an evaluation of the whole dev part (minutes) on the weights it already
+    evaluated, nor log it twice."""
     cfg = tiny_config(tok, shards, **{"schedule.coe.steps": 2})
     first = trainer.train(cfg, tmp_path)
     logged = (tmp_path / "metrics.jsonl").read_text()
@@ -530,7 +534,7 @@ def test_a_completed_stage_run_again_reports_its_saved_final_evaluation(tok, sha
     def no_evaluation(*args, **kwargs):
         raise AssertionError("a complete stage was evaluated again")
 
-    monkeypatch.setattr(trainer, "evaluate_loss", no_evaluation)
+    monkeypatch.setattr(step_lib, "evaluate_loss", no_evaluation)
     again = trainer.train(cfg, tmp_path)
     assert (again.status, again.step) == ("completed", 2)
     assert again.eval_metrics == pytest.approx(first.eval_metrics)
@@ -741,7 +745,7 @@ def test_bf16_compute_keeps_fp32_masters_and_loss(tok, shards, built):
     """model.llm.dtype=bfloat16: the step computes in bf16 but parameters, optimizer state and the loss stay
     float32, and the loss agrees with the float32 step to bf16 precision."""
     cfg = tiny_config(tok, shards, stage="overall", **{"model.llm.dtype": "bfloat16", "train.batch_size": 8})
-    model, _ = trainer.build_model(cfg, json.loads((Path(shards) / "manifest.json").read_text()))
+    model, _ = init.build_model(cfg, json.loads((Path(shards) / "manifest.json").read_text()))
     assert model.config.llm.dtype == "bfloat16" and model.config.llm.param_dtype == "float32"
     one_device = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     ref_delta, ref = _one_step(built, one_device, built[3], 1, optax.adamw(1e-3))
@@ -773,7 +777,7 @@ def test_remat_and_ce_chunk_give_the_loss_and_gradients_of_none(tok, shards, bui
     _, stage, _, host = built
     manifest = json.loads((Path(shards) / "manifest.json").read_text())
     batch = {k: jnp.asarray(v[:4]) for k, v in host.items()}
-    keys = trainer.example_keys(jax.random.key(7), (4,))
+    keys = step_lib.example_keys(jax.random.key(7), (4,))
     grad_fn = jax.value_and_grad(objective.make_loss_fn(stage, losses.LossWeights()), has_aux=True)
     jitted = jax.jit(grad_fn, static_argnums=1, compiler_options=FAST)
     got = {}
@@ -782,7 +786,7 @@ def test_remat_and_ce_chunk_give_the_loss_and_gradients_of_none(tok, shards, bui
     assert batch["input_ids"].shape[1] % 5
     for remat, overrides in variants.items():
         cfg = tiny_config(tok, shards, stage="overall", **overrides)
-        model, _ = trainer.build_model(cfg, manifest)
+        model, _ = init.build_model(cfg, manifest)
         assert model.config.llm.remat == overrides.get("model.llm.remat", "none")
         assert model.config.ce_chunk == overrides.get("model.empatheia.ce_chunk", 0)
         opt = stages.make_optimizer(model, stage, optax.sgd(1.0))
@@ -816,26 +820,26 @@ def test_a_checkpoint_may_differ_from_its_run_in_how_a_step_is_computed_only(bui
     d = model.config.to_dict()
     older = {k: v for k, v in d.items() if k != "ce_chunk"}
     other_execution = {**d, "ce_chunk": 64, "llm": {**d["llm"], "remat": "full"}}
-    run = trainer._function_of(model.config)
+    run = init.function_of(model.config)
     for saved in (older, other_execution):
-        trainer._check_same("model", trainer._function_of(saved), run, tmp_path)
+        init.check_same("model", init.function_of(saved), run, tmp_path)
     other = {**d, "vae_layers": d["vae_layers"] + 1}
     with pytest.raises(ValueError, match=r"differs in \['vae_layers'\]"):
-        trainer._check_same("model", trainer._function_of(other), run, tmp_path)
+        init.check_same("model", init.function_of(other), run, tmp_path)
 
 
 class StepRecorder:
     """Instruments a real `trainer.train` loop from outside. Non-finite losses at the chosen steps: the host
-    batch of every step gets a `nan_step` flag column (`trainer.step_batch` is called once per step, in
+    batch of every step gets a `nan_step` flag column (`pipelines.step_batch` is called once per step, in
     order), and the stage's loss function (`objective.make_loss_fn`, test-only wrapper) turns the total into
     NaN where the flag is set: `total + NaN` (`grad_nan=False`: the gradient stays finite, the case an
     isfinite(grad) guard alone would miss) or `total * NaN` (gradients NaN too). It also records each
-    step's trainable parameters and optimizer state before and after (`trainer.jit_step` wrapped). The
+    step's trainable parameters and optimizer state before and after (`step.jit_step` wrapped). The
     loop, the jitted step and the NaN policy run unchanged."""
 
     def __init__(self, mp: pytest.MonkeyPatch, bad: Collection[int] = (), grad_nan: bool = False):
         self.bad, self.calls, self.steps = set(bad), 0, []
-        real_step_batch, real_jit_step = trainer.step_batch, trainer.jit_step
+        real_step_batch, real_jit_step = pipelines.step_batch, step_lib.jit_step
         real_loss_fn = objective.make_loss_fn
 
         def step_batch(host_batch, mesh, grad_accum):
@@ -854,7 +858,7 @@ class StepRecorder:
 
             return poisoned
 
-        mp.setattr(trainer, "step_batch", step_batch)
+        mp.setattr(pipelines, "step_batch", step_batch)
         mp.setattr(objective, "make_loss_fn", make_loss_fn)
 
         def jit_step(*args, **kwargs):
@@ -870,7 +874,7 @@ class StepRecorder:
 
             return run
 
-        mp.setattr(trainer, "jit_step", jit_step)
+        mp.setattr(step_lib, "jit_step", jit_step)
 
     def assert_skips_leave_the_state_untouched(self) -> None:
         """Bad steps: parameters and optimizer state bit-identical after; good steps: the parameters move."""
@@ -995,7 +999,7 @@ def test_load_trained_restores_the_trained_parameters_and_outputs(overall_run):
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     sharding.shard_model(model, mesh)
     stage = config_lib.resolve_stage(config)
-    got = trainer.evaluate_loss(config, stage, model, tokenizer, mesh, max_batches=config.train.eval_batches)
+    got = step_lib.evaluate_loss(config, stage, model, tokenizer, mesh, max_batches=config.train.eval_batches)
     assert {f"eval/{k}": v for k, v in got.items()} == eval_metrics
 
     assert any(not np.array_equal(first[k], final[k]) for k in final)
@@ -1031,7 +1035,7 @@ def test_load_trained_untrained_model_and_bad_step_or_path(overall_run, shards, 
     naming it."""
     cfg, workdir, _, _, trained = overall_run
     fresh = _flat(nnx.state(serve_load.load_trained(workdir, restore=False)[0], nnx.Param))
-    built_now, _ = trainer.build_model(cfg, json.loads((Path(shards) / "manifest.json").read_text()))
+    built_now, _ = init.build_model(cfg, json.loads((Path(shards) / "manifest.json").read_text()))
     want = _flat(nnx.state(built_now, nnx.Param))
     assert fresh.keys() == want.keys()
     for k, v in want.items():

@@ -1,4 +1,4 @@
-"""Whisper's encoder in JAX (`data/whisper.py`, `data/ct2_model.py`) and the `whisper_tiny_en` /
+"""Whisper's encoder in JAX (`data/encoders/whisper_model.py`, `ct2_model.py`) and the `whisper_tiny_en` /
 `whisper_base` input encoders.
 
 - The log-mel front end equals faster-whisper's `FeatureExtractor` within 1e-4 on real speech (Kokoro's gold
@@ -26,9 +26,10 @@ import numpy as np
 import pytest
 from helpers import require
 
-from empatheia_jax.data import asr
-from empatheia_jax.data.ct2_model import CT2FormatError, read_ct2_model
-from empatheia_jax.data.encoders import _chunks, get_encoder, whisper_log_mel
+from empatheia_jax.data.encoders import asr, get_encoder
+from empatheia_jax.data.encoders.ct2_model import CT2FormatError, read_ct2_model
+from empatheia_jax.data.encoders.dsp import whisper_log_mel
+from empatheia_jax.data.encoders.media import chunks
 
 SR = 16000
 SENTENCES = (
@@ -202,7 +203,7 @@ def test_reader_refuses_a_bad_file(tmp_path):
 
 def test_loading_refuses_a_missing_encoder_variable(tmp_path):
     """A file without one of the encoder's variables names it (renamed in place: same size, other name)."""
-    from empatheia_jax.data.whisper import load_whisper_encoder
+    from empatheia_jax.data.encoders.whisper_model import load_whisper_encoder
 
     data = (asr.model_dir() / "model.bin").read_bytes()
     name = b"encoder/layer_3/ffn/linear_1/bias"
@@ -233,7 +234,7 @@ def test_whisper_tiny_en_features(speech, whisper):
     edges = [int(math.floor(i * n / 3)) for i in range(4)]
     want = np.stack([frames[edges[i]:edges[i + 1]].mean(0) for i in range(3)])
     np.testing.assert_allclose(fb, want, rtol=1e-6, atol=1e-6)
-    assert [sl.stop - sl.start for sl in _chunks(n, 3)] == np.diff(edges).tolist()
+    assert [sl.stop - sl.start for sl in chunks(n, 3)] == np.diff(edges).tolist()
     cfg = whisper.config()
     assert cfg["audio"]["model_sha256"] == asr.MODEL_FILES["model.bin"][1] and cfg["audio"]["version"] == 1
     assert cfg["video"]["name"] == "lite"
@@ -243,7 +244,7 @@ def test_whisper_tiny_en_features(speech, whisper):
 
 def test_chat_rebuilds_it_from_a_manifest(whisper):
     """chat rebuilds the shards' encoder from the manifest entry, and refuses other weights."""
-    from empatheia_jax.serve.chat import EncoderManifestError, encoder_from_manifest
+    from empatheia_jax.serve.prompt import EncoderManifestError, encoder_from_manifest
 
     entry = {"name": whisper.name, "config": whisper.config()}
     rebuilt = encoder_from_manifest(entry)

@@ -2,7 +2,7 @@
 
 Why: a deployed Empatheia hears the speaker; it is not handed a transcript. Evaluating on the typed texts
 measures a model given perfect words. `cached_asr_shards` prepares the split again as if the words were known
-only from the speech: every history utterance that has a .wav gets Whisper tiny.en's transcript (`data.asr`,
+only from the speech: every history utterance that has a .wav gets Whisper tiny.en's transcript (`asr`,
 the recogniser chat uses for audio-only turns) as its text, and the rest of the record (media features,
 labels, CoE, the gold reply, generator targets) is what the original shards hold. Shards store features,
 not audio, so the transcription starts from the raw AvaMERG folder the manifest records (`raw`), and the
@@ -34,7 +34,7 @@ Decisions (docs/design.md "eval --asr"):
   media bytes, the recogniser (model.bin's pinned sha256, beam, language), the encoder entry, emotion map,
   media mode, targets entry, skipped dialogues and the schema/manifest/this module's versions. Keying on the
   inputs of the transcripts rather than on the transcripts themselves lets a second run reuse the folder
-  without transcribing again (decoding is deterministic on one machine, `data.asr`); hashing the media
+  without transcribing again (decoding is deterministic on one machine, `asr`); hashing the media
   costs a read of each file, far less than a transcription. The shards are written under a temporary name
   and renamed, like `prepare.cached_text_only_shards`; a folder failing `verify_shards` is rebuilt.
 - `input_wer`: corpus WER of the transcripts against the typed texts (`asr.word_error_rate`: the same
@@ -54,8 +54,10 @@ from pathlib import Path
 from typing import Any
 
 from empatheia_jax.assets import atomic_write, sha256_file
-from empatheia_jax.data import asr, schema
 from empatheia_jax.data import encoders as enc_lib
+from empatheia_jax.data import schema
+from empatheia_jax.data.encoders import asr
+from empatheia_jax.data.encoders.media import load_audio
 from empatheia_jax.data.prepare import InvalidInputError, prepare
 from empatheia_jax.data.shard_format import MANIFEST, MANIFEST_FORMAT, load_manifest, verify_shards
 
@@ -189,7 +191,7 @@ def _transcribe(plan: _Plan, threads: int, progress: bool) -> list[dict[str, Any
     for uid, (cid, text, wav) in tqdm(plan.utts.items(), total=len(plan.utts), unit="utt",
                                       desc=f"{plan.split}: ASR (Whisper tiny.en)", disable=not progress):
         try:
-            heard = recognizer.transcribe(enc_lib.load_audio(wav, asr.SAMPLE_RATE), asr.SAMPLE_RATE)
+            heard = recognizer.transcribe(load_audio(wav, asr.SAMPLE_RATE), asr.SAMPLE_RATE)
         except ValueError as e:  # unreadable or empty audio
             raise AsrShardsError(f"utterance {uid}: cannot transcribe {wav}: {e}") from e
         written = heard.text if heard.text.strip() else INAUDIBLE

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from empatheia_jax.data import input_pipeline as ip
 from empatheia_jax.data import schema, shard_format
+from empatheia_jax.data.shard_reader import ShardReader
 
 
 class ShardsError(ValueError):
@@ -39,7 +39,7 @@ def check_split(shards_dir: str | os.PathLike, split: str) -> dict[str, Any]:
     if not splits[split].get("records"):
         raise ShardsError(f"split {split!r} of {shards_dir} has no records")
     try:
-        ip.ShardReader.for_split(shards_dir, split)
+        ShardReader.for_split(shards_dir, split)
     except shard_format.ShardRecordError as e:
         raise ShardsError(f"split {split!r} of {shards_dir}: {e}") from e
     except (KeyError, TypeError) as e:  # a manifest entry without path/records

@@ -16,8 +16,8 @@ import os
 
 import numpy as np
 
-from empatheia_jax.data.input_pipeline import ShardReader
 from empatheia_jax.data.shard_format import ShardRecordError
+from empatheia_jax.data.shard_reader import ShardReader
 
 MAX_RECORDS = 2048
 

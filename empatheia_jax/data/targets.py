@@ -439,7 +439,7 @@ class StandinTargets:
     """
 
     def __init__(self, seed: int = 0):
-        from empatheia_jax.data.encoders import LiteEncoder
+        from empatheia_jax.data.encoders.lite import LiteEncoder
 
         self.seed = int(seed)
         self.lite = LiteEncoder(k=1)
@@ -470,7 +470,8 @@ class StandinTargets:
         return x @ self.p_speech.T
 
     def video_content(self, wav: str | os.PathLike) -> np.ndarray:
-        from empatheia_jax.data.encoders import frame_signal, load_audio, mel_filterbank, stft_power
+        from empatheia_jax.data.encoders.dsp import frame_signal, mel_filterbank, stft_power
+        from empatheia_jax.data.encoders.media import load_audio
 
         sr = 16000
         y = load_audio(wav, sr)

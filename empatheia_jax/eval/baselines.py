@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from empatheia_jax.data import input_pipeline as ip
 from empatheia_jax.data import templates as tpl
+from empatheia_jax.data.shard_reader import ShardReader
 from empatheia_jax.data.splits import check_split
 from empatheia_jax.data.targets import UNIT_KINDS
 from empatheia_jax.eval.metrics.names import ACC_NAME, LABELS
@@ -24,7 +24,7 @@ from empatheia_jax.eval.metrics.text import (
     speaker_turn,
 )
 from empatheia_jax.eval.report import metric_order
-from empatheia_jax.models.empatheia import EmpatheiaConfig
+from empatheia_jax.models.empatheia_config import EmpatheiaConfig
 
 
 def baselines(
@@ -73,10 +73,10 @@ def _baseline_pass(shards_dir, split, train_split, max_speech_len, max_video_len
     check_split(shards_dir, split)
     check_split(shards_dir, train_split)
     limits = {"speech_content": max_speech_len, "video_content": max_video_len}
-    train = ip.ShardReader.for_split(shards_dir, train_split)
+    train = ShardReader.for_split(shards_dir, train_split)
     majority, mean_rows, mean_style, train_texts = _fit(train, limits)
 
-    test = ip.ShardReader.for_split(shards_dir, split)
+    test = ShardReader.for_split(shards_dir, split)
     means = Means()
     replies, turns, test_texts = [], [], []
     n = len(test) if max_examples is None else min(len(test), max_examples)
@@ -119,7 +119,7 @@ def _text_and_labels(rec: Mapping[str, Any]) -> dict[str, Any]:
     return {"history": rec.get("history"), "labels": rec.get("labels")}
 
 
-def _fit(train: ip.ShardReader, limits: dict[str, int]
+def _fit(train: ShardReader, limits: dict[str, int]
          ) -> tuple[dict[str, int], dict[str, np.ndarray], dict[str, np.ndarray], list[dict[str, Any]]]:
     """The predictors `baselines` scores, fitted on the train records in one pass (a split may be too large to
     hold): the majority class of each label, the mean content row at each row index, the mean style vector.

@@ -16,7 +16,7 @@ is scored with weights it never saw. The dev figure of the chosen weights is rea
 chose them; `cross_fitted_accuracy` (5 folds) is the one to expect elsewhere, and the card carries both. A
 row with no step 2 to score (no CoE in its text) votes with the head and the free step alone.
 
-Every name here is numpy and host-side: the features come from `evaluate.dialogue_summaries`.
+Every name here is numpy and host-side: the features come from `generation_pass.dialogue_summaries`.
 """
 
 from __future__ import annotations

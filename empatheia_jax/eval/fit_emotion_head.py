@@ -31,14 +31,14 @@ def fit_probe_of(ckpt: str, shards: str, *, train_split: str = "train", dev_spli
                  template: str | None = "coe", backbone: str | None = None, batch_size: int = 8,
                  progress: bool = True, features: str | None = None) -> tuple[eh.EmotionHead, dict[str, Any]]:
     """(the probe, its summary) for the model at `ckpt`: features of every record of both splits read by the
-    model (`evaluate.dialogue_summaries`), the probe fitted on the train split's labelled records for each C
+    model (`dialogue_summaries`), the probe fitted on the train split's labelled records for each C
     of `emotion_head.C_GRID`, kept at the best dev accuracy. `features` (.npz) keeps the features: read
     when it holds those of the same checkpoint, shards, splits and template, else written."""
     source = {"ckpt": str(Path(ckpt).resolve()), "shards": str(Path(shards).resolve()), "template": template,
               "splits": [train_split, dev_split]}
     read = _cached_features(features, source) if features else None
     if read is None:
-        from empatheia_jax.eval.evaluate import dialogue_summaries
+        from empatheia_jax.eval.generation_pass import dialogue_summaries
         from empatheia_jax.serve.load import load_trained
 
         model, tokenizer, config, _ = load_trained(ckpt, backbone=backbone)

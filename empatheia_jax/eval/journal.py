@@ -1,11 +1,11 @@
 """A generation journal: an evaluation's finished batches on disk, so a killed eval resumes where it stopped.
 
 Generating the dev split's Chain of Empathy and 16 drawn replies per turn takes hours on a CPU, longer than a
-session or a preemptible slot. `evaluate.generate_predictions(journal=PATH)` appends each finished batch's
-predictions here; run again with the same model, data and settings, it reads them back and generates only the
-batches that are missing. Batches are formed and seeded the same way on every run (length-sorted windows;
-the reply draws seeded from the batch's first record), so the resumed predictions equal an uninterrupted
-run's, line for line.
+session or a preemptible slot. `generation_pass.generate_predictions(journal=PATH)` appends each finished
+batch's predictions here; run again with the same model, data and settings, it reads them back and generates
+only the batches that are missing. Batches are formed and seeded the same way on every run (length-sorted
+windows; the reply draws seeded from the batch's first record), so the resumed predictions equal an
+uninterrupted run's, line for line.
 
 The first line is a header holding the run's fingerprint: a digest of every model weight, of the emotion head
 and of the settings the generations depend on (`fingerprint`). A journal written by another model or other

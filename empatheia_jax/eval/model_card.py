@@ -2,7 +2,7 @@
 
     python -m empatheia_jax.eval.model_card EXPORT (--metrics REPORT/metrics.json | --text_from EARLIER)
         [--workdir RUN/coe ...]
-        [--avatar_metrics AVATAR.json] [--command "bash launch/ed_reference.sh ~/runs/ed_reference"]
+        [--avatar_metrics AVATAR.json] [--command "python launch/ed_reference.py ~/runs/ed_reference"]
         [--device "2-core CPU"] [--notes TEXT]
 
 Writes EXPORT/README.md (the card, for people) and EXPORT/card.json (the same facts, for tools and tests).
@@ -124,6 +124,18 @@ def stage_summary(workdir: str | Path) -> dict[str, Any]:
     }
 
 
+def recorded_config(run: str | Path) -> dict[str, Any]:
+    """The training config a run recorded: an export's (its empatheia_config.json's "config") or a training
+    workdir's (config.json). E.g. the prompt budget (data.max_len) its text figures were measured at, which
+    an export chained from it keeps (launch/ed_reference.py --coe_from)."""
+    run = Path(run)
+    for name, key in (("empatheia_config.json", "config"), ("config.json", None)):
+        if (run / name).is_file():
+            recorded = json.loads((run / name).read_text())
+            return recorded[key] if key else recorded
+    raise CardError(f"{run}: neither an export (empatheia_config.json) nor a training workdir (config.json)")
+
+
 def text_figures_from(export: str | Path, earlier: str | Path) -> dict[str, Any]:
     """The text part of an earlier export's card ("eval", "ci_subset", "emotion_head" and the training rows of
     the stages that trained its adapter), for an export whose PEFT adapter (the LoRA and the added token rows)
@@ -131,7 +143,7 @@ def text_figures_from(export: str | Path, earlier: str | Path) -> dict[str, Any]
 
     Why: every text figure (CoE, emotion, reply) is a function of the LLM alone, which the adapter's bytes
     and its added rows fix; the ccl stages train the CS only (`train.stages`), so a redesigned CS chained from
-    a finished run (COE_FROM in launch/ed_reference.sh) would otherwise re-run hours of dev evaluation to
+    a finished run (--coe_from of launch/ed_reference.py) would otherwise re-run hours of dev evaluation to
     write the same figures. The tensor check is what makes this a copy of a measurement, not a guess."""
     card = read_card(earlier)
     _check_same_weights(export, earlier, card, ["adapter_model.safetensors"], "text")
@@ -186,7 +198,7 @@ def _check_same_settings(here: Mapping[str, Any], there: Mapping[str, Any], expo
 
 def adapter_rows(card: Mapping[str, Any]) -> list[dict[str, Any]]:
     """A card's training rows of the stages that trained its adapter: the history an export chained from it
-    (COE_FROM in launch/ed_reference.sh) keeps, since its LoRA and added rows start from there."""
+    (--coe_from of launch/ed_reference.py) keeps, since its LoRA and added rows start from there."""
     return [t for t in card.get("training", []) if _trains_the_adapter(t.get("stage"))]
 
 
@@ -227,7 +239,7 @@ def _text_settings(export: str | Path) -> dict[str, Any]:
     device does, and the card records the device."""
     import dataclasses
 
-    from empatheia_jax.models.empatheia import LLM_EXECUTION_FIELDS
+    from empatheia_jax.models.empatheia_config import LLM_EXECUTION_FIELDS
     from empatheia_jax.models.llama import LlamaConfig
 
     meta = json.loads((Path(export) / "empatheia_config.json").read_text())
@@ -559,7 +571,8 @@ def main(argv: list[str] | None = None) -> int:
 
 __all__ = ["AVATAR_METRICS", "CardError", "HEADLINE", "adapter_rows", "avatar_figures", "avatar_figures_from",
            "build_card",
-           "read_card", "render", "stage_summary", "text_figures_from", "weight_digests", "write_card"]
+           "read_card", "recorded_config", "render", "stage_summary", "text_figures_from", "weight_digests",
+           "write_card"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,7 +2,7 @@
 
 What is compared (docs/design.md "Speech out"):
 - **The model** (trained / untrained columns): Kokoro(C^s, S^s) with C^s read over the GOLD reply (the
-  teacher-forced pass of evaluate.py, the rows its target has) and S^s from the signal tokens. Speaking
+  teacher-forced pass, teacher_forced.py, the rows its target has) and S^s from the signal tokens. Speaking
   the gold reply's content keeps the words equal, so MCD against the gold speech is defined; the question is
   how close the predicted features come to the ones the gold speech was made from.
 - **mean_style**: the gold content with the mean train speech_style: a TTS that gets the words perfectly
@@ -20,7 +20,7 @@ What is compared (docs/design.md "Speech out"):
   profile (`serve.avatar.pinned_styles`: the voice map of that profile in the style the predicted emotion
   calls for, `predicted_emotions`). The probe was fitted on gold voices, so this asks whether a chosen
   avatar is heard as the one chosen, whatever emotion the model predicts.
-- **Intelligibility** (speech_wer / speech_cer, `empatheia_jax.data.asr`): Whisper tiny.en, a recogniser
+- **Intelligibility** (speech_wer / speech_cer, `data.encoders.asr`): Whisper tiny.en, a recogniser
   trained on none of this, transcribes every spoken reply of every system; its corpus WER/CER against the
   record's gold reply text (`response`, the words the teacher-forced content is over) says whether the
   speech carries the words. The `gold` column is the same recogniser on the gold speech: its floor (what
@@ -44,8 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from empatheia_jax.data import input_pipeline as ip
 from empatheia_jax.data.shard_format import target_source
+from empatheia_jax.data.shard_reader import ShardReader
 
 SPEECH_METRICS = ("speech_mcd", "speech_spk_sim", "speech_f0_diff_st", "speech_dur_ratio", "speech_wer",
                   "speech_cer", "speech_age_acc", "speech_gender_acc", "speech_timbre_acc",
@@ -105,7 +105,7 @@ class SpeechEval:
         check_split(shards_dir, train_split)
 
         # Test records: the style probe labels of every record, the spoken examples where gold speech exists.
-        reader = ip.ShardReader.for_split(shards_dir, split)
+        reader = ShardReader.for_split(shards_dir, split)
         self.labels: dict[int, dict[str, str]] = {}
         self.items: list[dict[str, Any]] = []
         for i in range(len(reader)):
@@ -128,7 +128,7 @@ class SpeechEval:
         self.transcripts: dict[str, list[Any]] = {}  # column -> [asr.Transcript], items order
 
         # The probe and the reference voices, from the train split's gold style targets.
-        train = ip.ShardReader.for_split(shards_dir, train_split)
+        train = ShardReader.for_split(shards_dir, train_split)
         styles, labels = [], {k: [] for k in PROFILE}
         for i in range(len(train)):
             rec = train[i]
@@ -178,7 +178,7 @@ class SpeechEval:
         word (punctuation only) has no WER and is left out of both rates."""
         from tqdm import tqdm
 
-        from empatheia_jax.data import asr
+        from empatheia_jax.data.encoders import asr
         from empatheia_jax.eval.metrics.speech import intelligibility_rows
         from empatheia_jax.generators.kokoro import SAMPLE_RATE
 
@@ -212,7 +212,7 @@ class SpeechEval:
         return out
 
     def model_rows(self, name: str, collected: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
-        """The speech rows of a model from `evaluate.teacher_forced_metrics(collect=...)`'s outputs.
+        """The speech rows of a model from `teacher_forced.teacher_forced_metrics(collect=...)`'s outputs.
 
         A model evaluated without its SD (a ccl checkpoint: the CS alone, on a text corpus without the media
         the signal tokens read) speaks its predicted C^s in each record's gold voice: the rows then measure

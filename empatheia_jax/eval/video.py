@@ -44,8 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from empatheia_jax.data import input_pipeline as ip
 from empatheia_jax.data.shard_format import target_source
+from empatheia_jax.data.shard_reader import ShardReader
 from empatheia_jax.eval.speech import gold_speech_from_targets, predicted_emotions
 
 GOLD_SPEECH = "gold_speech"
@@ -90,7 +90,7 @@ class VideoEval:
         gold_speech = Path(manifest.get("raw", "")) / GOLD_SPEECH
         self.examples, self.progress = int(examples), progress
         check_split(shards_dir, train_split)
-        reader = ip.ShardReader.for_split(shards_dir, split)
+        reader = ShardReader.for_split(shards_dir, split)
         self.labels: dict[int, dict[str, str]] = {}
         self.gold_controls: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # of every labelled record
         self.items: list[dict[str, Any]] = []
@@ -111,7 +111,7 @@ class VideoEval:
         if self.examples and not self.items:
             raise VideoEvalUnavailable(f"no {split} record of {shards_dir} has video targets")
         styles, profiles, probe_clips = [], [], []
-        train = ip.ShardReader.for_split(shards_dir, train_split)
+        train = ShardReader.for_split(shards_dir, train_split)
         for i in range(len(train)):
             rec = train[i]
             targets = rec.get("targets") or {}
@@ -215,7 +215,7 @@ class VideoEval:
         return {f"video_{a}_acc": float(v) for a, v in acc.items()}
 
     def model_rows(self, name: str, collected: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
-        """The video rows of a model from `evaluate.teacher_forced_metrics(collect=...)`'s outputs.
+        """The video rows of a model from `teacher_forced.teacher_forced_metrics(collect=...)`'s outputs.
 
         A model evaluated without its SD (a ccl checkpoint: the CS alone) draws its predicted C^v on each
         record's gold avatar, as the speech rows speak it in the gold voice: the rows then measure the mouth

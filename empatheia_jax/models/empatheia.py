@@ -16,6 +16,10 @@ tokens is run and gathered the same way (`generate` never feeds its last token b
 of a generated signal token only exists after that re-run). r^t likewise uses positions whose input token
 lies in the response span (`response_mask` of the batch).
 
+The modules read here live apart: the config in `models/empatheia_config.py`, the CS and SD (and
+`run_vaes`, which batches their equal blocks) in `models/heads.py`. This module is the model's story:
+splice the media features in, run the backbone, gather the signal states and hand them to the heads.
+
 Parameters live in named sub-modules so a training stage selects them by name (`models.trainable`
 groups): `llm` (LoRA: "lora"; added rows: "added_rows"), `aud_proj`/`vid_proj` ("proj"), `content_sync`
 ("cs"), `style_dis` ("sd").
@@ -23,9 +27,8 @@ groups): `llm` (LoRA: "lora"; added rows: "added_rows"), `aud_proj`/`vid_proj` (
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,529 +37,19 @@ from jax.sharding import Mesh
 
 from empatheia_jax.data.templates import AUD_PLACEHOLDER, VID_PLACEHOLDER, extend_tokenizer, signal_tokens
 from empatheia_jax.models import trainable
-from empatheia_jax.models.llama import Llama, LlamaConfig, base_shapes_only, init_added_rows, is_shape_only
+from empatheia_jax.models.empatheia_config import EmpatheiaConfig
+from empatheia_jax.models.heads import ContentSynchronizer, StyleDisentangler, partitioned_dense
+from empatheia_jax.models.llama import Llama, base_shapes_only, init_added_rows, is_shape_only
 from empatheia_jax.models.lora import LoraConfig, apply_lora, lora_config_of, lora_layers
-from empatheia_jax.models.vae import TransformerVAE, VAEConfig, VAEOutput, as_key, split_keys
+from empatheia_jax.models.vae import TransformerVAE, VAEOutput, as_key, split_keys
 from empatheia_jax.sharding import shard_model
 
-if TYPE_CHECKING:
-    pass
-
-# Trainable groups of the modules defined here (the LLM's "lora" and "added_rows" are in trainable.py).
+# Trainable groups of the sub-modules Empatheia names (the LLM's "lora" and "added_rows" are in trainable.py).
 trainable.register_group("cs", nnx.All(nnx.Param, nnx.PathContains("content_sync")))
 trainable.register_group("sd", nnx.All(nnx.Param, nnx.PathContains("style_dis")))
 trainable.register_group(
     "proj", nnx.All(nnx.Param, nnx.Any(nnx.PathContains("aud_proj"), nnx.PathContains("vid_proj")))
 )
-
-HEADS = ("cs", "sd")  # optional heads of the forward pass; a stage asks only for what its losses read
-CS_VAES = ("cs_speech", "cs_video")
-SD_VAES = ("sd_speech_emotion", "sd_speech_profile", "sd_video_emotion", "sd_video_profile")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Config
-# ----------------------------------------------------------------------------------------------------------
-
-
-# EmpatheiaConfig / LlamaConfig fields that trade memory for compute and leave the function unchanged.
-EXECUTION_FIELDS = ("ce_chunk", "ce_targets")
-LLM_EXECUTION_FIELDS = ("remat", "attention")
-
-
-@dataclasses.dataclass(frozen=True)
-class EmpatheiaConfig:
-    """Everything that shapes an Empatheia model; `to_dict`/`from_dict` round-trip it through JSON.
-
-    Token ids: `<Aud>`, `<Vid>`, `<AUD1..n>`, `<VID1..n>` as `templates.extend_tokenizer` assigns them. When
-    left None they are the ids that function gives a tokenizer of exactly `llm.vocab_size` tokens
-    (vocab_size + i in `templates.added_tokens` order). Every id must be >= vocab_size, i.e. an added row
-    that may train; `llm.extra_vocab` is grown to cover the largest id.
-
-    VAE blocks: `cs_speech`/`cs_video` (Q = max_speech_len / max_video_len target rows of
-    speech_content_dim / video_content_dim) and the four SD blocks (Q = sd_queries rows of sd_code_dim).
-    When left None they are built from the scalar knobs below; explicit ones must agree with the knobs.
-
-    Ablations: `media_input=False` (w/o speech & video input: no projections, nothing spliced);
-    `use_cs=False` (w/o CS) and `use_sd=False` (w/o SD) drop the module and its losses;
-    `pipeline_baseline=True` is the paper's Pipeline baseline: the bare LLM (+ LoRA), no heads, no media.
-    `use_coe` is a template matter only and is kept here so a run's config says what it trained.
-    """
-
-    llm: LlamaConfig
-    audio_dim: int
-    video_dim: int
-    n_signal: int = 16
-    aud_token_id: int | None = None
-    vid_token_id: int | None = None
-    aud_signal_ids: tuple[int, ...] | None = None
-    vid_signal_ids: tuple[int, ...] | None = None
-    k: int = 1  # encoder vectors per utterance = <Aud>/<Vid> placeholders per utterance (pipeline contract)
-    lora: LoraConfig | None = dataclasses.field(default_factory=LoraConfig)
-    # Targets and classes.
-    max_speech_len: int = 256
-    max_video_len: int = 256
-    speech_content_dim: int = 1024
-    video_content_dim: int = 256
-    style_dim: int = 256
-    num_emotions: int = 7
-    num_ages: int = 4
-    num_genders: int = 2
-    num_timbres: int = 3
-    # VAE knobs (used where an explicit VAEConfig is None).
-    vae_d_model: int = 256
-    vae_heads: int = 4
-    vae_layers: int = 4
-    cs_latent: int = 64
-    sd_queries: int = 4
-    sd_code_dim: int = 64
-    sd_latent: int = 32
-    vae_dropout: float = 0.0
-    vae_logvar_init: float | None = -4.0  # initial logvar of every VAE block (None: the block's own init)
-    fuse_dim: int = 256
-    # Unit alignment of the CS's speech rows: the size of the speech generator's unit vocabulary (Kokoro:
-    # its phoneme token ids), 0 = the paper's position-only queries. The batch then carries speech_units.
-    cs_units: int = 0
-    # The same for the CS's video rows (25-fps frames): the batch then carries video_units, each frame's
-    # unit id on the timeline its gold clip was drawn with (`visemes.frame_units`); at inference the
-    # durations Kokoro spoke the reply with give them (`Empatheia.video_content`). 0 = position-only.
-    cv_units: int = 0
-    # The leading dims of a video content row the face generator reads (the embedded one: 2, mouth and
-    # eyelids, `face_render.CONTENT_USED`); the video block's rows are 0 beyond them (`VAEConfig.d_used`).
-    # 0 = every one of video_content_dim (a generator whose whole row is control, e.g. DreamTalk's).
-    cv_dims: int = 0
-    # Width of the depthwise row convolution in every layer of both CS blocks (0 = none, the paper's block):
-    # a content row depends on its neighbours (`VAEConfig.conv_kernel`, docs/design.md "Aligned Content
-    # Synchronizer").
-    cs_conv: int = 0
-    # Read the units of each unit-aligned CS block in context (`VAEConfig.unit_context`: convolutions and a
-    # BiLSTM over the unit rows, Kokoro's text-encoder shape) instead of one table row per unit.
-    cs_unit_context: bool = False
-    # The width of the speech block's unit reader (`VAEConfig.context_width`; 0 = vae_d_model). What a
-    # listener hears is Kokoro's t_en, its 512-wide text encoder's reading of the phonemes; the video
-    # block's reader keeps vae_d_model (its mouth is a simpler function of the frame's phoneme).
-    cs_context_width: int = 0
-    # The speech block's reader also reaches its output rows directly (`VAEConfig.context_skip`), past the
-    # vae_d_model-wide stacks: a row that leaves a 128-wide layer is heard worse than Kokoro's own.
-    cs_context_skip: bool = False
-    cs_speech: VAEConfig | None = None
-    cs_video: VAEConfig | None = None
-    sd_speech_emotion: VAEConfig | None = None
-    sd_speech_profile: VAEConfig | None = None
-    sd_video_emotion: VAEConfig | None = None
-    sd_video_profile: VAEConfig | None = None
-    # Ablations.
-    use_coe: bool = True
-    media_input: bool = True
-    use_cs: bool = True
-    use_sd: bool = True
-    pipeline_baseline: bool = False
-    # Sequence positions whose logits the token loss holds at once (`Llama.token_nll`); 0 = all T at once.
-    # A memory/compute trade (one more output projection per step), not part of the model's function.
-    ce_chunk: int = 0
-    # Target-only logits (`Llama.target_nll`): the token loss projects only the positions it reads, up to
-    # ce_targets x rows of the (micro-)batch at once; a batch with more takes the whole projection
-    # (exact either way). 0 = project every position. Also an execution field.
-    ce_targets: int = 0
-
-    def __post_init__(self):
-        problems = self._scalar_problems()
-        if problems:
-            raise ValueError("invalid EmpatheiaConfig: " + "; ".join(problems))
-        problems = self._resolve_token_ids() + self._resolve_blocks()
-        if self.lora is not None and isinstance(self.lora, Mapping):
-            object.__setattr__(self, "lora", LoraConfig.from_dict(self.lora))
-        if problems:
-            raise ValueError("invalid EmpatheiaConfig: " + "; ".join(problems))
-
-    def _scalar_problems(self) -> list[str]:
-        problems = []
-        for name in ("audio_dim", "video_dim", "n_signal", "k", "max_speech_len", "max_video_len",
-                     "speech_content_dim", "video_content_dim", "style_dim", "num_emotions", "num_ages",
-                     "num_genders", "num_timbres", "vae_d_model", "vae_heads", "vae_layers", "cs_latent",
-                     "sd_queries", "sd_code_dim", "sd_latent", "fuse_dim"):
-            if getattr(self, name) <= 0:
-                problems.append(f"{name}={getattr(self, name)} must be positive")
-        if not 0 <= self.cv_dims <= self.video_content_dim:
-            problems.append(f"cv_dims={self.cv_dims} must be in [0, video_content_dim="
-                            f"{self.video_content_dim}] (0 = every dim)")
-        for name in ("cs_units", "cv_units"):
-            if getattr(self, name) < 0:
-                problems.append(f"{name}={getattr(self, name)} must be >= 0 (0 = position-only queries)")
-        if self.cs_conv < 0 or (self.cs_conv and self.cs_conv % 2 == 0):
-            problems.append(f"cs_conv={self.cs_conv} must be 0 (none) or a positive odd width")
-        if self.cs_unit_context and not (self.cs_units or self.cv_units):
-            problems.append("cs_unit_context=True reads content units: set cs_units and/or cv_units")
-        if self.cs_context_width and not (self.cs_unit_context and self.cs_units):
-            problems.append(f"cs_context_width={self.cs_context_width} is the speech block's unit reader's "
-                            "width: set cs_units and cs_unit_context=True")
-        if self.cs_context_skip and not (self.cs_unit_context and self.cs_units):
-            problems.append("cs_context_skip=True sends the speech block's unit reader to its rows: set "
-                            "cs_units and cs_unit_context=True")
-        if self.ce_chunk < 0:
-            problems.append(f"ce_chunk={self.ce_chunk} must be >= 0 (0: the whole logits at once)")
-        if self.ce_targets < 0:
-            problems.append(f"ce_targets={self.ce_targets} must be >= 0 (0: every position's logits)")
-        return problems
-
-    def _resolve_token_ids(self) -> list[str]:
-        """Fills in the added token ids (after the vocabulary: <Aud>, <Vid>, then the signal tokens) and
-        grows the LLM's extra rows to cover them; returns what is wrong with ids given explicitly."""
-        problems = []
-        v = self.llm.vocab_size
-        n = self.n_signal
-        set_ = object.__setattr__
-        if self.aud_token_id is None:
-            set_(self, "aud_token_id", v)
-        if self.vid_token_id is None:
-            set_(self, "vid_token_id", v + 1)
-        if self.aud_signal_ids is None:
-            set_(self, "aud_signal_ids", tuple(range(v + 2, v + 2 + n)))
-        if self.vid_signal_ids is None:
-            set_(self, "vid_signal_ids", tuple(range(v + 2 + n, v + 2 + 2 * n)))
-        set_(self, "aud_signal_ids", tuple(int(i) for i in self.aud_signal_ids))
-        set_(self, "vid_signal_ids", tuple(int(i) for i in self.vid_signal_ids))
-        ids = self.added_ids
-        if len(self.aud_signal_ids) != n or len(self.vid_signal_ids) != n:
-            problems.append(f"need {n} <AUDi> and {n} <VIDi> ids, got {len(self.aud_signal_ids)} and "
-                            f"{len(self.vid_signal_ids)}")
-        if len(set(ids)) != len(ids):
-            problems.append(f"added token ids are not distinct: {ids}")
-        if min(ids) < v:
-            problems.append(
-                f"added token ids {sorted(i for i in ids if i < v)} are < vocab_size={v}: they would use "
-                "frozen pretrained rows; the added tokens must map to the trainable extra rows"
-            )
-        need = max(ids) + 1 - v
-        if self.llm.extra_vocab < need:  # grow the extra rows to cover every added id
-            set_(self, "llm", self.llm.replace(extra_vocab=need))
-        return problems
-
-    def _resolve_blocks(self) -> list[str]:
-        """Builds each VAE block's config from the scalars, or checks one given (a stored config) against
-        them; returns the disagreements, each naming the block and the field."""
-        problems = []
-        d = self.llm.hidden_size
-        dtypes = {"dtype": self.llm.dtype, "param_dtype": self.llm.param_dtype}
-
-        def vae(q: int, latent: int, out: int, units: int, conv: int, used: int, width: int, skip: bool
-                ) -> VAEConfig:
-            return VAEConfig(d_in=d, d_model=self.vae_d_model, num_queries=q, d_latent=latent, d_out=out,
-                             num_heads=self.vae_heads, enc_layers=self.vae_layers, dec_layers=self.vae_layers,
-                             dropout=self.vae_dropout, num_units=units, conv_kernel=conv,
-                             unit_context=bool(units) and self.cs_unit_context, context_width=width,
-                             context_skip=skip, d_used=used, **dtypes)
-
-        conv = self.cs_conv
-        wanted = {
-            "cs_speech": (self.max_speech_len, self.cs_latent, self.speech_content_dim, self.cs_units, conv,
-                          0, self.cs_context_width, self.cs_context_skip),
-            "cs_video": (self.max_video_len, self.cs_latent, self.video_content_dim, self.cv_units, conv,
-                         self.cv_dims, 0, False),
-            **{name: (self.sd_queries, self.sd_latent, self.sd_code_dim, 0, 0, 0, 0, False)
-               for name in SD_VAES},
-        }
-        for name, (q, latent, out, units, conv, used, width, skip) in wanted.items():
-            c = getattr(self, name)
-            if c is None:
-                object.__setattr__(self, name, vae(q, latent, out, units, conv, used, width, skip))
-                continue
-            if isinstance(c, Mapping):
-                c = VAEConfig(**c)
-                object.__setattr__(self, name, c)
-            if c.d_in != d:
-                problems.append(f"{name}.d_in={c.d_in} != llm.hidden_size={d}")
-            if c.num_units != units:
-                problems.append(f"{name}.num_units={c.num_units} but cs_units={self.cs_units}, cv_units="
-                                f"{self.cv_units} (the block should have {units})")
-            if c.conv_kernel != conv:
-                problems.append(f"{name}.conv_kernel={c.conv_kernel} but cs_conv={self.cs_conv} (the block "
-                                f"should have {conv})")
-            if c.context_width != width:
-                problems.append(f"{name}.context_width={c.context_width} but the block should have {width} "
-                                f"(cs_context_width={self.cs_context_width})")
-            if c.context_skip != skip:
-                problems.append(f"{name}.context_skip={c.context_skip} but the block should have {skip} "
-                                f"(cs_context_skip={self.cs_context_skip})")
-            if c.d_used != used:
-                problems.append(f"{name}.d_used={c.d_used} but the block should have {used} (cv_dims="
-                                f"{self.cv_dims})")
-            if c.unit_context != (bool(units) and self.cs_unit_context):
-                problems.append(f"{name}.unit_context={c.unit_context} but cs_unit_context="
-                                f"{self.cs_unit_context} with {units} units")
-            if name.startswith("cs_") and (c.num_queries, c.d_out) != (q, out):
-                problems.append(
-                    f"{name} has {c.num_queries} queries x {c.d_out}; the targets are {q} x {out}"
-                )
-        return problems
-
-    # -- derived --------------------------------------------------------------------------------------------
-
-    @property
-    def added_ids(self) -> tuple[int, ...]:
-        """Ids in `templates.added_tokens` order: <Aud>, <Vid>, <AUD1..n>, <VID1..n>."""
-        return (self.aud_token_id, self.vid_token_id, *self.aud_signal_ids, *self.vid_signal_ids)
-
-    @property
-    def signal_ids(self) -> tuple[int, ...]:
-        return (*self.aud_signal_ids, *self.vid_signal_ids)
-
-    @property
-    def token_ids(self) -> dict[str, int]:
-        """{token: id}, the same mapping `templates.extend_tokenizer` returns."""
-        aud, vid = signal_tokens(self.n_signal)
-        return dict(zip([AUD_PLACEHOLDER, VID_PLACEHOLDER, *aud, *vid], self.added_ids, strict=True))
-
-    @property
-    def has_media(self) -> bool:
-        return self.media_input and not self.pipeline_baseline
-
-    @property
-    def has_cs(self) -> bool:
-        return self.use_cs and not self.pipeline_baseline
-
-    @property
-    def has_sd(self) -> bool:
-        return self.use_sd and not self.pipeline_baseline
-
-    @property
-    def heads(self) -> frozenset[str]:
-        """The optional heads this model has (subset of `HEADS`)."""
-        return frozenset(h for h, on in (("cs", self.has_cs), ("sd", self.has_sd)) if on)
-
-    def replace(self, **kw) -> EmpatheiaConfig:
-        return dataclasses.replace(self, **kw)
-
-    # -- serialisation --------------------------------------------------------------------------------------
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, LlamaConfig | LoraConfig):
-                v = v.to_dict()
-            elif isinstance(v, VAEConfig):
-                v = dataclasses.asdict(v)
-            elif isinstance(v, tuple):
-                v = list(v)
-            out[f.name] = v
-        return out
-
-    def function_dict(self) -> dict[str, Any]:
-        """`to_dict()` less the fields that say how a step is computed, not what the model computes
-        (`ce_chunk`, the backbone's `remat`): a stage may change them from the checkpoint it resumes or
-        starts from."""
-        d = {k: v for k, v in self.to_dict().items() if k not in EXECUTION_FIELDS}
-        d["llm"] = {k: v for k, v in d["llm"].items() if k not in LLM_EXECUTION_FIELDS}
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> EmpatheiaConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown EmpatheiaConfig keys: {unknown}")
-        d = dict(d)
-        d["llm"] = d["llm"] if isinstance(d["llm"], LlamaConfig) else LlamaConfig.from_dict(d["llm"])
-        if isinstance(d.get("lora"), Mapping):
-            d["lora"] = LoraConfig.from_dict(d["lora"])
-        for name in (*CS_VAES, *SD_VAES):
-            if isinstance(d.get(name), Mapping):
-                d[name] = VAEConfig(**d[name])
-        for name in ("aud_signal_ids", "vid_signal_ids"):
-            if d.get(name) is not None:
-                d[name] = tuple(d[name])
-        return cls(**d)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Heads
-# ----------------------------------------------------------------------------------------------------------
-
-
-def _dense(d_in: int, d_out: int, axes: tuple[str, str], rngs: nnx.Rngs, dtype, param_dtype) -> nnx.Linear:
-    return nnx.Linear(
-        d_in,
-        d_out,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        kernel_init=nnx.with_partitioning(nnx.initializers.xavier_uniform(), axes),
-        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), axes[1:]),
-        rngs=rngs,
-    )
-
-
-def _flat(x: jax.Array) -> jax.Array:
-    return x.reshape(x.shape[0], -1)
-
-
-def run_vaes(
-    blocks: Sequence[TransformerVAE],
-    inputs: Sequence[tuple[jax.Array, jax.Array]],
-    *,
-    sample: bool,
-    rng: jax.Array | None,
-    units: Sequence[jax.Array | None] | None = None,
-) -> list[VAEOutput]:
-    """Runs each block on its (h, h_mask); blocks with equal configs and input shapes run as ONE program.
-
-    Such a group is `jax.vmap` over the blocks' stacked `nnx.split` states (no NNX transform): the SD's four
-    equal blocks become one batched VAE, which cuts the traced program (and its XLA compile time) about 4x
-    and batches the small matmuls. Numerically it is the same as calling the blocks one by one with
-    `rng` split into one key per block: `jax.random.split(rng, len(blocks))[i]` for one key, and with
-    per-example keys [B] block i gets `split(rng[b], len(blocks))[i]` for example b (`vae.split_keys`).
-    """
-    keys = None if rng is None else split_keys(rng, len(blocks))
-    units = [None] * len(blocks) if units is None else list(units)
-    groups: dict[Any, list[int]] = {}
-    for i, (block, (h, m)) in enumerate(zip(blocks, inputs, strict=True)):
-        # unit-aligned blocks run alone (the CS's speech block is the only one)
-        key = i if units[i] is not None else (block.config, h.shape, h.dtype, m.shape)
-        groups.setdefault(key, []).append(i)
-    out: list[Any] = [None] * len(blocks)
-    for idx in groups.values():
-        if len(idx) == 1:
-            i = idx[0]
-            out[i] = blocks[i](*inputs[i], sample=sample, rng=None if keys is None else keys[i],
-                               units=units[i])
-            continue
-        graphdef = nnx.graphdef(blocks[idx[0]])
-        states = [nnx.state(blocks[i]) for i in idx]
-        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-        hs = jnp.stack([inputs[i][0] for i in idx])
-        ms = jnp.stack([inputs[i][1] for i in idx])
-        ks = None if keys is None else keys[jnp.asarray(idx)]
-
-        def one(state, h, m, k, graphdef=graphdef):
-            return nnx.merge(graphdef, state)(h, m, sample=sample, rng=k)
-
-        res = jax.vmap(one)(stacked, hs, ms, ks)
-        for j, i in enumerate(idx):
-            out[i] = jax.tree.map(lambda x, j=j: x[j], res)
-    return out
-
-
-class ContentSynchronizer(nnx.Module):
-    """CS (eqs 1-2): one transformer VAE per modality over r^t; row i of C^m predicts target row i.
-
-    With `cs_units` the speech block's rows are aligned to the reply's content units (`speech_units`
-    [B, max_speech_len]: the speech generator's ids of the units its content rows stand for, Kokoro's
-    phoneme tokens with the two pads), so row i is told which phoneme it renders instead of having to find
-    it in r^t by position (docs/design.md "Aligned Content Synchronizer"). With `cv_units` the video
-    block's rows (25-fps frames) are aligned the same way to `video_units` [B, max_video_len], each
-    frame's unit on its clip's timeline; `video` runs that block alone, for inference, where the frame
-    units exist only after the speech block's rows have been spoken."""
-
-    def __init__(self, cfg: EmpatheiaConfig, *, rngs: nnx.Rngs):
-        self.speech = TransformerVAE(cfg.cs_speech, rngs=rngs)
-        self.video = TransformerVAE(cfg.cs_video, rngs=rngs)
-
-    def __call__(
-        self, r_t: jax.Array, r_t_mask: jax.Array, *, sample: bool, rng: jax.Array | None,
-        speech_units: jax.Array | None = None, video_units: jax.Array | None = None,
-    ) -> dict[str, VAEOutput]:
-        speech, video = run_vaes([self.speech, self.video], [(r_t, r_t_mask)] * 2, sample=sample, rng=rng,
-                                 units=[speech_units, video_units])
-        return {"cs_speech": speech, "cs_video": video}
-
-    def speech_block(self, r_t: jax.Array, r_t_mask: jax.Array, speech_units: jax.Array | None
-                     ) -> VAEOutput:
-        """The speech block alone, deterministic (z = mu), as `__call__(sample=False)` gives "cs_speech"."""
-        return self.speech(r_t, r_t_mask, sample=False, units=speech_units)
-
-    def video_block(self, r_t: jax.Array, r_t_mask: jax.Array, video_units: jax.Array | None) -> VAEOutput:
-        """The video block alone, deterministic (z = mu): what `__call__(sample=False)` gives as
-        "cs_video" for the same units (run_vaes runs a unit-aligned block alone, so nothing is shared)."""
-        return self.video(r_t, r_t_mask, sample=False, units=video_units)
-
-
-class SignalStandardizer(nnx.Module):
-    """`(r - shift[position]) * scale` over the n signal-token states [B, n, d] that feed the SD.
-
-    Across examples those states differ by ~10 % of their magnitude; the identity of each signal token
-    dominates, and raw the SD cannot learn from them (design.md "SD input standardisation"). Starts as the
-    identity; `calibrate_sd_inputs` sets it from data before the SD first trains.
-    """
-
-    def __init__(self, n: int, d: int, param_dtype):
-        self.shift = nnx.Param(jnp.zeros((n, d), param_dtype), out_sharding=(None, "embed"))
-        self.scale = nnx.Param(jnp.ones((d,), param_dtype), out_sharding=("embed",))
-
-    def __call__(self, r: jax.Array) -> jax.Array:
-        return (r - self.shift[...].astype(r.dtype)) * self.scale[...].astype(r.dtype)
-
-    def is_identity(self) -> bool:
-        return bool(jnp.all(self.shift[...] == 0) & jnp.all(self.scale[...] == 1))
-
-
-class StyleDisentangler(nnx.Module):
-    """SD (eqs 3-7) and the style classifiers.
-
-    Per modality m, r^m is first standardised (`SignalStandardizer`, set from data by `calibrate_sd_inputs`).
-    Then E^m = emotion VAE(r^m), P^m = profile VAE(r^m), each [B, sd_queries, sd_code_dim];
-    S^m = style layer(flat(E^m) ⊕ flat(P^m)) [B, style_dim] (eq 7's concatenation, then one affine map to
-    the generator's 256-d style code). Fusion: E = gelu(Linear(flat(E^s) ⊕ flat(E^v))) [B, fuse_dim] feeds the
-    emotion classifier; P likewise feeds the age, gender and timbre classifiers (each one Linear).
-    """
-
-    def __init__(self, cfg: EmpatheiaConfig, *, rngs: nnx.Rngs):
-        pdt = jnp.dtype(cfg.llm.param_dtype)
-        f32 = jnp.float32
-
-        def dense(d_in, d_out, axes):
-            return _dense(d_in, d_out, axes, rngs, f32, pdt)
-
-        self.speech_in = SignalStandardizer(cfg.n_signal, cfg.llm.hidden_size, pdt)
-        self.video_in = SignalStandardizer(cfg.n_signal, cfg.llm.hidden_size, pdt)
-        self.speech_emotion = TransformerVAE(cfg.sd_speech_emotion, rngs=rngs)
-        self.speech_profile = TransformerVAE(cfg.sd_speech_profile, rngs=rngs)
-        self.video_emotion = TransformerVAE(cfg.sd_video_emotion, rngs=rngs)
-        self.video_profile = TransformerVAE(cfg.sd_video_profile, rngs=rngs)
-
-        def width(c: VAEConfig) -> int:
-            return c.num_queries * c.d_out
-
-        se, sp = width(cfg.sd_speech_emotion), width(cfg.sd_speech_profile)
-        ve, vp = width(cfg.sd_video_emotion), width(cfg.sd_video_profile)
-        self.speech_style = dense(se + sp, cfg.style_dim, ("features", "features"))
-        self.video_style = dense(ve + vp, cfg.style_dim, ("features", "features"))
-        self.emotion_fuse = dense(se + ve, cfg.fuse_dim, ("features", "features"))
-        self.profile_fuse = dense(sp + vp, cfg.fuse_dim, ("features", "features"))
-        self.emotion_head = dense(cfg.fuse_dim, cfg.num_emotions, ("features", "classes"))
-        self.age_head = dense(cfg.fuse_dim, cfg.num_ages, ("features", "classes"))
-        self.gender_head = dense(cfg.fuse_dim, cfg.num_genders, ("features", "classes"))
-        self.timbre_head = dense(cfg.fuse_dim, cfg.num_timbres, ("features", "classes"))
-
-    def __call__(
-        self,
-        r_s: jax.Array,
-        r_s_mask: jax.Array,
-        r_v: jax.Array,
-        r_v_mask: jax.Array,
-        *,
-        sample: bool,
-        rng: jax.Array | None,
-    ) -> dict[str, Any]:
-        r_s, r_v = self.speech_in(r_s), self.video_in(r_v)
-        blocks = [self.speech_emotion, self.speech_profile, self.video_emotion, self.video_profile]
-        inputs = [(r_s, r_s_mask), (r_s, r_s_mask), (r_v, r_v_mask), (r_v, r_v_mask)]
-        vae = dict(zip(SD_VAES, run_vaes(blocks, inputs, sample=sample, rng=rng), strict=True))
-        e_s, p_s = _flat(vae["sd_speech_emotion"].out), _flat(vae["sd_speech_profile"].out)
-        e_v, p_v = _flat(vae["sd_video_emotion"].out), _flat(vae["sd_video_profile"].out)
-        emotion = jax.nn.gelu(self.emotion_fuse(jnp.concatenate([e_s, e_v], -1)))
-        profile = jax.nn.gelu(self.profile_fuse(jnp.concatenate([p_s, p_v], -1)))
-        return {
-            "vae": vae,
-            "speech_style": self.speech_style(jnp.concatenate([e_s, p_s], -1)),
-            "video_style": self.video_style(jnp.concatenate([e_v, p_v], -1)),
-            "emotion_features": emotion,
-            "profile_features": profile,
-            "emotion_logits": self.emotion_head(emotion),
-            "age_logits": self.age_head(profile),
-            "gender_logits": self.gender_head(profile),
-            "timbre_logits": self.timbre_head(profile),
-        }
-
 
 # ----------------------------------------------------------------------------------------------------------
 # The model
@@ -577,8 +70,8 @@ class Empatheia(nnx.Module):
             pdt = jnp.dtype(cfg.llm.param_dtype)
             if cfg.has_media:
                 cdt = cfg.llm.compute_dtype
-                self.aud_proj = _dense(cfg.audio_dim, d, ("features", "embed"), rngs, cdt, pdt)
-                self.vid_proj = _dense(cfg.video_dim, d, ("features", "embed"), rngs, cdt, pdt)
+                self.aud_proj = partitioned_dense(cfg.audio_dim, d, ("features", "embed"), rngs, cdt, pdt)
+                self.vid_proj = partitioned_dense(cfg.video_dim, d, ("features", "embed"), rngs, cdt, pdt)
             if cfg.has_cs:
                 self.content_sync = ContentSynchronizer(cfg, rngs=rngs)
             if cfg.has_sd:
@@ -701,37 +194,58 @@ class Empatheia(nnx.Module):
         video_style [B,256], speech/video_emotion/profile (E^m, P^m), emotion_features (E),
         profile_features (P), emotion/age/gender/timbre_logits; and `vae`: {block name: VAEOutput}.
         """
-        cfg = self.config
-        heads = cfg.heads if heads is None else frozenset(heads)
-        missing = sorted(heads - cfg.heads)
-        if missing:
-            raise ValueError(f"heads {missing} requested but this model has only {sorted(cfg.heads)}")
+        heads = self._heads_to_run(heads)
         ids = batch["input_ids"]
-        keys = self._head_keys(rng, ids.shape[0], needed=bool(train and heads))
+        cs_key, sd_key = self._head_keys(rng, ids.shape[0], needed=bool(train and heads))
         hidden, mask, r_t_mask = self._backbone(batch)
         out: dict[str, Any] = {"logits": self.llm.logits(hidden), "hidden": hidden}
         out.update(self.gather_signal_states(hidden, ids, mask))
         out["r_t"] = hidden
         out["r_t_mask"] = r_t_mask
         vae: dict[str, VAEOutput] = {}
-        sample = bool(train)
         if "cs" in heads:
-            cs = self._content(batch, out["r_t"], out["r_t_mask"], sample=sample, rng=keys[0], video=video)
-            vae.update(cs)
-            out["speech_content"] = cs["cs_speech"].out
-            if "cs_video" in cs:
-                out["video_content"] = cs["cs_video"].out
+            content, blocks = self._content_outputs(batch, out, sample=bool(train), rng=cs_key, video=video)
+            out.update(content)
+            vae.update(blocks)
         if "sd" in heads:
-            sd = self.style_dis(out["r_s"], out["r_s_mask"], out["r_v"], out["r_v_mask"], sample=sample,
-                                rng=keys[1])
-            vae.update(sd.pop("vae"))
-            out.update(sd)
-            out["speech_emotion"] = vae["sd_speech_emotion"].out
-            out["speech_profile"] = vae["sd_speech_profile"].out
-            out["video_emotion"] = vae["sd_video_emotion"].out
-            out["video_profile"] = vae["sd_video_profile"].out
+            style, blocks = self._style_outputs(out, sample=bool(train), rng=sd_key)
+            out.update(style)
+            vae.update(blocks)
         out["vae"] = vae
         return out
+
+    def _heads_to_run(self, heads: frozenset[str] | set[str] | None) -> frozenset[str]:
+        """The heads a call asks for (default: all this model has); asking for one it lacks is an error."""
+        cfg = self.config
+        heads = cfg.heads if heads is None else frozenset(heads)
+        missing = sorted(heads - cfg.heads)
+        if missing:
+            raise ValueError(f"heads {missing} requested but this model has only {sorted(cfg.heads)}")
+        return heads
+
+    def _content_outputs(
+        self, batch: Mapping[str, jax.Array], out: Mapping[str, Any], *, sample: bool, rng: jax.Array | None,
+        video: bool,
+    ) -> tuple[dict[str, jax.Array], dict[str, VAEOutput]]:
+        """({speech_content, video_content (with `video`)}, the CS blocks' VAE outputs) over r^t."""
+        cs = self._content(batch, out["r_t"], out["r_t_mask"], sample=sample, rng=rng, video=video)
+        content = {"speech_content": cs["cs_speech"].out}
+        if "cs_video" in cs:
+            content["video_content"] = cs["cs_video"].out
+        return content, cs
+
+    def _style_outputs(self, out: Mapping[str, Any], *, sample: bool, rng: jax.Array | None
+                       ) -> tuple[dict[str, Any], dict[str, VAEOutput]]:
+        """(the SD's outputs over r^s, r^v: styles, fused features, classifier logits, then E^m and P^m as
+        speech/video_emotion/profile; the SD blocks' VAE outputs)."""
+        style = self.style_dis(out["r_s"], out["r_s_mask"], out["r_v"], out["r_v_mask"], sample=sample,
+                               rng=rng)
+        blocks = style.pop("vae")
+        style["speech_emotion"] = blocks["sd_speech_emotion"].out
+        style["speech_profile"] = blocks["sd_speech_profile"].out
+        style["video_emotion"] = blocks["sd_video_emotion"].out
+        style["video_profile"] = blocks["sd_video_profile"].out
+        return style, blocks
 
     @staticmethod
     def _head_keys(rng: jax.Array | None, batch_size: int, *, needed: bool
@@ -862,7 +376,7 @@ class Empatheia(nnx.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Loss denominators (gradient accumulation)
+# Copying a pretrained backbone
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -901,15 +415,8 @@ def copy_backbone(src: Llama, dst: Llama) -> None:
             idx = (slice(0, rows),) if axis == 0 else (slice(None), slice(0, rows))
             new[...] = new[...].at[idx].set(old[idx].astype(new.dtype))
 
+
 __all__ = [
-    "CS_VAES",
-    "HEADS",
-    "SD_VAES",
-    "ContentSynchronizer",
     "Empatheia",
-    "EmpatheiaConfig",
-    "StyleDisentangler",
-    "SignalStandardizer",
     "copy_backbone",
-    "run_vaes",
 ]

@@ -5,7 +5,7 @@
 
 One output row per query: row i of `out` predicts target row i (CS: phoneme / video frame i; SD: the
 emotion or profile code). The CS instantiates it once per modality over r^t, the SD twice per modality
-(emotion, profile) over r^s / r^v; `empatheia_jax.models.empatheia` assembles them.
+(emotion, profile) over r^s / r^v; `empatheia_jax.models.heads` assembles them.
 
 A block with `num_units` > 0 aligns its rows to content units: query i is q_i + U[unit_i] for the unit
 (e.g. the phoneme) that target row i stands for, given per example, so row i knows WHAT it renders and

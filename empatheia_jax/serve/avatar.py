@@ -27,7 +27,8 @@ from empatheia_jax.generators import registry
 from empatheia_jax.generators.base import GeneratorError
 from empatheia_jax.generators.kokoro_voices import to_pcm16
 from empatheia_jax.generators.speech_synth import listener_style, write_wav
-from empatheia_jax.serve.chat import pinned_style, read_outputs, reply_emotion
+from empatheia_jax.serve.chat import pinned_style, reply_emotion
+from empatheia_jax.serve.outputs import read_outputs
 
 SPEECH_GENERATOR = "kokoro"
 VIDEO_GENERATOR = "face_render"

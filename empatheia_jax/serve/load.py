@@ -21,11 +21,8 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
 from empatheia_jax.data.templates import extend_tokenizer
-from empatheia_jax.models.empatheia import (
-    Empatheia,
-    EmpatheiaConfig,
-    copy_backbone,
-)
+from empatheia_jax.models.empatheia import Empatheia, copy_backbone
+from empatheia_jax.models.empatheia_config import EmpatheiaConfig
 from empatheia_jax.models.llama import Llama, base_shapes_only
 from empatheia_jax.models.lora import lora_layers
 from empatheia_jax.train import config as config_lib
@@ -37,7 +34,7 @@ from empatheia_jax.train.checkpoint import (
     resolve_checkpoint,
     weights_item,
 )
-from empatheia_jax.train.trainer import build_model, model_manifest, saved_state
+from empatheia_jax.train.init import build_model, model_manifest, saved_state
 from empatheia_jax.weights.checkpoint_io import load_checkpoint, load_tokenizer
 from empatheia_jax.weights.export_empatheia import (
     ADAPTER_FILE,
@@ -210,7 +207,6 @@ def load_exported(
     (a "peft" export needs it) when it has moved.
     """
     from empatheia_jax.serve.load import untrained_model
-    from empatheia_jax.train.trainer import load_tokenizer
 
     path = Path(path)
     meta = read_export_meta(path)

@@ -4,9 +4,9 @@ speech and its avatar video. The per-turn code behind both `empatheia chat` and 
 `Replier` is what a turn needs from a checkpoint besides the model: the encoder of its training shards
 (features must be computed as training computed them, so a checkpoint without that entry is refused), the
 target sources its speech/video heads were trained on (which generators can read them), and the prompt
-budget (config.data.max_len). `run_turn` calls `chat.respond`, writes OUT.npz/OUT.json, then speaks the
-reply with Kokoro (`avatar.synthesize_reply`) and draws the face (`avatar.render_avatar`), the listener
-avatar pinned when one is given, timing each part.
+budget (config.data.max_len). `run_turn` calls `chat.respond`, writes OUT.npz/OUT.json
+(`outputs.write_outputs`), then speaks the reply with Kokoro (`avatar.synthesize_reply`) and draws the face
+(`avatar.render_avatar`), the listener avatar pinned when one is given, timing each part.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from empatheia_jax.data.targets import STAND_IN
-from empatheia_jax.serve import avatar, chat
+from empatheia_jax.serve import avatar, chat, outputs
+from empatheia_jax.serve.history import ChatInputError
+from empatheia_jax.serve.prompt import EncoderManifestError, PromptTooLongError, encoder_from_manifest
 from empatheia_jax.serve.reply_choice import ReplySampling
 from empatheia_jax.train.checkpoint import CheckpointError
 
@@ -65,8 +67,8 @@ def replier_from_loaded(model: Any, tokenizer: Any, config: Any, meta: Mapping[s
         raise CheckpointError(f"{where}: its meta has no 'encoder' entry (the encoder of its training "
                               "shards), so chat cannot compute speech/video features the way training did")
     try:
-        encoder = chat.encoder_from_manifest(meta["encoder"])
-    except chat.EncoderManifestError as e:
+        encoder = encoder_from_manifest(meta["encoder"])
+    except EncoderManifestError as e:
         raise CheckpointError(f"{where}: {e}") from e
     targets = meta.get("targets") or {}
     return Replier(model=model, tokenizer=tokenizer, max_len=int(config.data.max_len), encoder=encoder,
@@ -115,7 +117,7 @@ def run_turn(
 ) -> Turn:
     """One reply to `text` (with its optional `audio` .wav / `video` .mp4) after `history`, written to
     OUT.npz/OUT.json; `render` "speech" adds OUT.wav (Kokoro), "avatar" also OUT.mp4 (the face with that
-    speech); `hear` has Whisper tiny.en transcribe the speech into OUT.json (`chat.hear_reply`).
+    speech); `hear` has Whisper tiny.en transcribe the speech into OUT.json (`outputs.hear_reply`).
     `reply_sampling` (`reply_choice.ReplySampling`) draws the reply after the greedy CoE (`chat.respond`);
     `written` (a CoE text) is read instead of generated (`chat.respond`).
 
@@ -135,12 +137,12 @@ def run_turn(
             compiler_options=replier.compiler_options, listener=listener, reply_sampling=reply_sampling,
             written=written,
         )
-    except chat.PromptTooLongError as e:
-        raise chat.ChatInputError(
+    except PromptTooLongError as e:
+        raise ChatInputError(
             f"{text_name}: the latest utterance makes a {e.prompt_tokens}-token prompt, more than the "
             f"{replier.max_len} tokens the model was trained with (config.data.max_len)"
         ) from e
-    npz, js = chat.write_outputs(result, out)
+    npz, js = outputs.write_outputs(result, out)
     turn = Turn(result=result, npz=npz, json=js, timings={"decode": time.perf_counter() - t0})
     latest = len(history or [])
     heard = [t["transcript"] for t in result.input_transcripts if t["utterance_index"] == latest]
@@ -149,13 +151,13 @@ def run_turn(
         return turn
     listener = dict(listener) if listener is not None else None
     if listener is not None:
-        chat.update_outputs(js, {"listener": listener})
+        outputs.update_outputs(js, {"listener": listener})
     t0 = time.perf_counter()
     turn.wav, turn.speech_seconds, turn.speech_notes = avatar.synthesize_reply(npz, npz.with_suffix(".wav"),
                                                                                listener=listener)
     turn.timings["speech"] = time.perf_counter() - t0
     if hear:
-        turn.heard = chat.hear_reply(js, turn.wav)
+        turn.heard = outputs.hear_reply(js, turn.wav)
     if render == "avatar":
         t0 = time.perf_counter()
         turn.mp4, turn.frames, turn.video_notes = avatar.render_avatar(npz, turn.wav, npz.with_suffix(".mp4"),

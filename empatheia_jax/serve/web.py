@@ -2,10 +2,12 @@
 
 - `POST /api/turn` takes one JSON object {conversation, text, audio, video, listener, render}: `audio` a
   base64 WAV, `video` a base64 mp4 (or webm, what a browser records), `listener` {age, gender, timbre},
-  `render` "text" | "speech" | "avatar" (default). It answers {conversation, turn, reply, coe, emotion, ...,
-  timings {queue, decode, speech, video, total}, audio_url, video_url}. `conversation` null starts one; its
-  id comes back, and the next turn sent with it sees this one in its history (the speaker's utterance and
-  its media, then the reply), as `empatheia chat --history` would. `POST /api/reset` ends one.
+  `render` "text" | "speech" | "avatar" (default). It answers {conversation, turn, reply, coe, emotion,
+  listener (the pinned avatar the turn used, or null), prompt_length (the tokens the model read, media
+  placeholders included), ..., timings {queue, decode, speech, video, total}, audio_url, video_url}.
+  `conversation` null starts one; its id comes back, and the next turn sent with it sees this one in its
+  history (the speaker's utterance and its media, then the reply), as `empatheia chat --history` would.
+  `POST /api/reset` ends one.
 - The turn itself is `turn.run_turn`, the code `empatheia chat` runs, on one model instance: turns run one
   at a time on one worker thread, behind `Limits.queue` waiting places; a turn that finds them all taken is
   answered 503 with Retry-After at once (memory never grows with the number of callers).
@@ -42,7 +44,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
 
 from empatheia_jax.data import schema
-from empatheia_jax.serve import chat, turn
+from empatheia_jax.serve import turn
+from empatheia_jax.serve.history import ChatInputError
+from empatheia_jax.serve.prompt import PromptTooLongError
 
 STATIC = Path(__file__).with_name("static")
 MEDIA_TYPES = {".wav": "audio/wav", ".mp4": "video/mp4", ".webm": "video/webm"}
@@ -102,6 +106,7 @@ def replier_turn(replier: turn.Replier, **options: Any) -> TurnFn:
             "reply": r.reply, "text": r.text, "coe": r.coe, "emotion": r.emotion,
             "emotion_text": r.emotion_text,
             "profile": {k: r.profile.get(k, "") for k in ("age", "gender", "timbre")},
+            "listener": listener,  # the avatar the reply is spoken and drawn as (None: the predicted one)
             "speaker_text": done.speaker_text, "input_transcripts": r.input_transcripts,
             "prompt_length": r.prompt_length, "new_tokens": len(r.input_ids) - r.prompt_length,
             "notes": [*r.notes, *done.speech_notes, *done.video_notes], "timings": dict(done.timings),
@@ -292,11 +297,11 @@ class Server:
             out = self.turn_fn(text=fields["text"], audio=audio, video=video, history=list(session.history),
                                out=session.folder / f"turn{n}_reply", render=fields["render"],
                                listener=fields["listener"])
-        except chat.ChatInputError as e:
+        except ChatInputError as e:
             for p in (audio, video):
                 if p is not None:
                     p.unlink(missing_ok=True)
-            status = 413 if isinstance(e.__cause__, chat.PromptTooLongError) else 422
+            status = 413 if isinstance(e.__cause__, PromptTooLongError) else 422
             raise RequestProblem(status, str(e)) from e
         finally:
             with self._lock:

@@ -35,7 +35,7 @@ class Schedule:
     steps: int
     lr: float
     warmup_steps: int
-    sd_warmup_steps: int = 0  # SD-only steps on cached signal states before step 0 (trainer.warmup_sd)
+    sd_warmup_steps: int = 0  # SD-only steps on cached signal states before step 0 (sd_warmup.warmup_sd)
     sd_warmup_lr: float = 0.0  # resolved: schedule.<stage>.sd_warmup_lr, or the stage's lr when that is 0
 
 

@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from empatheia_jax.models.empatheia import SD_VAES, Empatheia, EmpatheiaConfig, StyleDisentangler
+from empatheia_jax.models.empatheia import Empatheia
+from empatheia_jax.models.empatheia_config import SD_VAES, EmpatheiaConfig
+from empatheia_jax.models.heads import StyleDisentangler
 from empatheia_jax.models.vae import VAEOutput
 from empatheia_jax.train import losses
 from empatheia_jax.train.stages import Stage

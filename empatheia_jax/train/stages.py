@@ -35,10 +35,8 @@ import optax
 from flax import nnx
 
 from empatheia_jax.data.templates import TemplateSpec
-from empatheia_jax.models.empatheia import (
-    Empatheia,  # also registers the "cs", "sd", "proj" groups
-    EmpatheiaConfig,
-)
+from empatheia_jax.models.empatheia import Empatheia  # also registers the "cs", "sd", "proj" groups
+from empatheia_jax.models.empatheia_config import EmpatheiaConfig
 from empatheia_jax.models.trainable import trainable_filter
 from empatheia_jax.train import losses
 
@@ -55,7 +53,7 @@ class Stage:
     name: the stage's name (a checkpoint folder and metric prefix). trainable_groups: `models.trainable`
     groups the optimizer updates. loss_terms: `losses` term names that count; terms of the `loss_stage`
     formula that are not listed enter as 0 (ablations). template_stage, use_coe, media_input,
-    pipeline_baseline: the `templates.TemplateSpec` / `input_pipeline.PipelineConfig` fields.
+    pipeline_baseline: the `templates.TemplateSpec` / `pipeline_config.PipelineConfig` fields.
     reads_llm: the forward runs the backbone; False: only the CS runs, from its units with r^t empty
     (`Empatheia.content_from_units`), so the stage may train only the CS on L_ccl and KL.
     """
@@ -100,7 +98,7 @@ class Stage:
                             pipeline_baseline=self.pipeline_baseline, n_signal=n_signal)
 
     def pipeline_fields(self) -> dict[str, Any]:
-        """The `input_pipeline.PipelineConfig` fields this stage fixes."""
+        """The `pipeline_config.PipelineConfig` fields this stage fixes."""
         return {"stage": self.template_stage, "use_coe": self.use_coe, "media_input": self.media_input,
                 "pipeline_baseline": self.pipeline_baseline}
 
@@ -255,7 +253,7 @@ def apply_update(
 
 
 def trainable_state(model: Empatheia, stage: Stage) -> nnx.State:
-    """The parameters `stage` trains (what its optimizer updates; `trainer.make_tx` reads their placement)."""
+    """The parameters `stage` trains (what its optimizer updates; `init.make_tx` reads their placement)."""
     return nnx.state(model, trainable_filter(stage.trainable_groups))
 
 

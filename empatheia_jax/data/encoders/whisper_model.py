@@ -1,6 +1,6 @@
 """Whisper's audio encoder in flax.nnx, loaded from a CTranslate2 model.bin (fp16 -> fp32).
 
-The frozen encoder behind the `whisper_tiny_en` input encoder (`data/encoders.py`; docs/design.md
+The frozen encoder behind the `whisper_tiny_en` input encoder (`whisper.py`; docs/design.md
 "Encoders"). It is OpenAI Whisper's encoder as CTranslate2 runs it: log-mel [B, 3000, n_mels] -> conv1
 (kernel 3, padding 1) + GELU -> conv2 (kernel 3, stride 2, padding 1) + GELU -> + the sinusoidal positions
 stored in the checkpoint -> pre-LayerNorm transformer layers (self-attention, GELU MLP) -> final LayerNorm
@@ -12,7 +12,7 @@ never imports the ones above it (docs/design.md "Layers"). It is a module and a 
 `nnx.MultiHeadAttention`, every parameter with logical axis names through `nnx.with_partitioning`
 (`empatheia_jax.sharding.LOGICAL_RULES`), created inside `nnx.use_eager_sharding(False)`.
 
-Weights: the variables of the file's `encoder/` scope, read by `data/ct2_model.py`. CTranslate2 fuses
+Weights: the variables of the file's `encoder/` scope, read by `ct2_model.py`. CTranslate2 fuses
 the query/key/value projections into one `[3d, d]` matrix (the key's bias, which Whisper does not have, is
 stored as zeros); it is split into the three projections here. The architecture (layers, width, heads,
 MLP width, mel bins, positions) is read from the file, so any Whisper size converted by CTranslate2 loads.
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from empatheia_jax.data.ct2_model import CT2FormatError, CT2Model, read_ct2_model
+from empatheia_jax.data.encoders.ct2_model import CT2FormatError, CT2Model, read_ct2_model
 
 N_FRAMES = 3000  # mel frames of Whisper's 30-s window (hop 160 at 16 kHz)
 SCOPE = "encoder/"

