@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     from empatheia_jax.eval.metrics.video import lip_sync
     from empatheia_jax.eval.speech import gold_speech_from_targets
     from empatheia_jax.generators import kokoro, visemes
-    from empatheia_jax.generators.face_render import CONTENT_MOUTH, MOUTH_LEVELS, render_controls
+    from empatheia_jax.generators.face_paint import MOUTH_LEVELS
+    from empatheia_jax.generators.face_render import CONTENT_MOUTH, render_controls
     from empatheia_jax.generators.kokoro_voices import LISTENER_SPEED, to_pcm16
     from empatheia_jax.generators.speech_synth import speech_envelope
 

@@ -477,13 +477,13 @@ def video_jobs(
 ) -> list[VideoJob]:
     """One job per distinct utterance (histories and responses); every wav and coefficient file must
     exist (a `UsageError` names the missing ones, before any model is loaded)."""
-    from empatheia_jax.data import schema
+    from empatheia_jax.data import raw_layout, schema
 
     raw, coeffs = Path(raw), Path(coeffs)
     if not coeffs.is_dir() and raw.is_dir():
         raise UsageError(f"--coeffs folder {coeffs} does not exist")
     dialogues = raw_dialogues(raw, splits, dialogues)
-    media = Path(schema.media_dir_of(raw))
+    media = Path(raw_layout.media_dir_of(raw))
     jobs, seen, missing = [], set(), []
     for d in dialogues:
         for uid, _role, _text in schema.dialogue_utterances(d):

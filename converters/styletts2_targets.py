@@ -130,11 +130,11 @@ def speech_jobs(
     (data.prepare joins them by response id), so a text corpus such as imported EmpatheticDialogues
     needs no more, and half the work is saved.
     """
-    from empatheia_jax.data import schema
+    from empatheia_jax.data import raw_layout, schema
 
     dialogues = raw_dialogues(raw, splits, dialogues)
     emap = schema.EmotionMap.load("avamerg7")
-    media = Path(schema.media_dir_of(raw))
+    media = Path(raw_layout.media_dir_of(raw))
     jobs, seen = [], set()
     for d in dialogues:
         emotion = emap.class_name(d.turns[0].chain_of_empathy.speaker_emotion) if d.turns else None

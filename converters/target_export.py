@@ -22,8 +22,7 @@ def raw_dialogues(raw: str | os.PathLike, splits: list[str] | None = None,
                   dialogues: Iterable[Any] | None = None) -> list[Any]:
     """`dialogues` when given (e.g. the ones that passed validation), else every dialogue of RAW's split
     files (`splits`, default all); a missing folder or split file is a `UsageError` naming it."""
-    from empatheia_jax.data import schema
-    from empatheia_jax.data.schema import discover_splits
+    from empatheia_jax.data import raw_layout, schema
 
     raw = Path(raw)
     if not raw.is_dir():
@@ -31,12 +30,12 @@ def raw_dialogues(raw: str | os.PathLike, splits: list[str] | None = None,
     if dialogues is not None:
         return list(dialogues)
     try:
-        names = list(splits) if splits else discover_splits(raw)
+        names = list(splits) if splits else raw_layout.discover_splits(raw)
     except FileNotFoundError as e:
         raise UsageError(str(e)) from e
     out = []
     for split in names:
-        path = schema.split_json_path(raw, split)
+        path = raw_layout.split_json_path(raw, split)
         if not os.path.isfile(path):
             raise UsageError(f"split {split!r}: {path} does not exist")
         out.extend(schema.load_dialogues(path))

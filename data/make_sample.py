@@ -56,14 +56,13 @@ from typing import Any
 
 from empatheia_jax import logs
 from empatheia_jax.assets import sha256_file
+from empatheia_jax.data.raw_layout import media_dir_of, split_json_path
 from empatheia_jax.data.schema import (
     EMOTIONS_7,
     Dialogue,
     EmotionMap,
     dialogue_utterances,
-    media_dir_of,
     response_utterance_id,
-    split_json_path,
     validate_dialogues,
 )
 

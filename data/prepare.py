@@ -14,11 +14,8 @@ from typing import Any
 from empatheia_jax import logs
 from empatheia_jax.data import prepare as _lib
 from empatheia_jax.data import schema
-from empatheia_jax.data.prepare import (
-    MEDIA_MODES,
-    InvalidInputError,
-    prepare,
-)
+from empatheia_jax.data.prepare import prepare
+from empatheia_jax.data.raw_splits import MEDIA_MODES, InvalidInputError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -158,7 +158,7 @@ step 7 "chat: one held-out dialogue turn with its speech and video -> CoE, reply
 "$PY" - "$WORK/sample" "$RUN/chat_history.json" > "$RUN/chat_args.txt" <<'EOF_TURN'
 import json, sys
 from pathlib import Path
-from empatheia_jax.data.schema import utterance_id
+from empatheia_jax.data.raw_layout import utterance_id
 raw, out = Path(sys.argv[1]).resolve(), Path(sys.argv[2])  # absolute: history paths are read relative to the file
 dialogue = json.loads((raw / "test.json").read_text())[0]
 hist = dialogue["turns"][-1]["dialogue_history"]  # ends with the speaker's latest utterance

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from helpers import make_raw, read_shard_split, require, synthetic_dialogue, write_gold_speech
 
-from empatheia_jax.data import schema
+from empatheia_jax.data import raw_layout
 from empatheia_jax.data.asr_shards import TRANSCRIPTS, AsrShardsError, cached_asr_shards
 from empatheia_jax.data.encoders import asr
 from empatheia_jax.data.prepare import prepare
@@ -60,7 +60,7 @@ def prepared(tmp_path_factory) -> dict:
     raw = make_raw(root / "raw", {"test": [_dialogue("test0", 2), _dialogue("test1", 1)]})
     uids = {}
     for (cid, k), text in SAID.items():
-        uid = schema.utterance_id(cid, k, 1 if k % 2 == 0 else 2)
+        uid = raw_layout.utterance_id(cid, k, 1 if k % 2 == 0 else 2)
         uids[uid] = (cid, k)
         write_gold_speech(raw / "media" / f"{uid}.wav", text, SPEAKER if k % 2 == 0 else LISTENER)
     shards = root / "shards"

@@ -9,6 +9,7 @@ import hashlib
 import numpy as np
 import pytest
 
+from empatheia_jax.generators import face_idle, face_paint
 from empatheia_jax.generators import face_render as fr
 from empatheia_jax.generators.speech_synth import write_wav
 
@@ -24,10 +25,10 @@ def _flat(n: int) -> np.ndarray:
 def _mouth_read_back(style: np.ndarray, size: int, idle: bool) -> np.ndarray:
     """Per mouth level 0..15: how much the frame differs from the same frame with the mouth closed (the idle
     schedule is the same for both clips, so only the mouth differs), per pixel of the frame."""
-    content = _flat(fr.MOUTH_LEVELS)
-    content[:, fr.CONTENT_MOUTH] = np.arange(fr.MOUTH_LEVELS) / (fr.MOUTH_LEVELS - 1)
+    content = _flat(face_paint.MOUTH_LEVELS)
+    content[:, fr.CONTENT_MOUTH] = np.arange(face_paint.MOUTH_LEVELS) / (face_paint.MOUTH_LEVELS - 1)
     open_ = fr.render_controls(content, style, size=size, idle=idle).astype(np.int64)
-    closed = fr.render_controls(_flat(fr.MOUTH_LEVELS), style, size=size, idle=idle).astype(np.int64)
+    closed = fr.render_controls(_flat(face_paint.MOUTH_LEVELS), style, size=size, idle=idle).astype(np.int64)
     return np.abs(open_ - closed).sum((1, 2, 3)) / size**2
 
 
@@ -75,16 +76,16 @@ def test_a_silent_avatar_lives_only_when_idle():
 
 
 def test_idle_schedule_is_natural_deterministic_and_ors_the_eyelid_control():
-    life = fr.idle_life(60 * FPS, 4, fr.AVATAR_SIZE)
+    life = face_idle.idle_life(60 * FPS, 4, fr.AVATAR_SIZE)
     onsets = np.flatnonzero(np.diff((life.blink == 2).astype(int)) == 1) + 1
     gaps = np.diff(onsets) / FPS
     assert onsets[0] < 2.6 * FPS and gaps.min() >= 2.9 and gaps.max() <= 5.1 and len(onsets) >= 12
     for motion in (life.head_dx, life.head_dy, life.torso_dy):
         assert 0.004 * 256 < np.abs(motion).max() < 0.03 * 256  # ~1-2 % of the frame size
-    again = fr.idle_life(60 * FPS, 4, fr.AVATAR_SIZE)
+    again = face_idle.idle_life(60 * FPS, 4, fr.AVATAR_SIZE)
     np.testing.assert_array_equal(life.head_dx, again.head_dx)
     np.testing.assert_array_equal(life.blink, again.blink)
-    other = fr.idle_life(60 * FPS, 5, fr.AVATAR_SIZE)
+    other = face_idle.idle_life(60 * FPS, 5, fr.AVATAR_SIZE)
     assert not np.array_equal(life.blink, other.blink) and not np.allclose(life.head_dx, other.head_dx)
     # same inputs, same frames; an eyelid control still closes the eyes whatever the schedule says
     _, style = fr.face_controls(np.zeros(4), PROFILE, "empathetic")

@@ -19,7 +19,8 @@ import pytest
 from data import make_sample
 from empatheia_jax.data.schema import Dialogue, EmotionMap, dialogue_utterances, validate_dialogues
 from empatheia_jax.generators import kokoro_voices
-from empatheia_jax.generators.face_render import _layout, _mouth_box, render_face_video, render_frames
+from empatheia_jax.generators.face_paint import _layout, _mouth_box
+from empatheia_jax.generators.face_render import render_face_video, render_frames
 from empatheia_jax.generators.speech_synth import (
     FRAME_RATE,
     SAMPLE_RATE,

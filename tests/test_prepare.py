@@ -16,8 +16,9 @@ from helpers import make_raw, read_shard_split, synthetic_dialogue
 
 from data import prepare as prepare_cli
 from empatheia_jax.data import prepare as prep
-from empatheia_jax.data import schema
+from empatheia_jax.data import schema, shard_writer
 from empatheia_jax.data.encoders import get_encoder
+from empatheia_jax.data.raw_splits import InvalidInputError
 from empatheia_jax.data.shard_format import (
     ShardRecordError,
     decode_shard_record,
@@ -139,7 +140,7 @@ def test_invalid_input_fails_listing_problems_or_skips(tmp_path):
         skip_media={"diabad2utt2_1"},
     )
     out = tmp_path / "out"
-    with pytest.raises(prep.InvalidInputError) as e:
+    with pytest.raises(InvalidInputError) as e:
         prep.prepare(raw, out, progress=False)
     msg = str(e.value)
     assert "bad1" in msg and "zzzunknown" in msg and "bad2" in msg and "diabad2utt2_1.wav" in msg
@@ -165,7 +166,7 @@ def test_invalid_input_fails_listing_problems_or_skips(tmp_path):
 def test_conversation_in_two_splits_is_an_error(tmp_path):
     d = synthetic_dialogue("dup", "sad", 1)
     raw = make_raw(tmp_path / "raw", {"train": [d], "test": [d]})
-    with pytest.raises(prep.InvalidInputError, match="must not span splits"):
+    with pytest.raises(InvalidInputError, match="must not span splits"):
         prep.prepare(raw, tmp_path / "out", skip_invalid=True, progress=False)
 
 
@@ -190,7 +191,7 @@ def test_cli_overwrite_interrupt_and_workers(prepared, tmp_path, monkeypatch):
     assert verify_shards(out) == []
     # an interrupted run leaves no manifest and no temporary shards
     calls = {"n": 0}
-    real = prep.encode_shard_record
+    real = shard_writer.encode_shard_record
 
     def flaky(rec):
         calls["n"] += 1
@@ -198,7 +199,7 @@ def test_cli_overwrite_interrupt_and_workers(prepared, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(rec)
 
-    monkeypatch.setattr(prep, "encode_shard_record", flaky)
+    monkeypatch.setattr(shard_writer, "encode_shard_record", flaky)
     with pytest.raises(KeyboardInterrupt):
         prep.prepare(raw, out, overwrite=True, progress=False)
     assert not (out / "manifest.json").exists() and not list(out.glob("*/.*.tmp"))

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from helpers import require
 
-from empatheia_jax.data import schema
+from empatheia_jax.data import raw_layout, schema
+from empatheia_jax.data.raw_layout import parse_utterance_id, utterance_id
 from empatheia_jax.data.schema import (
     AGES,
     ED_EMOTIONS_32,
@@ -22,10 +23,8 @@ from empatheia_jax.data.schema import (
     SchemaError,
     dialogue_utterances,
     labels_for,
-    parse_utterance_id,
     response_utterance_id,
     turn_utterances,
-    utterance_id,
     validate_dialogues,
     validate_file,
 )
@@ -92,7 +91,7 @@ def test_utterance_id_round_trip(k):
 def test_bad_conversation_ids_rejected(cid):
     with pytest.raises(ValueError, match="conversation id"):
         utterance_id(cid, 0, 1)
-    assert schema.check_conversation_id(cid) is not None
+    assert raw_layout.check_conversation_id(cid) is not None
 
 
 @pytest.mark.parametrize(
@@ -244,9 +243,9 @@ def test_media_layout(raw_dir):
 
 def test_clean_dataset_has_no_problems(raw_dir):
     m = EmotionMap.load()
-    media = schema.media_dir_of(raw_dir)
+    media = raw_layout.media_dir_of(raw_dir)
     assert validate_dialogues(_clean_dialogues(), source="valid.json", media_dir=media, emotion_map=m) == []
-    assert validate_file(schema.split_json_path(raw_dir, "valid"), media) == []
+    assert validate_file(raw_layout.split_json_path(raw_dir, "valid"), media) == []
 
 
 def test_every_planted_fault_is_reported(raw_dir, tmp_path):

@@ -32,6 +32,7 @@ from data import prepare as prepare_cli
 from empatheia_jax.data import ed as import_ed
 from empatheia_jax.data import prepare as prep
 from empatheia_jax.data import schema
+from empatheia_jax.data.raw_splits import InvalidInputError
 from empatheia_jax.data.shard_format import MissingMediaError, load_manifest, verify_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,11 +149,11 @@ def optional_raw(tmp_path_factory) -> Path:
 def test_media_optional_is_per_dialogue_and_a_missing_file_is_still_named(optional_raw, tmp_path):
     out = tmp_path / "out"
     # default (required): every dialogue without its media is a problem
-    with pytest.raises(prep.InvalidInputError) as e:
+    with pytest.raises(InvalidInputError) as e:
         prep.prepare(optional_raw, out, progress=False)
     assert "diabareutt0_1.wav" in str(e.value) and "diapartutt2_1.wav" in str(e.value)
     # optional: the bare dialogue is text-only, the partial one still fails naming both of its missing files
-    with pytest.raises(prep.InvalidInputError) as e:
+    with pytest.raises(InvalidInputError) as e:
         prep.prepare(optional_raw, out, progress=False, media="optional")
     msg = str(e.value)
     assert "diapartutt2_1.wav" in msg and "diapartutt2_1.mp4" in msg and "conversation part" in msg

@@ -13,7 +13,8 @@ import pytest
 
 from empatheia_jax.eval.metrics import speech as sm
 from empatheia_jax.eval.metrics import video as vm
-from empatheia_jax.generators.face_render import EXPRESSIONS, _blink_state, render_frames
+from empatheia_jax.generators.face_paint import EXPRESSIONS
+from empatheia_jax.generators.face_render import _blink_state, render_frames
 
 CLIPS = (
     ({"age": "young", "gender": "female", "timbre": "mid", "ID": 1}, "happy"),

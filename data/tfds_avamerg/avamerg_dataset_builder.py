@@ -1,9 +1,9 @@
 """TFDS builder for AvaMERG (manual download), writing ``array_record`` without TensorFlow.
 
-Records are built by the same code as ``data/prepare.py`` (`load_raw`, `extract_features`,
-`dialogue_records` -> `empatheia_jax.data.shard_format.make_shard_record`), so a TFDS build and a prepare
-run hold the same text, labels, features and targets; `from_tfds_example` turns a TFDS example back
-into a shard record that `empatheia_jax.data.shard_format.check_shard_record` accepts.
+Records are built by the same code as ``data/prepare.py`` (`raw_splits.load_raw`, `dialogue_records`'s
+`extract_features` and `dialogue_records` -> `empatheia_jax.data.shard_format.make_shard_record`), so a
+TFDS build and a prepare run hold the same text, labels, features and targets; `from_tfds_example` turns
+a TFDS example back into a shard record that `empatheia_jax.data.shard_format.check_shard_record` accepts.
 
 Build (no TensorFlow needed)::
 
@@ -189,7 +189,7 @@ class Builder(tfds.core.GeneratorBasedBuilder):
         )
 
     def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Any]:
-        from empatheia_jax.data.prepare import load_raw
+        from empatheia_jax.data.raw_splits import load_raw
 
         raw = Path(dl_manager.manual_dir)
         cfg = self.builder_config
@@ -218,7 +218,7 @@ class Builder(tfds.core.GeneratorBasedBuilder):
         return {split: self._generate_examples(data, split, reader, em) for split in data.splits}
 
     def _generate_examples(self, data: Any, split: str, reader: TargetReader | None, em: schema.EmotionMap):
-        from empatheia_jax.data.prepare import dialogue_records, extract_features, history_utterances
+        from empatheia_jax.data.dialogue_records import dialogue_records, extract_features, history_utterances
 
         enc = self._encoder()
         for d in data.splits[split]:

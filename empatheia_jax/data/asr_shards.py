@@ -55,10 +55,11 @@ from typing import Any
 
 from empatheia_jax.assets import atomic_write, sha256_file
 from empatheia_jax.data import encoders as enc_lib
-from empatheia_jax.data import schema
+from empatheia_jax.data import raw_layout, schema
 from empatheia_jax.data.encoders import asr
 from empatheia_jax.data.encoders.media import load_audio
-from empatheia_jax.data.prepare import InvalidInputError, prepare
+from empatheia_jax.data.prepare import prepare
+from empatheia_jax.data.raw_splits import InvalidInputError
 from empatheia_jax.data.shard_format import MANIFEST, MANIFEST_FORMAT, load_manifest, verify_shards
 
 INAUDIBLE = "..."  # the text of an utterance in which Whisper heard no word
@@ -104,11 +105,11 @@ class _Plan:
                                      "exist (moved or deleted?): --asr transcribes the speech files there; "
                                      "give its new place with --raw")
         self.raw, self.split = raw, split
-        self.split_json = Path(schema.split_json_path(raw, split))
+        self.split_json = Path(raw_layout.split_json_path(raw, split))
         if not self.split_json.is_file():
             raise AsrShardsError(f"{self.split_json} does not exist (the split file the shards of split "
                                  f"{split!r} were prepared from)")
-        self.media_dir = Path(schema.media_dir_of(raw))
+        self.media_dir = Path(raw_layout.media_dir_of(raw))
         self.skipped = sorted(str(s.get("conversation_id")) for s in (manifest.get("skipped") or {}).get(
             "dialogues", []) if s.get("split") == split)
         self.raw_bytes = self.split_json.read_bytes()
@@ -137,7 +138,7 @@ class _Plan:
                 hist.setdefault(uid, text)
         if self.media_mode == "optional" and not any(
                 (self.media_dir / f"{uid}{ext}").is_file()
-                for uid, _, _ in schema.dialogue_utterances(d) for ext in schema.MEDIA_EXTENSIONS):
+                for uid, _, _ in schema.dialogue_utterances(d) for ext in raw_layout.MEDIA_EXTENSIONS):
             self.typed += len(hist)  # prepared text-only: no speech
             return
         for uid, text in hist.items():
@@ -252,6 +253,26 @@ def cached_asr_shards(
     """
     log = log or _default_log
     shards = Path(shards_dir)
+    manifest = _manifest_with(shards, split)
+    plan = _Plan(manifest, shards, split, None if raw is None else Path(raw))
+    targets_dir = _targets_dir(manifest, shards)
+    encoder = _encoder_of(manifest, shards)
+    root = Path(cache) / f"asr-{split}-{_key(plan, manifest)}"
+    out = root / "shards"
+    summary = _sound(root)
+    if summary is not None:
+        log(f"reusing ASR shards {out} (prepared earlier from the same speech and settings)")
+        return out, True, summary
+    asr_raw, summary = _write_asr_raw(plan, root, threads, progress)
+    reused = _prepare_asr(asr_raw, root, plan, manifest, shards, encoder, targets_dir, progress=progress,
+                          log=log, command=command or f"cached_asr_shards({str(shards)!r}, {split!r})")
+    if not reused:
+        log(f"ASR shards ready in {out}")
+    return out, reused, summary
+
+
+def _manifest_with(shards: Path, split: str) -> dict[str, Any]:
+    """The manifest of `shards`, which must list `split`."""
     try:
         manifest = load_manifest(shards)
     except ValueError as e:
@@ -259,39 +280,59 @@ def cached_asr_shards(
     if split not in (manifest.get("splits") or {}):
         known = sorted(manifest.get("splits") or {})
         raise AsrShardsError(f"{shards} has no split {split!r}; its manifest lists {known}")
-    plan = _Plan(manifest, shards, split, None if raw is None else Path(raw))
+    return manifest
+
+
+def _targets_dir(manifest: dict[str, Any], shards: Path) -> Path | None:
+    """The targets folder the shards were prepared with (None: none), which must still exist."""
     targets = manifest.get("targets")
     targets_dir = Path(targets["dir"]) if isinstance(targets, dict) and targets.get("dir") else None
     if targets_dir is not None and not targets_dir.is_dir():
         raise AsrShardsError(f"{shards / MANIFEST} records the targets folder {targets_dir}, which does not "
                              "exist (moved or deleted?): the ASR shards would lack the targets the original "
                              "ones carry")
-    name, kwargs = _encoder_of(manifest, shards)
-    root = Path(cache) / f"asr-{split}-{_key(plan, manifest)}"
-    out = root / "shards"
-    summary = _sound(root)
-    if summary is not None:
-        log(f"reusing ASR shards {out} (prepared earlier from the same speech and settings)")
-        return out, True, summary
+    return targets_dir
 
+
+def _write_asr_raw(plan: _Plan, root: Path, threads: int, progress: bool) -> tuple[Path, dict[str, Any]]:
+    """(ROOT/raw, summary): the split transcribed into a raw folder of its own (the split file with the
+    transcripts, the media linked), plus ROOT's transcripts and summary files."""
     rows = _transcribe(plan, threads, progress)
     raw = root / "raw"
     raw.mkdir(parents=True, exist_ok=True)
-    _write_atomic(Path(schema.split_json_path(raw, split)),
+    _write_atomic(Path(raw_layout.split_json_path(raw, plan.split)),
                   _asr_json(plan, {r["utt_id"]: r["written"] for r in rows}))
     _link_media(raw, plan.media_dir)
     _write_atomic(root / TRANSCRIPTS, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    summary = {**_summary(plan, rows), "transcripts": str(root / TRANSCRIPTS), "shards": str(out)}
+    summary = {**_summary(plan, rows), "transcripts": str(root / TRANSCRIPTS), "shards": str(root / "shards")}
     _write_atomic(root / SUMMARY, json.dumps(summary, indent=1) + "\n")
+    return raw, summary
 
+
+def _prepare_asr(
+    raw: Path,
+    root: Path,
+    plan: _Plan,
+    manifest: dict[str, Any],
+    shards: Path,
+    encoder: tuple[str, dict[str, Any]],
+    targets_dir: Path | None,
+    *,
+    progress: bool,
+    log: Callable[[str], None],
+    command: str,
+) -> bool:
+    """Prepares the ASR raw folder as the original shards were into ROOT/shards, under a temporary name
+    renamed when complete; True when another run finished first and its sound folder is used instead."""
+    split, out = plan.split, root / "shards"
+    name, kwargs = encoder
     em = (manifest.get("emotion_map") or {}).get("name") or "avamerg7"
     tmp = root / f".shards.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         try:
             got = prepare(raw, tmp, encoder=name, encoder_kwargs=kwargs, targets=targets_dir, splits=[split],
-                          emotion_map=em, media=plan.media_mode, progress=progress, log=log,
-                          command=command or f"cached_asr_shards({str(shards)!r}, {split!r})")
+                          emotion_map=em, media=plan.media_mode, progress=progress, log=log, command=command)
         except InvalidInputError as e:
             raise AsrShardsError(f"the ASR copy {raw} of {plan.split_json} does not prepare: {e}") from e
         n_new, n_old = got["splits"][split]["records"], manifest["splits"][split]["records"]
@@ -305,11 +346,10 @@ def cached_asr_shards(
         except OSError:  # another run finished first: use its folder if it is sound
             if _sound(root) is None:
                 raise
-            return out, True, summary
+            return True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log(f"ASR shards ready in {out}")
-    return out, False, summary
+    return False
 
 
 def _encoder_of(manifest: dict[str, Any], shards: Path) -> tuple[str, dict[str, Any]]:
@@ -330,7 +370,7 @@ def _encoder_of(manifest: dict[str, Any], shards: Path) -> tuple[str, dict[str, 
 
 def _link_media(raw: Path, media: Path) -> None:
     """RAW/media of the ASR copy: a symlink to the original media folder (nothing copied)."""
-    link = Path(schema.media_dir_of(raw))
+    link = Path(raw_layout.media_dir_of(raw))
     if link.is_symlink() and Path(os.readlink(link)) == media.resolve():
         return
     tmp = link.with_name(f".media.{os.getpid()}.tmp")

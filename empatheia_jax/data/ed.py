@@ -31,12 +31,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from empatheia_jax.data.raw_layout import check_conversation_id
 from empatheia_jax.data.schema import (
     AGES,
     GENDERS,
     TIMBRES,
     EmotionMap,
-    check_conversation_id,
     normalize_word,
 )
 
@@ -170,79 +170,97 @@ def _read_rows(
     """Group well-formed rows by conv_id; report and skip the rest. Also returns, per merged row's conv_id,
     the conv_ids of the raw lines swallowed into it (to name the conversations lost in the merge)."""
     convs: dict[str, list[_Row]] = {}
-    swallowed: dict[str, list[str]] = {}
-    seen: set[tuple[str, int]] = set()
     all_ids: set[str] = set()
     n_rows = 0
     with open(path, encoding="utf-8", newline="") as f:
         rows = _rows_with_lines(f)
-        try:
-            _, header = next(rows)
-        except StopIteration:
-            raise ValueError(f"{path}: empty file, expected an ED csv header") from None
-        header = [h.strip().lstrip("\ufeff") for h in header]
-        missing = [c for c in COLUMNS if c not in header]
-        if missing:
-            raise ValueError(f"{path}: not an EmpatheticDialogues csv, missing columns {missing}")
-        col = {c: header.index(c) for c in COLUMNS}
+        checks = _RowChecks(_columns(path, rows), quirks)
         if progress:
             from tqdm import tqdm
 
             rows = tqdm(rows, desc=f"reading {os.path.basename(path)}", unit=" rows", mininterval=0.5)
         for line, row in rows:
             n_rows += 1
-            conv_id = row[col["conv_id"]] if len(row) > col["conv_id"] else ""
+            conv_id = row[checks.col["conv_id"]] if len(row) > checks.col["conv_id"] else ""
             all_ids.add(conv_id)
-            if len(row) != len(header):
-                msg = f"{len(row)} fields, expected {len(header)}; skipped"
-                quirks.append(Quirk("bad-row", conv_id, line, msg, n_rows))
-                continue
-            if any("\n" in v or "\r" in v for v in row):
-                embedded = [v for v in row if "\n" in v or "\r" in v]
-                raw_lines = [ln for v in embedded for ln in v.splitlines()[1:]]
-                ids = [m.group(1) for ln in raw_lines if (m := _RAW_LINE_RE.match(ln))]
-                swallowed[conv_id] = list(dict.fromkeys(ids))
-                of = ", ".join(swallowed[conv_id]) or "unknown conversations"
-                msg = (
-                    f"utterance_idx {row[col['utterance_idx']]} holds {len(raw_lines)} more raw csv line(s) "
-                    f"after an embedded newline (of {of}); skipped"
-                )
-                quirks.append(Quirk("merged-row", conv_id, line, msg, n_rows))
-                continue
-            try:
-                idx = int(row[col["utterance_idx"]])
-            except ValueError:
-                msg = f"utterance_idx {row[col['utterance_idx']]!r} is not an integer; skipped"
-                quirks.append(Quirk("bad-row", conv_id, line, msg, n_rows))
-                continue
-            if (conv_id, idx) in seen:
-                msg = f"utterance_idx {idx} repeated; skipped"
-                quirks.append(Quirk("duplicate-row", conv_id, line, msg, n_rows))
-                continue
-            seen.add((conv_id, idx))
-            convs.setdefault(conv_id, []).append(
-                _Row(
-                    line=line,
-                    row=n_rows,
-                    idx=idx,
-                    speaker=row[col["speaker_idx"]].strip(),
-                    context=row[col["context"]],
-                    prompt=row[col["prompt"]],
-                    text=clean_text(row[col["utterance"]]),
-                )
-            )
-    return convs, n_rows, len(all_ids), swallowed
+            r = checks.parse(line, n_rows, row, conv_id)
+            if r is not None:
+                convs.setdefault(conv_id, []).append(r)
+    return convs, n_rows, len(all_ids), checks.swallowed
 
 
-def _conversation(conv_id: str, rows: list[_Row], emap: EmotionMap, quirks: list[Quirk]) -> dict | None:
-    """One ED conversation as an AvaMERG dialogue without profiles, or None (with a `dropped` quirk)."""
+def _columns(path: str, rows: Iterator[tuple[int, list[str]]]) -> list[str]:
+    """The header row (read from `rows`), which must name every column of COLUMNS."""
+    try:
+        _, header = next(rows)
+    except StopIteration:
+        raise ValueError(f"{path}: empty file, expected an ED csv header") from None
+    header = [h.strip().lstrip("\ufeff") for h in header]
+    missing = [c for c in COLUMNS if c not in header]
+    if missing:
+        raise ValueError(f"{path}: not an EmpatheticDialogues csv, missing columns {missing}")
+    return header
 
-    def drop(why: str, r: _Row | None) -> None:
-        quirks.append(
-            Quirk("dropped", conv_id, None if r is None else r.line, why, None if r is None else r.row)
+
+@dataclass
+class _RowChecks:
+    """The checks of one csv's rows: its header, the (conv_id, utterance_idx) pairs seen, the conv_ids each
+    merged row swallowed, and the quirks list the skipped rows are reported to."""
+
+    header: list[str]
+    quirks: list[Quirk]
+    seen: set[tuple[str, int]] = field(default_factory=set)
+    swallowed: dict[str, list[str]] = field(default_factory=dict)
+    col: dict[str, int] = field(init=False)  # column name -> index
+
+    def __post_init__(self) -> None:
+        self.col = {c: self.header.index(c) for c in COLUMNS}
+
+    def parse(self, line: int, n_rows: int, row: list[str], conv_id: str) -> _Row | None:
+        """The row, or None when it is skipped (wrong width, an embedded newline, a bad or repeated index)."""
+        col = self.col
+        if len(row) != len(self.header):
+            msg = f"{len(row)} fields, expected {len(self.header)}; skipped"
+            self.quirks.append(Quirk("bad-row", conv_id, line, msg, n_rows))
+            return None
+        if any("\n" in v or "\r" in v for v in row):
+            self.quirks.append(self._merged(line, n_rows, row, conv_id))
+            return None
+        try:
+            idx = int(row[col["utterance_idx"]])
+        except ValueError:
+            msg = f"utterance_idx {row[col['utterance_idx']]!r} is not an integer; skipped"
+            self.quirks.append(Quirk("bad-row", conv_id, line, msg, n_rows))
+            return None
+        if (conv_id, idx) in self.seen:
+            msg = f"utterance_idx {idx} repeated; skipped"
+            self.quirks.append(Quirk("duplicate-row", conv_id, line, msg, n_rows))
+            return None
+        self.seen.add((conv_id, idx))
+        return _Row(line=line, row=n_rows, idx=idx, speaker=row[col["speaker_idx"]].strip(),
+                    context=row[col["context"]], prompt=row[col["prompt"]],
+                    text=clean_text(row[col["utterance"]]))
+
+    def _merged(self, line: int, n_rows: int, row: list[str], conv_id: str) -> Quirk:
+        """The quirk of a row that swallowed raw csv lines after an embedded newline, naming their ids."""
+        embedded = [v for v in row if "\n" in v or "\r" in v]
+        raw_lines = [ln for v in embedded for ln in v.splitlines()[1:]]
+        ids = [m.group(1) for ln in raw_lines if (m := _RAW_LINE_RE.match(ln))]
+        self.swallowed[conv_id] = list(dict.fromkeys(ids))
+        of = ", ".join(self.swallowed[conv_id]) or "unknown conversations"
+        msg = (
+            f"utterance_idx {row[self.col['utterance_idx']]} holds {len(raw_lines)} more raw csv line(s) "
+            f"after an embedded newline (of {of}); skipped"
         )
+        return Quirk("merged-row", conv_id, line, msg, n_rows)
 
-    rows = sorted(rows, key=lambda r: r.idx)
+
+def _drop(quirks: list[Quirk], conv_id: str, why: str, r: _Row | None) -> None:
+    quirks.append(Quirk("dropped", conv_id, None if r is None else r.line, why, None if r is None else r.row))
+
+
+def _leading_rows(conv_id: str, rows: list[_Row], quirks: list[Quirk]) -> list[_Row]:
+    """The rows (sorted by utterance_idx) before the first index gap or empty utterance, which is reported."""
     kept: list[_Row] = []
     for r in rows:
         if r.idx != len(kept) + 1:
@@ -258,15 +276,17 @@ def _conversation(conv_id: str, rows: list[_Row], emap: EmotionMap, quirks: list
         if not r.text:
             msg = f"empty utterance_idx {r.idx}; kept the {n} row(s) before it"
             quirks.append(Quirk("empty-utterance", conv_id, r.line, msg, r.row))
-            kept = kept[:n]
-            break
-    if not kept:
-        drop("no rows left after the gap", rows[0])
-        return None
+            return kept[:n]
+    return kept
+
+
+def _roles(conv_id: str, kept: list[_Row], quirks: list[Quirk]) -> list[str] | None:
+    """Each row's role (the first speaker_idx is the speaker), or None (dropped) for more than two speakers;
+    roles that do not alternate are reported and kept."""
     speakers = list(dict.fromkeys(r.speaker for r in kept))
     if len(speakers) > 2:
         quirks.append(Quirk("speaker-order", conv_id, kept[0].line, f"speaker_idx values {speakers}"))
-        drop(f"{len(speakers)} speakers, roles are undefined", kept[0])
+        _drop(quirks, conv_id, f"{len(speakers)} speakers, roles are undefined", kept[0])
         return None
     roles = ["speaker" if r.speaker == speakers[0] else "listener" for r in kept]
     if any(a == b for a, b in itertools.pairwise(roles)):
@@ -278,22 +298,18 @@ def _conversation(conv_id: str, rows: list[_Row], emap: EmotionMap, quirks: list
                 f"speaker_idx {[r.speaker for r in kept]} does not alternate; roles follow speaker_idx",
             )
         )
-    first = kept[0]
-    if any(r.context != first.context or r.prompt != first.prompt for r in kept):
-        msg = "rows disagree on context/prompt; used the first row's"
-        quirks.append(Quirk("inconsistent-context", conv_id, first.line, msg))
-    emotion = normalize_word(first.context) or ""
-    if emap.project(emotion) is None:
-        drop(f"unknown emotion label {first.context!r}", first)
-        return None
-    scenario = clean_text(first.prompt)
+    return roles
+
+
+def _turns(kept: list[_Row], roles: list[str], emotion: str, scenario: str) -> list[dict[str, Any]]:
+    """One turn per listener utterance, with every earlier utterance as its history."""
     coe = {"speaker_emotion": emotion, "event_scenario": scenario}
     coe |= {"emotion_cause": "", "goal_to_response": ""}  # ED has no such annotation; never invented
     history = [
         {"index": k, "role": role, "utterance": r.text}
         for k, (r, role) in enumerate(zip(kept, roles, strict=True))
     ]
-    turns = [
+    return [
         {
             "context": scenario,
             "dialogue_history": [dict(u) for u in history[:k]],
@@ -303,8 +319,29 @@ def _conversation(conv_id: str, rows: list[_Row], emap: EmotionMap, quirks: list
         for k in range(1, len(kept))
         if roles[k] == "listener"
     ]
+
+
+def _conversation(conv_id: str, rows: list[_Row], emap: EmotionMap, quirks: list[Quirk]) -> dict | None:
+    """One ED conversation as an AvaMERG dialogue without profiles, or None (with a `dropped` quirk)."""
+    rows = sorted(rows, key=lambda r: r.idx)
+    kept = _leading_rows(conv_id, rows, quirks)
+    if not kept:
+        _drop(quirks, conv_id, "no rows left after the gap", rows[0])
+        return None
+    roles = _roles(conv_id, kept, quirks)
+    if roles is None:
+        return None
+    first = kept[0]
+    if any(r.context != first.context or r.prompt != first.prompt for r in kept):
+        msg = "rows disagree on context/prompt; used the first row's"
+        quirks.append(Quirk("inconsistent-context", conv_id, first.line, msg))
+    emotion = normalize_word(first.context) or ""
+    if emap.project(emotion) is None:
+        _drop(quirks, conv_id, f"unknown emotion label {first.context!r}", first)
+        return None
+    turns = _turns(kept, roles, emotion, clean_text(first.prompt))
     if not turns:
-        drop(f"no listener reply ({len(kept)} speaker utterance(s) only)", first)
+        _drop(quirks, conv_id, f"no listener reply ({len(kept)} speaker utterance(s) only)", first)
         return None
     return {
         "conversation_id": ed_conversation_id(conv_id),

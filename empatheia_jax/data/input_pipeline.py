@@ -354,19 +354,15 @@ def make_dataset(
     """The input pipeline of one split and stage for this process.
 
     tokenizer: HF tokenizer or a folder holding one (extended with the added tokens in place).
-    shuffle/seed: global shuffle, reshuffled every epoch; num_epochs=None repeats forever.
+    shuffle: global, reshuffled every epoch (num_epochs=None repeats forever).
     drop_remainder (default: `shuffle`): training mode - every process gets floor(N/count) records per
-        epoch and a final partial batch is dropped; otherwise nothing is dropped and short batches are
-        completed with filler rows.
-    process_index/process_count: default `jax.process_index()/process_count()`.
+        epoch and a final partial batch is dropped; otherwise short batches are completed with filler rows.
     worker_count: grain worker processes (0 = build in this process, in a background thread).
-    feature_dims: (audio_dim, video_dim) of the batches' feature arrays, default the manifest's. Only a
-        template without <Aud>/<Vid> may differ from the shards (its feature rows are all masked): evaluation
-        passes the model's, so text-only shards (dims 0) feed a media model's program at its own shapes.
+    feature_dims: (audio_dim, video_dim), default the manifest's; only a template without <Aud>/<Vid> may
+        differ (its feature rows are all masked): evaluation passes the model's, so text-only shards feed a
+        media model's program at its own shapes. A template with <Aud>/<Vid> on text-only records raises
+        `shard_format.MissingMediaError` before any record is read.
     config: further `PipelineConfig` fields (n_signal, use_coe, max_aud, buckets, window_batches, ...).
-
-    A template with <Aud>/<Vid> on a split with text-only records raises `shard_format.MissingMediaError`
-    (naming the folder, split and stage) before any record is read.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")

@@ -1,9 +1,9 @@
-"""AvaMERG records: label vocabularies, emotion maps, utterance ids, dataclasses and validation.
+"""AvaMERG records: label vocabularies, emotion maps, dataclasses, labels and validation.
 
 Every other data module (importers, sample generator, shard preparation, input pipeline, evaluation)
-codes against the names here, so the record layout, the utterance-id convention and the label
-indices are defined once. The validator reports every problem in a file at once, because a dataset
-that fails one check at a time costs a full preparation run per fix.
+codes against the names here, so the record layout and the label indices are defined once (the RAW
+folder's file names and utterance ids: `raw_layout.py`). The validator reports every problem in a file at
+once, because a dataset that fails one check at a time costs a full preparation run per fix.
 """
 
 from __future__ import annotations
@@ -12,14 +12,27 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import string
-import wave
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
-from pathlib import Path
 from typing import Any
+
+from empatheia_jax.data.problems import (
+    Problem,
+    Reporter,
+    conv_label,
+    is_int,
+    need_field,
+    read_json_list,
+    type_name,
+)
+from empatheia_jax.data.raw_layout import (
+    MEDIA_EXTENSIONS,
+    check_conversation_id,
+    media_unreadable,
+    utterance_id,
+)
 
 SCHEMA_VERSION = 1
 
@@ -147,52 +160,6 @@ def _load_emotion_map(name: str) -> EmotionMap:
     if bad:
         raise ValueError(f"emotion map {name}: entries {bad} point outside the classes {classes}")
     return EmotionMap(name=name, classes=classes, table=table, aliases=aliases)
-
-
-# --------------------------------------------------------------------------------------------------
-# Utterance ids
-# --------------------------------------------------------------------------------------------------
-
-_CID_RE = re.compile(r"[A-Za-z0-9-]+")
-_UTT_ID_RE = re.compile(r"^dia([A-Za-z0-9-]+?)utt(0|[1-9][0-9]*)_(0|[1-9][0-9]*)$")
-
-
-def check_conversation_id(conversation_id: Any) -> str | None:
-    """Why `conversation_id` cannot name media files, or None when it can.
-
-    Ids end up inside file names `dia{cid}utt{k}_{pid}`, so they must be filename-safe and must not
-    contain "utt" (any case), which would make the file name ambiguous to parse.
-    """
-    if not isinstance(conversation_id, str):
-        return f"must be a string, got {type(conversation_id).__name__}"
-    if not _CID_RE.fullmatch(conversation_id):
-        return f"{conversation_id!r} must match [A-Za-z0-9-]+"
-    if "utt" in conversation_id.lower():
-        return f"{conversation_id!r} must not contain 'utt'"
-    return None
-
-
-def utterance_id(conversation_id: str, k: int, profile_id: int) -> str:
-    """Media stem `dia{cid}utt{k}_{pid}` of utterance k (0-based) spoken by profile `profile_id`."""
-    why = check_conversation_id(conversation_id)
-    if why:
-        raise ValueError(f"bad conversation id: {why}")
-    for name, v in (("k", k), ("profile_id", profile_id)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
-    return f"dia{conversation_id}utt{k}_{profile_id}"
-
-
-def parse_utterance_id(stem: str) -> tuple[str, int, int]:
-    """Inverse of `utterance_id`: (conversation_id, k, profile_id) for any k.
-
-    Anchored and strict (no extension, no leading zeros) so that parse and format are exact inverses
-    and a media file either matches one utterance or is reported.
-    """
-    m = _UTT_ID_RE.match(stem) if isinstance(stem, str) else None
-    if m is None or check_conversation_id(m.group(1)) is not None:
-        raise ValueError(f"not an utterance id (dia{{cid}}utt{{k}}_{{profileID}}): {stem!r}")
-    return m.group(1), int(m.group(2)), int(m.group(3))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -355,7 +322,7 @@ _DIALOGUE_KEYS = ("conversation_id", "speaker_profile", "listener_profile", "top
 def load_dialogues(path: str | os.PathLike[str]) -> list[Dialogue]:
     """Read `RAW/{split}.json` into dataclasses; raises SchemaError with every structural problem."""
     src = os.fspath(path)
-    objs, problems = _read_json_list(src)
+    objs, problems = read_json_list(src)
     for i, obj in enumerate(objs):
         problems += _check_structure(obj, source=src, index=i)
     if problems:
@@ -364,21 +331,8 @@ def load_dialogues(path: str | os.PathLike[str]) -> list[Dialogue]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Utterances and media
+# Utterances of a dialogue
 # --------------------------------------------------------------------------------------------------
-
-MEDIA_EXTENSIONS: tuple[str, ...] = (".wav", ".mp4")
-
-
-def split_json_path(raw_dir: str | os.PathLike[str], split: str) -> str:
-    """`RAW/{split}.json`, the dialogue list of one split."""
-    return os.path.join(os.fspath(raw_dir), f"{split}.json")
-
-
-def media_dir_of(raw_dir: str | os.PathLike[str]) -> str:
-    """`RAW/media`, the flat folder holding `{utterance_id}.wav|.mp4` for all splits."""
-    return os.path.join(os.fspath(raw_dir), "media")
-
 
 def _turn(dialogue: Dialogue, turn: Turn | int) -> Turn:
     return dialogue.turns[turn] if isinstance(turn, int) else turn
@@ -446,139 +400,46 @@ def labels_for(dialogue: Dialogue, turn: Turn | int, emotion_map: EmotionMap) ->
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One validation finding. `conversation_id` is `#i` (list position) when the record has no usable id;
-    `turn` is None for dialogue-level problems; `key` is the json path inside the dialogue."""
-
-    file: str
-    conversation_id: str | None
-    turn: int | None
-    key: str
-    message: str
-
-    def __str__(self) -> str:
-        conv = "-" if self.conversation_id is None else self.conversation_id
-        turn = "-" if self.turn is None else str(self.turn)
-        return f"{self.file}: conversation {conv} turn {turn} [{self.key}]: {self.message}"
-
-
-def _type_name(v: Any) -> str:
-    return "null" if v is None else type(v).__name__
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-class _Reporter:
-    def __init__(self, source: str, conversation_id: str | None):
-        self.source = source
-        self.conversation_id = conversation_id
-        self.problems: list[Problem] = []
-
-    def __call__(self, turn: int | None, key: str, message: str) -> None:
-        self.problems.append(Problem(self.source, self.conversation_id, turn, key, message))
-
-
-def _conv_label(obj: Any, index: int) -> str:
-    cid = obj.get("conversation_id") if isinstance(obj, Mapping) else None
-    return cid if isinstance(cid, str) and cid else f"#{index}"
-
-
-def _need(rep: _Reporter, obj: Mapping[str, Any], key: str, typ: type, path: str, turn: int | None) -> bool:
-    """Report a missing or wrongly typed field; True when the field is present with the right type."""
-    if key not in obj:
-        rep(turn, path, "missing field")
-        return False
-    v = obj[key]
-    ok = _is_int(v) if typ is int else isinstance(v, typ)
-    if not ok:
-        rep(turn, path, f"expected {typ.__name__}, got {_type_name(v)}")
-    return ok
-
-
 def _check_structure(obj: Any, *, source: str, index: int) -> list[Problem]:
     """Presence and types only: what `Dialogue.from_json` needs to build the dataclasses."""
-    rep = _Reporter(source, _conv_label(obj, index))
+    rep = Reporter(source, conv_label(obj, index))
     if not isinstance(obj, Mapping):
-        rep(None, "", f"dialogue must be an object, got {_type_name(obj)}")
+        rep(None, "", f"dialogue must be an object, got {type_name(obj)}")
         return rep.problems
-    _need(rep, obj, "conversation_id", str, "conversation_id", None)
-    _need(rep, obj, "topic", str, "topic", None)
+    need_field(rep, obj, "conversation_id", str, "conversation_id", None)
+    need_field(rep, obj, "topic", str, "topic", None)
     for pkey in ("speaker_profile", "listener_profile"):
-        if _need(rep, obj, pkey, dict, pkey, None):
+        if need_field(rep, obj, pkey, dict, pkey, None):
             prof = obj[pkey]
             for k in ("age", "gender", "timbre"):
-                _need(rep, prof, k, str, f"{pkey}.{k}", None)
-            _need(rep, prof, "ID", int, f"{pkey}.ID", None)
-    if not _need(rep, obj, "turns", list, "turns", None):
+                need_field(rep, prof, k, str, f"{pkey}.{k}", None)
+            need_field(rep, prof, "ID", int, f"{pkey}.ID", None)
+    if not need_field(rep, obj, "turns", list, "turns", None):
         return rep.problems
     for j, t in enumerate(obj["turns"]):
         tp = f"turns[{j}]"
         if not isinstance(t, Mapping):
-            rep(j, tp, f"turn must be an object, got {_type_name(t)}")
+            rep(j, tp, f"turn must be an object, got {type_name(t)}")
             continue
-        _need(rep, t, "context", str, f"{tp}.context", j)
-        _need(rep, t, "response", str, f"{tp}.response", j)
+        need_field(rep, t, "context", str, f"{tp}.context", j)
+        need_field(rep, t, "response", str, f"{tp}.response", j)
         coe = t.get("chain_of_empathy")
         if coe is not None and not isinstance(coe, Mapping):
-            rep(j, f"{tp}.chain_of_empathy", f"expected dict, got {_type_name(coe)}")
+            rep(j, f"{tp}.chain_of_empathy", f"expected dict, got {type_name(coe)}")
         elif coe is not None:
             for k in _COE_KEYS:
                 if k in coe and not isinstance(coe[k], str):
-                    rep(j, f"{tp}.chain_of_empathy.{k}", f"expected str, got {_type_name(coe[k])}")
-        if _need(rep, t, "dialogue_history", list, f"{tp}.dialogue_history", j):
+                    rep(j, f"{tp}.chain_of_empathy.{k}", f"expected str, got {type_name(coe[k])}")
+        if need_field(rep, t, "dialogue_history", list, f"{tp}.dialogue_history", j):
             for i, u in enumerate(t["dialogue_history"]):
                 up = f"{tp}.dialogue_history[{i}]"
                 if not isinstance(u, Mapping):
-                    rep(j, up, f"utterance must be an object, got {_type_name(u)}")
+                    rep(j, up, f"utterance must be an object, got {type_name(u)}")
                     continue
-                _need(rep, u, "index", int, f"{up}.index", j)
-                _need(rep, u, "role", str, f"{up}.role", j)
-                _need(rep, u, "utterance", str, f"{up}.utterance", j)
+                need_field(rep, u, "index", int, f"{up}.index", j)
+                need_field(rep, u, "role", str, f"{up}.role", j)
+                need_field(rep, u, "utterance", str, f"{up}.utterance", j)
     return rep.problems
-
-
-def _check_wav(path: str) -> str | None:
-    """Header-only check that a .wav decodes; soundfile when present (float wavs), else stdlib wave."""
-    try:
-        import soundfile
-
-        try:
-            info = soundfile.info(path)
-        except Exception as e:  # any decoder error means unreadable
-            return f"does not decode as audio: {e}"
-        frames, rate, channels = info.frames, info.samplerate, info.channels
-    except ImportError:
-        try:
-            with wave.open(path, "rb") as w:
-                frames, rate, channels = w.getnframes(), w.getframerate(), w.getnchannels()
-        except (wave.Error, EOFError, OSError) as e:
-            return f"does not decode as wav: {e}"
-    if frames <= 0 or rate <= 0 or channels <= 0:
-        return f"empty audio ({frames} frames, {rate} Hz, {channels} channels)"
-    return None
-
-
-def _check_mp4(path: str) -> str | None:
-    """Open with PyAV and decode the first video frame only."""
-    try:
-        import av
-    except ImportError:
-        return None  # readability cannot be checked without PyAV; existence was checked already
-    try:
-        with av.open(path) as container:
-            if not container.streams.video:
-                return "has no video stream"
-            for _ in container.decode(video=0):
-                return None
-            return "video stream has no decodable frame"
-    except Exception as e:  # PyAV raises many FFmpeg error types
-        return f"cannot be opened as video: {e}"
-
-
-_MEDIA_CHECKS = {".wav": _check_wav, ".mp4": _check_mp4}
 
 
 @dataclass
@@ -590,7 +451,7 @@ class _Media:
     readable: bool
 
 
-def _check_media(rep: _Reporter, turn: int, key: str, uid: str, media: _Media, seen: set[str]) -> None:
+def _check_media(rep: Reporter, turn: int, key: str, uid: str, media: _Media, seen: set[str]) -> None:
     if uid in seen:
         return
     seen.add(uid)
@@ -599,12 +460,12 @@ def _check_media(rep: _Reporter, turn: int, key: str, uid: str, media: _Media, s
         if uid + ext not in media.names:
             rep(turn, f"{key}.media{ext}", f"missing media file {path}")
         elif media.readable:
-            why = _MEDIA_CHECKS[ext](path)
+            why = media_unreadable(path, ext)
             if why:
                 rep(turn, f"{key}.media{ext}", f"unreadable media file {path}: {why}")
 
 
-def _check_profile_values(rep: _Reporter, obj: Mapping[str, Any]) -> dict[str, int | None]:
+def _check_profile_values(rep: Reporter, obj: Mapping[str, Any]) -> dict[str, int | None]:
     ids: dict[str, int | None] = {}
     for pkey in ("speaker_profile", "listener_profile"):
         prof = obj.get(pkey)
@@ -615,7 +476,7 @@ def _check_profile_values(rep: _Reporter, obj: Mapping[str, Any]) -> dict[str, i
             v = prof.get(k)
             if isinstance(v, str) and _vocab_index(v, vocab) < 0:
                 rep(None, f"{pkey}.{k}", f"{v!r} is not one of {vocab}")
-        if _is_int(prof.get("ID")):
+        if is_int(prof.get("ID")):
             if prof["ID"] < 0:
                 rep(None, f"{pkey}.ID", f"profile ID must be >= 0, got {prof['ID']}")
             else:
@@ -623,9 +484,89 @@ def _check_profile_values(rep: _Reporter, obj: Mapping[str, Any]) -> dict[str, i
     return ids
 
 
-def _check_text(rep: _Reporter, turn: int, key: str, v: Any, what: str) -> None:
+def _check_text(rep: Reporter, turn: int, key: str, v: Any, what: str) -> None:
     if isinstance(v, str) and not v.strip():
         rep(turn, key, f"empty {what}")
+
+
+@dataclass
+class _DialogueMedia:
+    """The media checks of one dialogue: its conversation id, profile IDs, the media, the ids checked."""
+
+    cid: str
+    ids: dict[str, int | None]
+    media: _Media
+    seen: set[str] = field(default_factory=set)
+
+    def check(self, rep: Reporter, turn: int, key: str, k: int, profile_id: int) -> None:
+        _check_media(rep, turn, key, utterance_id(self.cid, k, profile_id), self.media, self.seen)
+
+
+def _media_cid(rep: Reporter, cid: Any) -> str | None:
+    """The conversation id when it can name media files, else None (reported when it is a string)."""
+    if not isinstance(cid, str):
+        return None
+    why = check_conversation_id(cid)
+    if why:
+        rep(None, "conversation_id", f"cannot name media files: {why}")
+        return None
+    return cid
+
+
+def _check_coe(rep: Reporter, turn: int, tp: str, coe: Any, emotion_map: EmotionMap) -> None:
+    """Every CoE step present, and a speaker emotion that the map resolves."""
+    if coe is None:
+        rep(turn, f"{tp}.chain_of_empathy", "missing field")
+    elif isinstance(coe, Mapping):
+        for k in _COE_KEYS:
+            if k not in coe:
+                rep(turn, f"{tp}.chain_of_empathy.{k}", "missing field")
+    if isinstance(coe, Mapping) and isinstance(coe.get("speaker_emotion"), str):
+        word = coe["speaker_emotion"]
+        if emotion_map.project(word) is None:
+            rep(
+                turn,
+                f"{tp}.chain_of_empathy.speaker_emotion",
+                f"unknown emotion word {word!r} (no class, ED label or alias in map {emotion_map.name})",
+            )
+
+
+def _check_utterance(
+    rep: Reporter, turn: int, up: str, u: Mapping[str, Any], media: _DialogueMedia | None
+) -> Any:
+    """Role, text and media of one history utterance; returns its `index` (any type) for the order check."""
+    role = u.get("role")
+    if isinstance(role, str) and role not in ROLES:
+        rep(turn, f"{up}.role", f"unknown role {role!r}; expected one of {ROLES}")
+    _check_text(rep, turn, f"{up}.utterance", u.get("utterance"), "utterance")
+    idx = u.get("index")
+    pid = media.ids.get(f"{role}_profile") if media is not None and role in ROLES else None
+    if media is not None and is_int(idx) and idx >= 0 and pid is not None:
+        media.check(rep, turn, up, idx, pid)
+    return idx
+
+
+def _check_turn(
+    rep: Reporter, j: int, t: Mapping[str, Any], emotion_map: EmotionMap, media: _DialogueMedia | None
+) -> None:
+    """The values of turn j: response, CoE, each history utterance, history order, the response's media."""
+    tp = f"turns[{j}]"
+    _check_text(rep, j, f"{tp}.response", t.get("response"), "response")
+    _check_coe(rep, j, tp, t.get("chain_of_empathy"), emotion_map)
+    hist = t.get("dialogue_history")
+    if not isinstance(hist, list):
+        return
+    if not hist:
+        rep(j, f"{tp}.dialogue_history", "empty dialogue history")
+    indices = [
+        _check_utterance(rep, j, f"{tp}.dialogue_history[{i}]", u, media)
+        for i, u in enumerate(hist)
+        if isinstance(u, Mapping)
+    ]
+    if all(is_int(x) for x in indices) and indices != list(range(len(hist))):
+        rep(j, f"{tp}.dialogue_history", f"history indices {indices} are not 0..{len(hist) - 1}")
+    if media is not None and media.ids["listener_profile"] is not None and isinstance(t.get("response"), str):
+        media.check(rep, j, f"{tp}.response", len(hist), media.ids["listener_profile"])
 
 
 def _check_dialogue(
@@ -636,71 +577,22 @@ def _check_dialogue(
     media: _Media | None,
     emotion_map: EmotionMap,
 ) -> list[Problem]:
+    """Structure first, then the values: conversation id, profiles, each turn (`_check_turn`)."""
     problems = _check_structure(obj, source=source, index=index)
     if not isinstance(obj, Mapping):
         return problems
-    rep = _Reporter(source, _conv_label(obj, index))
-    cid = obj.get("conversation_id")
-    cid_ok = False
-    if isinstance(cid, str):
-        why = check_conversation_id(cid)
-        if why:
-            rep(None, "conversation_id", f"cannot name media files: {why}")
-        else:
-            cid_ok = True
+    rep = Reporter(source, conv_label(obj, index))
+    cid = _media_cid(rep, obj.get("conversation_id"))
     ids = _check_profile_values(rep, obj)
     turns = obj.get("turns")
     if not isinstance(turns, list):
         return problems + rep.problems
     if not turns:
         rep(None, "turns", "dialogue has no turns")
-    seen_media: set[str] = set()
-    can_media = media is not None and cid_ok
+    dialogue_media = None if media is None or cid is None else _DialogueMedia(cid, ids, media)
     for j, t in enumerate(turns):
-        if not isinstance(t, Mapping):
-            continue
-        tp = f"turns[{j}]"
-        _check_text(rep, j, f"{tp}.response", t.get("response"), "response")
-        coe = t.get("chain_of_empathy")
-        if coe is None:
-            rep(j, f"{tp}.chain_of_empathy", "missing field")
-        elif isinstance(coe, Mapping):
-            for k in _COE_KEYS:
-                if k not in coe:
-                    rep(j, f"{tp}.chain_of_empathy.{k}", "missing field")
-        if isinstance(coe, Mapping) and isinstance(coe.get("speaker_emotion"), str):
-            word = coe["speaker_emotion"]
-            if emotion_map.project(word) is None:
-                rep(
-                    j,
-                    f"{tp}.chain_of_empathy.speaker_emotion",
-                    f"unknown emotion word {word!r} (no class, ED label or alias in map {emotion_map.name})",
-                )
-        hist = t.get("dialogue_history")
-        if not isinstance(hist, list):
-            continue
-        if not hist:
-            rep(j, f"{tp}.dialogue_history", "empty dialogue history")
-        indices = []
-        for i, u in enumerate(hist):
-            if not isinstance(u, Mapping):
-                continue
-            up = f"{tp}.dialogue_history[{i}]"
-            role = u.get("role")
-            if isinstance(role, str) and role not in ROLES:
-                rep(j, f"{up}.role", f"unknown role {role!r}; expected one of {ROLES}")
-            _check_text(rep, j, f"{up}.utterance", u.get("utterance"), "utterance")
-            idx = u.get("index")
-            indices.append(idx)
-            pid = ids.get(f"{role}_profile") if role in ROLES else None
-            if can_media and _is_int(idx) and idx >= 0 and pid is not None:
-                uid = utterance_id(cid, idx, pid)
-                _check_media(rep, j, up, uid, media, seen_media)
-        if all(_is_int(x) for x in indices) and indices != list(range(len(hist))):
-            rep(j, f"{tp}.dialogue_history", f"history indices {indices} are not 0..{len(hist) - 1}")
-        if can_media and ids["listener_profile"] is not None and isinstance(t.get("response"), str):
-            uid = utterance_id(cid, len(hist), ids["listener_profile"])
-            _check_media(rep, j, f"{tp}.response", uid, media, seen_media)
+        if isinstance(t, Mapping):
+            _check_turn(rep, j, t, emotion_map, dialogue_media)
     return problems + rep.problems
 
 
@@ -740,26 +632,6 @@ def validate_dialogues(
     return problems
 
 
-def _read_json_list(path: str) -> tuple[list[Any], list[Problem]]:
-    name = os.path.basename(path)
-
-    def fail(key: str, message: str) -> tuple[list[Any], list[Problem]]:
-        return [], [Problem(name, None, None, key, message)]
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        return fail("file", f"no such file: {path}")
-    except json.JSONDecodeError as e:
-        return fail("json", f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}")
-    except (UnicodeDecodeError, OSError) as e:
-        return fail("file", f"cannot read {path}: {e}")
-    if not isinstance(data, list):
-        return fail("json", f"top level must be a list of dialogues, got {_type_name(data)}")
-    return data, []
-
-
 def validate_file(
     path: str | os.PathLike[str],
     media_dir: str | os.PathLike[str] | None = None,
@@ -773,7 +645,7 @@ def validate_file(
     `media_dir_of(RAW)` for the standard layout.
     """
     src = os.fspath(path)
-    objs, problems = _read_json_list(src)
+    objs, problems = read_json_list(src)
     if problems:
         return problems
     return validate_dialogues(
@@ -785,54 +657,28 @@ def validate_file(
     )
 
 
-
-
-STANDARD_SPLITS = ("train", "valid", "validation", "dev", "test")
-
-
-def discover_splits(raw: str | os.PathLike) -> list[str]:
-    """Split names of a RAW folder: the standard ones present (train, valid, validation, dev, test, in that
-    order), else every ``*.json`` whose name does not contain "meta" (sample_meta.json is no split)."""
-    raw = Path(raw)
-    present = [s for s in STANDARD_SPLITS if (raw / f"{s}.json").is_file()]
-    if not present:
-        present = sorted(p.stem for p in raw.glob("*.json") if "meta" not in p.stem.lower())
-    if not present:
-        raise FileNotFoundError(f"{raw}: no {{split}}.json files (expected e.g. train.json, valid.json)")
-    return present
-
-
 __all__ = [
-    "STANDARD_SPLITS",
-    "discover_splits",
     "AGES",
     "ED_EMOTIONS_32",
     "EMOTIONS_7",
     "EMOTION_MAP_NAMES",
     "GENDERS",
-    "MEDIA_EXTENSIONS",
     "ROLES",
     "SCHEMA_VERSION",
     "TIMBRES",
     "ChainOfEmpathy",
     "Dialogue",
     "EmotionMap",
-    "Problem",
     "Profile",
     "SchemaError",
     "Turn",
     "Utterance",
-    "check_conversation_id",
     "dialogue_utterances",
     "labels_for",
     "load_dialogues",
-    "media_dir_of",
     "normalize_word",
-    "parse_utterance_id",
     "response_utterance_id",
-    "split_json_path",
     "turn_utterances",
-    "utterance_id",
     "validate_dialogues",
     "validate_file",
 ]

@@ -534,16 +534,16 @@ def standin_jobs(
     From `dialogues` (schema.Dialogue objects, e.g. the ones that passed validation) when given, else from
     every dialogue of the RAW split files.
     """
-    from empatheia_jax.data import schema
+    from empatheia_jax.data import raw_layout, schema
 
     raw = Path(raw)
     if dialogues is None:
         dialogues = [
             d
-            for split in (splits or schema.discover_splits(raw))
-            for d in schema.load_dialogues(schema.split_json_path(raw, split))
+            for split in (splits or raw_layout.discover_splits(raw))
+            for d in schema.load_dialogues(raw_layout.split_json_path(raw, split))
         ]
-    media = Path(schema.media_dir_of(raw))
+    media = Path(raw_layout.media_dir_of(raw))
     jobs, seen = [], set()
     for d in dialogues:
         for uid, _role, text in schema.dialogue_utterances(d):
@@ -551,6 +551,40 @@ def standin_jobs(
                 seen.add(uid)
                 jobs.append((uid, text, str(media / f"{uid}.wav"), str(media / f"{uid}.mp4")))
     return jobs
+
+
+def _standin_writers(stack: contextlib.ExitStack, raw: str | os.PathLike, out: str | os.PathLike,
+                     kinds: list[str], *, seed: int, shard_size: int) -> dict[str, TargetWriter]:
+    """One open writer per kind, closed by `stack`: committed when it exits cleanly, discarded otherwise."""
+    extra = {
+        "seed": seed,
+        "raw": str(Path(raw).resolve()),
+        "note": "stand-in targets, "
+        "deterministic functions of the sample's text/media; not generator features",
+    }
+    return {
+        k: stack.enter_context(
+            TargetWriter(
+                out, k, STAND_IN, TARGET_KINDS[k][1], shard_size, {**extra, "method": STANDIN_METHOD[k]}
+            )
+        )
+        for k in kinds
+    }
+
+
+def _standin_results(
+    stack: contextlib.ExitStack, jobs: list[tuple[str, str, str, str]], kinds: list[str], *, seed: int,
+    workers: int,
+) -> Iterator[tuple[str, dict[str, np.ndarray] | None, str | None]]:
+    """(utt_id, arrays by kind or None, error or None) per job, in job order: in a spawn pool closed by
+    `stack` when ``workers > 1``, else in this process."""
+    if workers > 1:
+        import multiprocessing as mp
+
+        pool = stack.enter_context(mp.get_context("spawn").Pool(workers, _standin_init, (seed,)))
+        return pool.imap(_standin_one, [(*j, tuple(kinds)) for j in jobs], chunksize=8)
+    _standin_init(seed)
+    return map(_standin_one, [(*j, tuple(kinds)) for j in jobs])
 
 
 def make_standin_targets(
@@ -583,30 +617,10 @@ def make_standin_targets(
         f"{raw} -> {out}; these are NOT StyleTTS2/DreamTalk features",
         file=sys.stderr,
     )
-    extra = {
-        "seed": seed,
-        "raw": str(Path(raw).resolve()),
-        "note": "stand-in targets, "
-        "deterministic functions of the sample's text/media; not generator features",
-    }
     errors: list[str] = []
     with contextlib.ExitStack() as stack:
-        writers = {
-            k: stack.enter_context(
-                TargetWriter(
-                    out, k, STAND_IN, TARGET_KINDS[k][1], shard_size, {**extra, "method": STANDIN_METHOD[k]}
-                )
-            )
-            for k in kinds
-        }
-        if workers > 1:
-            import multiprocessing as mp
-
-            pool = stack.enter_context(mp.get_context("spawn").Pool(workers, _standin_init, (seed,)))
-            results = pool.imap(_standin_one, [(*j, tuple(kinds)) for j in jobs], chunksize=8)
-        else:
-            _standin_init(seed)
-            results = map(_standin_one, [(*j, tuple(kinds)) for j in jobs])
+        writers = _standin_writers(stack, raw, out, kinds, seed=seed, shard_size=shard_size)
+        results = _standin_results(stack, jobs, kinds, seed=seed, workers=workers)
         for uid, arrays, err in tqdm(results, total=len(jobs), desc="stand-in targets", disable=not progress):
             if err:
                 errors.append(err)

@@ -77,6 +77,20 @@ class SpeechEvalUnavailable(RuntimeError):
     """The speech rows cannot be computed for these shards (why, naming the file or the target source)."""
 
 
+def _gold_dir(manifest: Mapping[str, Any], gold_dir: str | os.PathLike | None) -> Path | None:
+    """The gold speech folder: `gold_dir` (which must exist), else RAW/gold_speech of the shards' raw folder
+    when it exists, else None: the replies are spoken from their gold targets (a text corpus)."""
+    default = gold_dir is None
+    if default:
+        gold_dir = Path(manifest.get("raw", "")) / "gold_speech"
+    path = Path(gold_dir)
+    if not path.is_dir():
+        if not default:
+            raise SpeechEvalUnavailable(f"no gold speech folder {path} (--gold_speech)")
+        return None  # spoken from the gold targets (a text corpus: no recorded speech)
+    return path
+
+
 class SpeechEval:
     """What every column's speech rows share: the gold wavs, the style probe, and the reference systems."""
 
@@ -93,18 +107,17 @@ class SpeechEval:
             raise SpeechEvalUnavailable(
                 f"{shards_dir}: speech targets are {source or 'absent'}/{style_source or 'absent'} "
                 "(content/style), not Kokoro features, so there is no generator to speak them with")
-        default = gold_dir is None
-        if default:
-            gold_dir = Path(manifest.get("raw", "")) / "gold_speech"
-        self.gold_dir: Path | None = Path(gold_dir)
-        if not self.gold_dir.is_dir():
-            if not default:
-                raise SpeechEvalUnavailable(f"no gold speech folder {self.gold_dir} (--gold_speech)")
-            self.gold_dir = None  # spoken from the gold targets (a text corpus: no recorded speech)
+        self.gold_dir = _gold_dir(manifest, gold_dir)
         self.examples, self.threads, self.progress = int(examples), int(threads), progress
         check_split(shards_dir, train_split)
+        self._read_test(shards_dir, split)
+        self.gold = [self._read(it["wav"]) if it["wav"] is not None else self._gold_from_targets(it)
+                     for it in self.items]
+        self.transcripts: dict[str, list[Any]] = {}  # column -> [asr.Transcript], items order
+        self._fit_references(shards_dir, train_split)
 
-        # Test records: the style probe labels of every record, the spoken examples where gold speech exists.
+    def _read_test(self, shards_dir: str | os.PathLike, split: str) -> None:
+        """The test records: each one's style probe labels, the spoken examples where gold speech exists."""
         reader = ShardReader.for_split(shards_dir, split)
         self.labels: dict[int, dict[str, str]] = {}
         self.items: list[dict[str, Any]] = []
@@ -123,11 +136,9 @@ class SpeechEval:
         if self.examples and not self.items:
             raise SpeechEvalUnavailable(f"no {split} record of {shards_dir} has gold speech in "
                                         f"{self.gold_dir or 'its speech targets'}")
-        self.gold = [self._read(it["wav"]) if it["wav"] is not None else self._gold_from_targets(it)
-                     for it in self.items]
-        self.transcripts: dict[str, list[Any]] = {}  # column -> [asr.Transcript], items order
 
-        # The probe and the reference voices, from the train split's gold style targets.
+    def _fit_references(self, shards_dir: str | os.PathLike, train_split: str) -> None:
+        """The probe and the reference voices, from the train split's gold style targets."""
         train = ShardReader.for_split(shards_dir, train_split)
         styles, labels = [], {k: [] for k in PROFILE}
         for i in range(len(train)):

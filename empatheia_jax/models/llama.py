@@ -547,6 +547,42 @@ def _project(h: jax.Array, spec: str, w: jax.Array, extra: jax.Array | None) -> 
     return constrain(out, ("batch", "length", "vocab"))
 
 
+def _attention_mask(
+    attention_mask: jax.Array, cache: KVCache | None, segment_ids: jax.Array | None
+) -> tuple[jax.Array, jax.Array, Any]:
+    """(mask [B, T, S] of the keys each query attends to, key validity [B, S], the cache slot of the first
+    query): causal over the T tokens without a cache, over the cache's slots with one; packed rows
+    (`segment_ids`, no cache) only within a query's own segment."""
+    t = attention_mask.shape[1]
+    if cache is None:
+        index = 0
+        key_valid = attention_mask
+        query_slot = jnp.arange(t)
+        key_slot = jnp.arange(t)
+    else:
+        index = cache.index
+        key_valid = jax.lax.dynamic_update_slice(cache.valid, attention_mask, (0, index))
+        query_slot = index + jnp.arange(t)
+        key_slot = jnp.arange(cache.max_len)
+    mask = key_valid[:, None, :] & (key_slot[None, None, :] <= query_slot[None, :, None])
+    if segment_ids is not None:
+        if cache is not None:
+            raise ValueError("segment_ids (packed rows) are for a forward without a KV cache")
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    return mask, key_valid, index
+
+
+def _call_layer(layer: DecoderLayer, remat: str, *args: Any) -> tuple[jax.Array, Any]:
+    """One decoder layer, rematerialised per `LlamaConfig.remat`."""
+    if remat == "none":
+        return layer(*args)
+    # A pure function of the layer's state: nnx.remat(layer) writes the layer's Variables back from inside
+    # the checkpoint trace, which fails under jax.grad (TraceContextError).
+    layer_def, layer_state = nnx.split(layer)
+    fn = jax.checkpoint(lambda st, *a, _d=layer_def: nnx.merge(_d, st)(*a), policy=_REMAT_POLICIES[remat])
+    return fn(layer_state, *args)
+
+
 class Llama(nnx.Module):
     """LLaMA decoder with an LM head. `model(input_ids)` gives float32 logits [B, T, V + extra_vocab]."""
 
@@ -615,36 +651,14 @@ class Llama(nnx.Module):
         attention_mask = attention_mask.astype(bool)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        if cache is None:
-            index = 0
-            key_valid = attention_mask
-            query_slot = jnp.arange(t)
-            key_slot = jnp.arange(t)
-        else:
-            index = cache.index
-            key_valid = jax.lax.dynamic_update_slice(cache.valid, attention_mask, (0, index))
-            query_slot = index + jnp.arange(t)
-            key_slot = jnp.arange(cache.max_len)
-        mask = key_valid[:, None, :] & (key_slot[None, None, :] <= query_slot[None, :, None])
-        if segment_ids is not None:
-            if cache is not None:
-                raise ValueError("segment_ids (packed rows) are for a forward without a KV cache")
-            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        mask, key_valid, index = _attention_mask(attention_mask, cache, segment_ids)
         inv_freq = jnp.asarray(rope_inv_freq(cfg))  # a compile-time constant
         # activations split over the batch like the inputs (a no-op off a multi-device mesh)
         x = constrain(x.astype(cfg.compute_dtype), _HIDDEN)
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.keys[i], cache.values[i])
-            if cfg.remat != "none":
-                # A pure function of the layer's state: nnx.remat(layer) writes the layer's Variables back
-                # from inside the checkpoint trace, which fails under jax.grad (TraceContextError).
-                layer_def, layer_state = nnx.split(layer)
-                fn = jax.checkpoint(lambda st, *a, _d=layer_def: nnx.merge(_d, st)(*a),
-                                    policy=_REMAT_POLICIES[cfg.remat])
-                x, new_kv = fn(layer_state, x, positions, inv_freq, mask, kv, index)
-            else:
-                x, new_kv = layer(x, positions, inv_freq, mask, kv, index)
+            x, new_kv = _call_layer(layer, cfg.remat, x, positions, inv_freq, mask, kv, index)
             x = constrain(x, _HIDDEN)
             if new_kv is not None:
                 new_keys.append(new_kv[0])

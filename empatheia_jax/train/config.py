@@ -83,6 +83,9 @@ def validate(
     process_count = _validate_mesh(config, bad, device_count, process_count)
     _validate_processes(config, bad, process_count)
     _validate_model(config, bad)
+    _validate_content_sync(config, bad)
+    _validate_loss_chunks(config, bad)
+    _validate_sequence(config, bad)
     _validate_checkpoint(config, bad)
     if check_paths:
         _validate_paths(config, bad)
@@ -227,7 +230,7 @@ def _validate_processes(config: ml_collections.ConfigDict, bad: _Bad, process_co
 
 
 def _validate_model(config: ml_collections.ConfigDict, bad: _Bad) -> None:
-    """The model's dtypes, precision, remat and sizes, and the sequence length it is fed."""
+    """The model's dtypes, precision, remat, attention, LoRA rank and signal tokens."""
     for name in ("dtype", "param_dtype"):
         if name in config.model.llm and config.model.llm[name] not in _DTYPES:
             bad(f"model.llm.{name}", config.model.llm[name], f"must be one of {sorted(_DTYPES)}")
@@ -243,6 +246,11 @@ def _validate_model(config: ml_collections.ConfigDict, bad: _Bad) -> None:
         bad("model.lora.rank", config.model.lora.rank, "must be >= 1")
     if config.model.empatheia.n_signal < 1:
         bad("model.empatheia.n_signal", config.model.empatheia.n_signal, "must be >= 1")
+
+
+def _validate_content_sync(config: ml_collections.ConfigDict, bad: _Bad) -> None:
+    """The Content Synchronizer's unit tables, row convolution and unit reader, and a stage that trains it
+    from its units alone."""
     for key, what in (("cs_units", "the CS speech block's unit table; 0 = no alignment"),
                       ("cv_units", "the CS video block's unit table; 0 = no alignment"),
                       ("cv_dims", "the video content dims the face generator reads; 0 = all"),
@@ -273,6 +281,10 @@ def _validate_model(config: ml_collections.ConfigDict, bad: _Bad) -> None:
         if not all(units.values()):
             bad("stage", config.stage, "trains the CS from its units alone, so both of its blocks must be "
                 f"unit-aligned: set model.empatheia.cs_units and cv_units (got {units})")
+
+
+def _validate_loss_chunks(config: ml_collections.ConfigDict, bad: _Bad) -> None:
+    """How the text loss projects its positions: chunked, and only the loss positions."""
     ce_chunk = config.model.empatheia.get("ce_chunk", 0)
     if not isinstance(ce_chunk, int) or ce_chunk < 0:
         bad("model.empatheia.ce_chunk", ce_chunk, "must be an int >= 0 (positions a chunk; 0 = all at once)")
@@ -280,6 +292,10 @@ def _validate_model(config: ml_collections.ConfigDict, bad: _Bad) -> None:
     if not isinstance(ce_targets, int) or isinstance(ce_targets, bool) or ce_targets < 0:
         bad("model.empatheia.ce_targets", ce_targets,
             "must be an int >= 0 (loss positions per row projected at once; 0 = every position)")
+
+
+def _validate_sequence(config: ml_collections.ConfigDict, bad: _Bad) -> None:
+    """The sequence length the model is fed, its buckets and packed rows."""
     if config.data.max_len < 16:
         bad("data.max_len", config.data.max_len, "must be >= 16")
     step = config.data.get("bucket_step", 0)

@@ -392,43 +392,53 @@ def video_rows(systems: Mapping[str, Sequence[np.ndarray]], gold: Sequence[np.nd
     """
     from tqdm import tqdm
 
-    if len(envelopes) != len(gold):
-        raise ValueError(f"{len(envelopes)} envelopes for {len(gold)} gold clips")
-    for name, clips in systems.items():
-        if len(clips) != len(gold):
-            raise ValueError(f"system {name!r} has {len(clips)} clips for {len(gold)} gold clips")
+    _check_aligned(systems, gold, envelopes)
     mesh = shared_face_mesh()
     bar = tqdm(gold, desc="video metrics: gold", unit="clip", disable=not progress, leave=False)
     gold_lm = [landmarks(g, mesh=mesh) for g in bar]
     if features is not None:
         features["gold"] = np.stack([video_style_features(g, g_lm)
                                      for g, g_lm in zip(gold, gold_lm, strict=True)])
-
-    def mean(values):
-        values = [v for v in values if not math.isnan(v)]
-        return float(np.mean(values)) if values else math.nan
-
     rows: dict[str, dict[str, float]] = {}
     for name, clips in systems.items():
-        cols: dict[str, list[float]] = {k: [] for k in ("ssim", "psnr", "cpbd", "f_lmd", "m_lmd", "lip_sync",
-                                                        "face_detected")}
         bar = tqdm(zip(clips, gold, gold_lm, envelopes, strict=True), total=len(gold),
                    desc=f"video metrics: {name}", unit="clip", disable=not progress, leave=False)
-        style = []
+        scores, style = [], []
         for clip, g, g_lm, env in bar:
             lm = landmarks(clip, mesh=mesh)
             if features is not None:
                 style.append(video_style_features(clip, lm))
-            cols["ssim"].append(ssim(g, clip))
-            cols["psnr"].append(psnr(g, clip))
-            cols["cpbd"].append(cpbd(clip, stride=cpbd_stride))
-            cols["f_lmd"].append(lmd(g_lm, lm, "full"))
-            cols["m_lmd"].append(lmd(g_lm, lm, "mouth"))
-            cols["lip_sync"].append(lip_sync(lm, env))
-            cols["face_detected"].append(detection_rate(lm))
-        row = {k: mean(v) for k, v in cols.items()}
+            scores.append(_clip_scores(clip, g, g_lm, lm, env, cpbd_stride))
+        row = {k: _nan_mean([sc[k] for sc in scores]) for k in _CLIP_METRICS}
         row["n"] = float(len(clips))
         rows[name] = row
         if features is not None:
             features[name] = np.stack(style)
     return rows
+
+
+_CLIP_METRICS = ("ssim", "psnr", "cpbd", "f_lmd", "m_lmd", "lip_sync", "face_detected")
+
+
+def _check_aligned(systems: Mapping[str, Sequence[np.ndarray]], gold: Sequence[np.ndarray],
+                   envelopes: Sequence[np.ndarray]) -> None:
+    """One envelope per gold clip, and one clip of each system per gold clip."""
+    if len(envelopes) != len(gold):
+        raise ValueError(f"{len(envelopes)} envelopes for {len(gold)} gold clips")
+    for name, clips in systems.items():
+        if len(clips) != len(gold):
+            raise ValueError(f"system {name!r} has {len(clips)} clips for {len(gold)} gold clips")
+
+
+def _clip_scores(clip: np.ndarray, g: np.ndarray, g_lm: np.ndarray, lm: np.ndarray, env: np.ndarray,
+                 cpbd_stride: int) -> dict[str, float]:
+    """`_CLIP_METRICS` of one generated clip against its gold clip (landmarks given) and envelope."""
+    return {"ssim": ssim(g, clip), "psnr": psnr(g, clip), "cpbd": cpbd(clip, stride=cpbd_stride),
+            "f_lmd": lmd(g_lm, lm, "full"), "m_lmd": lmd(g_lm, lm, "mouth"), "lip_sync": lip_sync(lm, env),
+            "face_detected": detection_rate(lm)}
+
+
+def _nan_mean(values: Sequence[float]) -> float:
+    """The mean of the defined values (NaN marks a clip where a metric is undefined), NaN when none is."""
+    values = [v for v in values if not math.isnan(v)]
+    return float(np.mean(values)) if values else math.nan
