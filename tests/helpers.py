@@ -1,5 +1,6 @@
 """Shared test utilities: tiny HF models, a tiny tokenizer, the SmolLM2 GGUF and its cached conversion,
-and `require` / `skip_or_fail` (a missing dependency skips on a developer box and fails under CI).
+and `require` / `skip_or_fail` (a missing dependency skips on a developer box and fails under CI), the only
+ways a test may skip (with `needs_platform`, for what a platform lacks).
 
 Cache: converting the SmolLM2 GGUF takes ~30 s on 2 cores, so the converted folder is kept across test
 sessions in the project's cache folder (`assets.cache_root()`: `$EMPATHEIA_CACHE`, default
@@ -226,6 +227,16 @@ def require(what: str | bool, why: str) -> ModuleType | None:
     if not what:
         skip_or_fail(why)
     return None
+
+
+def needs_platform(ok: bool, why: str) -> None:
+    """Skips, under CI too, where the platform itself lacks what a test checks (glibc's `mallopt` off
+    Linux): no install supplies it, so it is no broken runner. The one skip besides `skip_or_fail` that
+    tests may use (test_helpers.py fails on a raw `pytest.skip` / `importorskip` / `mark.skip*`)."""
+    import pytest
+
+    if not ok:
+        pytest.skip(f"not on this platform: {why}")
 
 
 def run_temp_root(tmp_path_factory) -> Path:

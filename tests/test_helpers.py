@@ -1,6 +1,7 @@
 """The test helpers that decide whether a check runs at all: `require` / `skip_or_fail` (a missing
-dependency must fail under CI, not skip) and the cache key of the converted SmolLM2 folder (a converter
-change must not be served the folder the old code wrote)."""
+dependency must fail under CI, not skip), `needs_platform`, a scan that no test skips around them, and the
+cache key of the converted SmolLM2 folder (a converter change must not be served the folder the old code
+wrote)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import helpers
 import pytest
-from helpers import require, skip_or_fail
+from helpers import needs_platform, require, skip_or_fail
 
 # ----------------------------------------------------------------------------------------------------------
 # require / skip_or_fail
@@ -53,6 +54,69 @@ def test_what_is_there_passes_through(monkeypatch, value):
         monkeypatch.setenv("CI", value)
     assert require("json", "stdlib") is json
     assert require(True, "always") is None
+    assert needs_platform(True, "always") is None
+
+
+@pytest.mark.parametrize("value", ["true", None])
+def test_what_the_platform_lacks_skips_even_under_ci(monkeypatch, value):
+    """glibc's mallopt off Linux: no runner can install it, so CI skips too (test_host_memory.py)."""
+    if value is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", value)
+    with pytest.raises(pytest.skip.Exception, match="not on this platform: glibc"):
+        needs_platform(False, "glibc's mallopt")
+
+
+def raw_skips(path: Path) -> list[str]:
+    """`name:line what` of each skip in `path` that bypasses `require` / `skip_or_fail` (and so skips under
+    CI too): pytest.importorskip, a call of pytest.skip, pytest.mark.skip / skipif (decorator, pytestmark or
+    a param's marks), and those imported from pytest. `pytest.skip.Exception` (catching one) is fine."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        what = None
+        if isinstance(node, ast.ImportFrom) and node.module == "pytest":
+            names = [a.name for a in node.names if a.name in ("skip", "importorskip")]
+            what = f"from pytest import {', '.join(names)}" if names else None
+        elif isinstance(node, ast.Attribute):
+            dotted = ast.unparse(node)
+            if node.attr == "importorskip" or dotted.endswith(("mark.skip", "mark.skipif")):
+                what = dotted
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("pytest.skip", "skip"):
+            what = f"{ast.unparse(node.func)}("
+        if what:
+            found.append((node.lineno, f"{path.name}:{node.lineno} {what}"))
+    return [line for _, line in sorted(found)]
+
+
+def test_no_test_skips_around_require():
+    """Every skip goes through helpers.py: a raw one skips silently under CI (test_vae.py's
+    `pytest.importorskip("torch")` did), where a missing dependency must fail."""
+    found = [line for path in sorted(helpers.REPO.joinpath("tests").glob("*.py")) if path.name != "helpers.py"
+             for line in raw_skips(path)]
+    assert not found, "raw skips (use helpers.require / skip_or_fail / needs_platform):\n" + "\n".join(found)
+
+
+def test_the_skip_scan_finds_each_raw_form(tmp_path):
+    sample = tmp_path / "test_sample.py"
+    sample.write_text(
+        "import pytest\n"
+        "from pytest import importorskip, raises\n"
+        "torch = pytest.importorskip('torch')\n"
+        "pytestmark = pytest.mark.skipif(True, reason='x')\n"
+        "@pytest.mark.skip(reason='x')\n"
+        "def test_a():\n"
+        "    pytest.skip('x')\n"
+        "@pytest.mark.parametrize('v', [pytest.param(1, marks=pytest.mark.skip)])\n"
+        "def test_b(v):\n"
+        "    with pytest.raises(pytest.skip.Exception):\n"
+        "        require(False, 'fine')\n"
+    )
+    assert raw_skips(sample) == [
+        "test_sample.py:2 from pytest import importorskip", "test_sample.py:3 pytest.importorskip",
+        "test_sample.py:4 pytest.mark.skipif", "test_sample.py:5 pytest.mark.skip",
+        "test_sample.py:7 pytest.skip(", "test_sample.py:8 pytest.mark.skip",
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from helpers import needs_platform
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = 65536  # 256 MB of 4 KB pages
@@ -61,8 +61,8 @@ def _second_round_faults(keep: str, prologue: str = KEEP) -> tuple[bool, int]:
     return applied == "True", int(faults)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_a_freed_buffer_is_reused_without_faulting_its_pages_in_again():
+    needs_platform(sys.platform.startswith("linux"), "glibc's mallopt")
     applied, kept = _second_round_faults("1")
     assert applied
     # the thread's buffer is the pages the main thread freed: a handful of faults (the thread's stack)
@@ -73,8 +73,8 @@ def test_a_freed_buffer_is_reused_without_faulting_its_pages_in_again():
     assert default > PAGES // 2, default
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_the_command_keeps_freed_memory_a_caller_of_main_keeps_its_own_allocator():
+    needs_platform(sys.platform.startswith("linux"), "glibc's mallopt")
     _, as_command = _second_round_faults("1", CLI.format(argv=""))
     assert as_command < PAGES // 50, as_command
     _, called = _second_round_faults("1", CLI.format(argv='["empatheia", "--help"]'))

@@ -1,7 +1,7 @@
 """The committed reference model (`empatheia_jax/resources/reference`): it loads over the converted SmolLM2,
 and `empatheia eval` re-measures the figures its card records for the first 16 ED dev records.
 
-The dev part is rebuilt here exactly as `launch/ed_reference.sh` built it (the shipped ED csv, the
+The dev part is rebuilt here exactly as `launch/ed_reference.py` builds it (the shipped ED csv, the
 card's conversation-level hold-out, text-only shards), and the eval runs with the script's flags in a
 process without the suite's XLA flags: optimisation level 0 changes float bits, and on 16 records one flipped
 greedy choice is 6.25 points. The card's `ci_subset` figures must come back within 1 point, i.e. exactly.
@@ -20,7 +20,7 @@ from helpers import REPO, smollm2_checkpoint
 from empatheia_jax import reference
 
 CSV = REPO / "data" / "ed" / "empathetic_dialogues_validation.csv"
-SUBSET = 16  # launch/ed_reference.sh CI_SUBSET: 203 s alone on a 2-core Zen 3 (32: 488 s inside the suite)
+SUBSET = 16  # launch/ed_reference.py CI_SUBSET: 203 s alone on a 2-core Zen 3 (32: 488 s inside the suite)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_the_card_names_the_sha256_of_every_weight_file(card):
 
 
 def test_it_scores_its_card_on_the_first_16_dev_records(card, tmp_path):
-    # The dev part as launch/ed_reference.sh made it (its HOLDOUT default), then the script's subset eval.
+    # The dev part as launch/ed_reference.py makes it (its --holdout default), then its subset eval.
     _run("data.import_ed", "--csv", str(CSV), "--out", str(tmp_path / "raw"), "--split", "train",
          "--holdout", "dev:0.15")
     _run("data.prepare", "--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "shards"), "--text-only")
@@ -79,9 +79,13 @@ def test_it_scores_its_card_on_the_first_16_dev_records(card, tmp_path):
 
 
 # A reply the avatar must say so that a person understands it: read as written (`written=`, the way
-# training's teacher forcing reads the gold reply), voiced by the model's own CS and SD through Kokoro in a
-# pinned avatar, and heard by a recogniser we did not write. The committed reference before the ED-trained CS
-# was heard as "Thank you so much for watching, ..." (WER 1.27).
+# training's teacher forcing reads the gold reply), voiced by the model's own CS through Kokoro, in a pinned
+# avatar and in the SD's own predicted style S^s, and heard by a recogniser we did not write. The committed
+# reference before the ED-trained CS was heard as "Thank you so much for watching, ..." (WER 1.27). The
+# unpinned run is what shows the SD's part: spoken in a zero, random or 3x-scaled style instead, the same
+# rows are heard at WER 0.87-5.9. (No control here zeroes the LLM's states: the committed CS speech block's
+# cross-attention to r^t has a zero output projection, so its rows come from the reply's units alone and
+# zeroing r^t gives bit-identical audio; zeroing r^s moves S^s by 1.6 % and Whisper still hears WER 0.)
 SPEAKER = "My dog got really sick last week and I had to take him to the vet at night."
 REPLY = "Oh no, I am so sorry to hear that. Is he feeling any better now?"
 WER_GOAL = 0.15  # issue 29's goal for spoken replies; gold Kokoro speech of sample replies: 0.00-0.11
@@ -95,7 +99,10 @@ def test_its_avatar_says_a_reply_that_whisper_hears(tmp_path):
     model, tokenizer, config, meta = reference.load(smollm2_checkpoint())
     replier = turn.replier_from_loaded(model, tokenizer, config, meta, "the reference model")
     coe = templates.format_coe({"event": "the speaker's dog got sick", "emotion": "anxious"}, REPLY)
-    done = turn.run_turn(replier, text=SPEAKER, out=tmp_path / "reply", render="speech", hear=True,
-                         listener=parse_listener("young,female,mid"), written=coe)
-    assert done.result.reply == REPLY
-    assert done.heard["speech_wer"] < WER_GOAL, done.heard
+    for name, listener in (("pinned", parse_listener("young,female,mid")), ("predicted", None)):
+        done = turn.run_turn(replier, text=SPEAKER, out=tmp_path / name, render="speech", hear=True,
+                             listener=listener, written=coe)
+        assert done.result.reply == REPLY
+        assert done.heard["speech_wer"] < WER_GOAL, (name, done.heard)
+        pinned = [n for n in done.speech_notes if "pinned" in n]
+        assert bool(pinned) == (listener is not None), (name, done.speech_notes)

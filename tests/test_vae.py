@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import require
 
 from empatheia_jax import sharding
 from empatheia_jax.models.vae import TransformerVAE, VAEConfig, VAEOutput, kl_divergence
@@ -463,7 +464,7 @@ def test_unit_context_equals_torch_convolutions_and_bidirectional_lstm():
     torch's own Conv1d, layer_norm and nn.LSTM(bidirectional) given the same weights (torch's gate order
     i, f, g, o; its two biases summed in ours); then, inside a block, row i's query moves when a
     neighbour's unit changes (a table alone keeps it), and the config refuses it without units."""
-    torch = pytest.importorskip("torch")
+    torch = require("torch", "the reference convolutions and LSTM")
     from empatheia_jax.models.unit_context import CONV_LAYERS, CONV_WIDTH, UnitContext
 
     d, q = 8, 7

@@ -122,6 +122,10 @@ function show(r) {
     dd.textContent = v;
     coe.append(dt, dd);
   }
+  const who = r.listener;  // the avatar the server spoke and drew the reply as
+  $("avatar").textContent = who ? `listener avatar: ${who.age}/${who.gender}/${who.timbre} (pinned)`
+    : "listener avatar: predicted";
+  $("prompt").textContent = r.prompt_length ? `prompt: ${r.prompt_length} tokens` : "";
   const t = r.timings || {};
   $("timings").textContent = ["decode", "speech", "video", "queue", "total"]
     .filter((k) => k in t).map((k) => `${k} ${t[k].toFixed(2)} s`).join(" · ");
@@ -183,7 +187,7 @@ $("reset").onclick = async () => {
   }
   state.conversation = null;
   $("history").innerHTML = "";
-  for (const id of ["reply", "emotion", "timings"]) $(id).textContent = "";
+  for (const id of ["reply", "emotion", "avatar", "prompt", "timings"]) $(id).textContent = "";
   $("coe").innerHTML = "";
   status("new conversation");
 };
