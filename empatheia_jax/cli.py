@@ -41,6 +41,7 @@ from ml_collections import config_flags
 
 from empatheia_jax import compile_cache, host_memory
 from empatheia_jax.eval import run as eval_run
+from empatheia_jax.serve.decoding import Decoding, ReplySampling
 
 FLAGS = flags.FLAGS
 
@@ -241,18 +242,23 @@ def _eval() -> int:
 
 
 def _eval_options() -> eval_run.EvalOptions:
-    """The eval flags as `eval.run.EvalOptions`, whose fields are named as the flags."""
+    """The eval flags as `eval.run.EvalOptions`, whose fields are named as the flags (every field: the
+    flags hold the defaults), the decoding flags as one `Decoding`."""
     names = [f.name for f in dataclasses.fields(eval_run.EvalOptions) if f.name in FLAGS]
     return eval_run.EvalOptions(**{name: FLAGS[name].value for name in names},
-                                split_given=FLAGS["split"].present, reply_sampling=_reply_sampling())
+                                split_given=FLAGS["split"].present, decoding=_decoding_from_flags())
 
 
-def _reply_sampling() -> Any:
-    from empatheia_jax.serve.reply_choice import ReplySampling
-
-    if FLAGS.reply_temperature == 0:
-        return None
-    return ReplySampling(FLAGS.reply_temperature, FLAGS.reply_top_p, FLAGS.seed, FLAGS.reply_candidates)
+def _decoding_from_flags() -> Decoding:
+    """The decoding flags (`_define_generation_flags`) as the `Decoding` eval, chat and serve run: greedy,
+    the budget and HF's repetition controls; --reply_temperature > 0 draws the reply again
+    (`ReplySampling` of --reply_temperature, --reply_top_p, --seed, --reply_candidates)."""
+    sampling = None
+    if FLAGS.reply_temperature != 0:
+        sampling = ReplySampling(temperature=FLAGS.reply_temperature, top_p=FLAGS.reply_top_p,
+                                 seed=FLAGS.seed, candidates=FLAGS.reply_candidates)
+    return Decoding(max_new_tokens=FLAGS.max_new_tokens, repetition_penalty=FLAGS.repetition_penalty,
+                    no_repeat_ngram_size=FLAGS.no_repeat_ngram_size, reply_sampling=sampling)
 
 
 def _chat() -> int:
@@ -268,14 +274,13 @@ def _chat() -> int:
             raise FileNotFoundError(f"--{flag} {path}: no such file")
     history = load_history(FLAGS.history) if FLAGS.history else None
     listener = _listener_flag()
+    decoding = _decoding_from_flags()
     replier = _load_replier()
     render = "avatar" if FLAGS.avatar else "speech" if FLAGS.speak else "text"
     replier.check_can_render(render)  # before generating: a checkpoint that cannot speak fails now
     done = turn.run_turn(replier, text=FLAGS.text or "", audio=FLAGS.audio, video=FLAGS.video,
                          history=history, out=FLAGS.out or "chat_reply", render=render, listener=listener,
-                         hear=render != "text",
-                         max_new_tokens=FLAGS.max_new_tokens, repetition_penalty=FLAGS.repetition_penalty,
-                         no_repeat_ngram_size=FLAGS.no_repeat_ngram_size, reply_sampling=_reply_sampling())
+                         hear=render != "text", decoding=decoding)
     result = done.result
     print(outputs.format_result(result))
     print(f"features -> {done.npz}\ntext -> {done.json}")
@@ -313,20 +318,18 @@ def _serve() -> int:
 
     if not FLAGS.ckpt:
         raise app.UsageError("serve needs --ckpt")
+    decoding = _decoding_from_flags()
     t0 = time.perf_counter()
     replier = _load_replier()
     load_seconds = time.perf_counter() - t0
-    generation = dict(max_new_tokens=FLAGS.max_new_tokens, repetition_penalty=FLAGS.repetition_penalty,
-                      no_repeat_ngram_size=FLAGS.no_repeat_ngram_size)
-    turn_options = dict(generation, reply_sampling=_reply_sampling())
     if FLAGS.warmup:
         t0 = time.perf_counter()
-        warmed = replier.warm_up(**generation, progress=lambda b: print(
+        warmed = replier.warm_up(decoding, progress=lambda b: print(
             f"warm-up: compiled the programs of {b}-token prompts", flush=True))
         print(f"warm-up: {len(warmed)} prompt lengths in {time.perf_counter() - t0:.1f} s", flush=True)
     limits = web.Limits(max_upload_bytes=int(FLAGS.max_upload_mb * 2**20),
                         max_media_seconds=FLAGS.max_media_seconds, queue=FLAGS.queue)
-    server = web.Server(web.replier_turn(replier, **turn_options),
+    server = web.Server(web.replier_turn(replier, decoding),
                         limits, info={"ckpt": str(FLAGS.ckpt), "load_seconds": load_seconds,
                                       "speech_targets": replier.speech_targets,
                                       "video_targets": replier.video_targets})

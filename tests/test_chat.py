@@ -25,6 +25,7 @@ from empatheia_jax.data.pipeline_config import PipelineConfig
 from empatheia_jax.data.shard_reader import ShardReader
 from empatheia_jax.models.empatheia import Empatheia
 from empatheia_jax.serve import chat
+from empatheia_jax.serve.decoding import Decoding, ReplySampling
 from empatheia_jax.serve.history import ChatInputError, load_history
 from empatheia_jax.serve.outputs import format_result, read_outputs, write_outputs
 from empatheia_jax.serve.prompt import build_prompt, encoder_from_manifest
@@ -65,7 +66,8 @@ def _history(media):
 def _ask(model, tok, media, max_new_tokens=5, written=None):
     return chat.respond(model, tok, text="test1 line 2: I feel disgusted", audio=media / "diatest1utt2_7.wav",
                         video=media / "diatest1utt2_7.mp4", history=_history(media), encoder="lite",
-                        max_new_tokens=max_new_tokens, compiler_options=FAST, written=written)
+                        decoding=Decoding(max_new_tokens=max_new_tokens), compiler_options=FAST,
+                        written=written)
 
 
 @pytest.fixture(scope="module")
@@ -294,7 +296,8 @@ def test_audio_only_turn_is_transcribed_into_the_prompt(model, tok, tmp_path, me
     sf.write(wav, gold_speech(SPOKEN, {"age": "young", "gender": "female", "timbre": "mid"}, "empathetic")[0],
              SAMPLE_RATE)
     result = chat.respond(model, tok, text="", audio=wav, video=media / "diatest1utt2_7.mp4",
-                          history=_history(media), encoder="lite", max_new_tokens=3, compiler_options=FAST)
+                          history=_history(media), encoder="lite", decoding=Decoding(max_new_tokens=3),
+                          compiler_options=FAST)
     [heard] = result.input_transcripts
     assert heard["utterance_index"] == 2 and 0.0 < heard["confidence"] <= 1.0
     assert asr.word_error_rate([SPOKEN], [heard["transcript"]]) < 0.15, heard
@@ -311,10 +314,11 @@ def test_an_utterance_without_text_or_audio_is_refused_by_name(model, tok, media
     video = media / "diatest1utt2_7.mp4"
     with pytest.raises(ChatInputError, match=r"^the latest utterance \(--text/--audio/--video\) has no "
                        r"text and no audio to transcribe"):
-        chat.respond(model, tok, text="  ", video=video, encoder="lite", max_new_tokens=2)
+        chat.respond(model, tok, text="  ", video=video, encoder="lite", decoding=Decoding(max_new_tokens=2))
     silent = [_history(media)[0], {"role": "listener", "utterance": "", "video": str(video)}]
     with pytest.raises(ChatInputError, match=r"^history: entry 1 has no text and no audio"):
-        chat.respond(model, tok, text="hello", history=silent, encoder="lite", max_new_tokens=2)
+        chat.respond(model, tok, text="hello", history=silent, encoder="lite",
+                     decoding=Decoding(max_new_tokens=2))
 
 
 def test_encoder_from_manifest_rebuilds_the_shards_encoder(shards):
@@ -342,7 +346,7 @@ def test_unit_aligned_video_block_runs_after_the_reply_is_timed_by_its_speech(tm
     model = tiny_empatheia(tok, shards, cv_units=KokoroSpeech.num_units)
     r = chat.respond(model, tok, text="test1 line 2: I feel disgusted", audio=media / "diatest1utt2_7.wav",
                      video=media / "diatest1utt2_7.mp4", history=_history(media), encoder="lite",
-                     max_new_tokens=5, compiler_options=FAST, speech_targets="kokoro",
+                     decoding=Decoding(max_new_tokens=5), compiler_options=FAST, speech_targets="kokoro",
                      video_targets="face_render")
     rows = min(r.speech_content_units, ROWS)
     assert rows >= 3, r.reply
@@ -396,7 +400,7 @@ def test_warm_up_compiles_every_program_a_text_turn_needs(model, tok, tmp_path):
     try:
         replier = turn.Replier(model=model, tokenizer=tok, max_len=200, encoder=get_encoder("lite"),
                                compiler_options=FAST)
-        warmed = replier.warm_up(max_new_tokens=5)
+        warmed = replier.warm_up(Decoding(max_new_tokens=5))
         assert warmed[-1] == bucket(200) and warmed == sorted(warmed) and len(warmed) >= 2, warmed
         assert compiles, "the warm-up compiled nothing: the counter does not see compiles"
         compiles.clear()
@@ -406,7 +410,7 @@ def test_warm_up_compiles_every_program_a_text_turn_needs(model, tok, tmp_path):
         lengths = []
         for i, history in enumerate(([], long_history[:3], long_history)):
             done = turn.run_turn(replier, text="I lost my keys again.", history=history,
-                                 out=tmp_path / f"t{i}", max_new_tokens=5)
+                                 out=tmp_path / f"t{i}", decoding=Decoding(max_new_tokens=5))
             lengths.append(done.result.prompt_length)
         assert len({bucket(n) for n in lengths}) >= 2, (lengths, warmed)  # more than one prompt bucket
         assert compiles == [], f"{len(compiles)} compile(s) during turns of prompt lengths {lengths}"
@@ -415,9 +419,10 @@ def test_warm_up_compiles_every_program_a_text_turn_needs(model, tok, tmp_path):
 
 
 def test_reply_sampling_keeps_the_consensus_drawn_after_the_greedy_coe(model, tok, media, monkeypatch):
-    """`respond(reply_sampling=)`: the greedy CoE (rigged) is kept through its step-5 header and the reply is
-    the consensus of the drawn candidates (rigged: the last one agrees most with the others), drawn from
-    prompt + header with the turn's media spliced exactly as the greedy prompt had them."""
+    """`respond(decoding=Decoding(reply_sampling=))`: the greedy CoE (rigged) is kept through its step-5
+    header and the reply is the consensus of the drawn candidates (rigged: the last one agrees most with the
+    others), drawn from prompt + header with the turn's media spliced exactly as the greedy prompt had
+    them."""
     from empatheia_jax.data import templates as tpl
     from empatheia_jax.serve import generation, reply_choice
 
@@ -450,8 +455,9 @@ def test_reply_sampling_keeps_the_consensus_drawn_after_the_greedy_coe(model, to
     monkeypatch.setattr(reply_choice, "generate_tokens", drawn)
     r = chat.respond(model, tok, text="test1 line 2: I feel disgusted", audio=media / "diatest1utt2_7.wav",
                      video=media / "diatest1utt2_7.mp4", history=_history(media), encoder="lite",
-                     max_new_tokens=64, compiler_options=FAST,
-                     reply_sampling=reply_choice.ReplySampling(temperature=1.0, candidates=3))
+                     compiler_options=FAST,
+                     decoding=Decoding(max_new_tokens=64,
+                                       reply_sampling=ReplySampling(temperature=1.0, candidates=3)))
     assert r.reply == drafts[2]
     assert r.coe["event_scenario"] == "a bad smell" and r.emotion_text == "disgusted"
     (_, prompts, g_embeds), (_, prefixes, d_embeds) = calls

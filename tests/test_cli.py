@@ -140,6 +140,7 @@ from empatheia_jax.eval import baselines, evaluate, report
 from empatheia_jax.eval import speech as speech_eval
 from empatheia_jax.eval import video as video_eval
 from empatheia_jax.serve import chat
+from empatheia_jax.serve.decoding import Decoding
 from empatheia_jax.serve.history import load_history
 from empatheia_jax.serve.load import load_trained
 from empatheia_jax.serve.prompt import encoder_from_manifest
@@ -173,18 +174,21 @@ for rows in (speech, video):
 columns["chance"] = baselines.chance_levels(model.config)
 overrides = {"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)}
 ed = evaluate.evaluate(model, tokenizer, ed_shards, "test", batch_size=4, max_len=int(config.data.max_len),
-                       max_new_tokens=4, pipeline_overrides=overrides, progress=False, template="coe")
+                       decoding=Decoding(max_new_tokens=4), pipeline_overrides=overrides, progress=False,
+                       template="coe")
 n = inputs["max_new_tokens"]
 encoder = encoder_from_manifest(meta["encoder"])
 r = chat.respond(model, tokenizer, text=inputs["text"], audio=inputs["audio"], video=inputs["video"],
-                 history=load_history(inputs["history"]), encoder=encoder, max_new_tokens=n,
+                 history=load_history(inputs["history"]), encoder=encoder,
+                 decoding=Decoding(max_new_tokens=n),
                  max_len=int(config.data.max_len) + n + 2 * model.config.n_signal + 2)
 np.savez(out + ".npz", input_ids=r.input_ids, emotion_probs=r.emotion_probs, **r.features)
-c = chat.respond(model, tokenizer, text=inputs["text"], encoder=encoder, max_new_tokens=12,
-                 repetition_penalty=0.05, no_repeat_ngram_size=2,
+c = chat.respond(model, tokenizer, text=inputs["text"], encoder=encoder,
+                 decoding=Decoding(max_new_tokens=12, repetition_penalty=0.05, no_repeat_ngram_size=2),
                  max_len=int(config.data.max_len) + 12 + 2 * model.config.n_signal + 2)
 np.savez(out + "_controls.npz", input_ids=c.input_ids, **c.features)
-plain = chat.respond(model, tokenizer, text=inputs["text"], encoder=encoder, max_new_tokens=12,
+plain = chat.respond(model, tokenizer, text=inputs["text"], encoder=encoder,
+                     decoding=Decoding(max_new_tokens=12),
                      max_len=int(config.data.max_len) + 12 + 2 * model.config.n_signal + 2)
 json.dump({"eval": columns, "table": report.format_table(columns), "ed": ed, "text": r.text,
            "reply": r.reply, "emotion": r.emotion, "features": sorted(r.features), "controls_text": c.text,

@@ -31,8 +31,9 @@ from empatheia_jax.eval import generation_pass as gp
 from empatheia_jax.eval import report as eval_report
 from empatheia_jax.eval.metrics import text as mtext
 from empatheia_jax.serve import reply_choice
+from empatheia_jax.serve.decoding import Decoding, ReplySampling
 from empatheia_jax.serve.generation import eos_token_ids, generate_tokens, left_pad
-from empatheia_jax.serve.reply_choice import ReplySampling, consensus_index, reply_header_tokens
+from empatheia_jax.serve.reply_choice import consensus_index, reply_header_tokens
 from empatheia_jax.train import objective, stages
 
 ED = list(schema.ED_EMOTIONS_32)
@@ -132,8 +133,9 @@ def test_teacher_forced_metrics_equal_numpy_on_the_same_outputs(model, tok, shar
 
 def test_generations_are_scored_from_their_parse_and_equal_unbatched_decoding(model, tok, shards, tmp_path):
     path = tmp_path / "preds.jsonl"
-    got = ev.evaluate(model, tok, shards, "test", batch_size=2, max_len=MAX_LEN, max_new_tokens=6,
-                      predictions_path=path, progress=False, compiler_options=FAST)
+    got = ev.evaluate(model, tok, shards, "test", batch_size=2, max_len=MAX_LEN,
+                      decoding=Decoding(max_new_tokens=6), predictions_path=path, progress=False,
+                      compiler_options=FAST)
     preds = [json.loads(line) for line in path.read_text().splitlines()]
     assert [p["record_index"] for p in preds] == [0, 1, 2]
     assert all(p["num_new"] == 6 for p in preds)  # a random model never ends on its own
@@ -149,12 +151,13 @@ def test_generations_are_scored_from_their_parse_and_equal_unbatched_decoding(mo
     # The generation's own batch size (all three prompts in one left-padded batch) changes nothing.
     path3 = tmp_path / "preds3.jsonl"
     got3 = ev.evaluate(model, tok, shards, "test", batch_size=2, generate_batch_size=3, max_len=MAX_LEN,
-                       max_new_tokens=6, predictions_path=path3, progress=False, compiler_options=FAST)
+                       decoding=Decoding(max_new_tokens=6), predictions_path=path3, progress=False,
+                       compiler_options=FAST)
     assert [json.loads(line)["text"] for line in path3.read_text().splitlines()] == [p["text"] for p in preds]
     assert got3 == got
     with pytest.raises(ValueError, match="batch_size must be >= 1, got -3"):
         ev.evaluate(model, tok, shards, "test", batch_size=2, generate_batch_size=-3, max_len=MAX_LEN,
-                    max_new_tokens=6, progress=False, compiler_options=FAST)
+                    decoding=Decoding(max_new_tokens=6), progress=False, compiler_options=FAST)
 
     # Evaluate sorts prompts by length, batches and left-pads them; one prompt alone must decode the same.
     reader = ShardReader.for_split(shards, "test")
@@ -332,10 +335,10 @@ def test_reply_sampling_draws_the_reply_after_the_greedy_coe(model, tok, shards,
 
     monkeypatch.setattr(gp, "generate_tokens", phase)
     monkeypatch.setattr(reply_choice, "generate_tokens", phase)
-    kw = dict(batch_size=2, max_len=MAX_LEN, progress=False, compiler_options=FAST, max_new_tokens=80)
-    greedy = gp.generate_predictions(model, tok, shards, "test", **kw)
-    narrow = gp.generate_predictions(model, tok, shards, "test", **kw,
-                                     reply_sampling=ReplySampling(temperature=1.0, top_p=1e-6))
+    kw = dict(batch_size=2, max_len=MAX_LEN, progress=False, compiler_options=FAST)
+    greedy = gp.generate_predictions(model, tok, shards, "test", **kw, decoding=Decoding(max_new_tokens=80))
+    narrow = gp.generate_predictions(model, tok, shards, "test", **kw, decoding=Decoding(
+        max_new_tokens=80, reply_sampling=ReplySampling(temperature=1.0, top_p=1e-6)))
     eos = eos_token_ids(model.llm, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     for ex, text, g, p in zip(examples, texts, greedy, narrow, strict=True):
@@ -359,8 +362,8 @@ def test_reply_sampling_draws_the_reply_after_the_greedy_coe(model, tok, shards,
             assert p[field] == g[field], field
         assert {k: v for k, v in p["coe"].items() if k != "response"} == \
             {k: v for k, v in g["coe"].items() if k != "response"}  # every step but the reply: greedy
-    drawn = [gp.generate_predictions(model, tok, shards, "test", **kw,
-                                     reply_sampling=ReplySampling(temperature=1.5, top_p=1.0, seed=s))
+    drawn = [gp.generate_predictions(model, tok, shards, "test", **kw, decoding=Decoding(
+                 max_new_tokens=80, reply_sampling=ReplySampling(temperature=1.5, top_p=1.0, seed=s)))
              for s in (0, 0, 1)]
     assert [p["text"] for p in drawn[0]] == [p["text"] for p in drawn[1]]
     assert [p["text"] for p in drawn[0]] != [p["text"] for p in drawn[2]]
@@ -396,9 +399,9 @@ def test_reply_candidates_keep_the_consensus_of_the_drawn_replies(model, tok, sh
 
     monkeypatch.setattr(gp, "generate_tokens", phase)
     monkeypatch.setattr(reply_choice, "generate_tokens", phase)
-    kw = dict(batch_size=2, max_len=MAX_LEN, progress=False, compiler_options=FAST, max_new_tokens=80)
-    preds = gp.generate_predictions(model, tok, shards, "test", **kw,
-                                    reply_sampling=ReplySampling(temperature=1.0, candidates=3))
+    kw = dict(batch_size=2, max_len=MAX_LEN, progress=False, compiler_options=FAST)
+    preds = gp.generate_predictions(model, tok, shards, "test", **kw, decoding=Decoding(
+        max_new_tokens=80, reply_sampling=ReplySampling(temperature=1.0, candidates=3)))
     assert calls and all(c == (2, 3) for c in calls)
     assert consensus_index(drafts) == 2
     for text, p in zip(texts, preds, strict=True):
@@ -694,8 +697,9 @@ def test_a_killed_generation_resumes_from_its_journal_as_if_never_stopped(model,
     run's; other settings or other weights start the journal over; a damaged line in its middle is named."""
     from empatheia_jax.eval import journal as journal_lib
 
-    kw = dict(batch_size=2, max_len=MAX_LEN, progress=False, compiler_options=FAST, max_new_tokens=12,
-              reply_sampling=ReplySampling(temperature=1.5, top_p=1.0, seed=3, candidates=2))
+    sampling = ReplySampling(temperature=1.5, top_p=1.0, seed=3, candidates=2)
+    kw = dict(batch_size=2, max_len=MAX_LEN, progress=False, compiler_options=FAST,
+              decoding=Decoding(max_new_tokens=12, reply_sampling=sampling))
     whole = gp.generate_predictions(model, tok, shards, "test", **kw)
     real, calls = gp._generate_batch, []
 
@@ -726,7 +730,8 @@ def test_a_killed_generation_resumes_from_its_journal_as_if_never_stopped(model,
     assert sorted(p["record_index"] for p in kept) == [0, 1, 2]
 
     calls.clear()  # other decoding settings: every batch again
-    again = gp.generate_predictions(model, tok, shards, "test", **{**kw, "max_new_tokens": 10}, journal=path)
+    shorter = Decoding(max_new_tokens=10, reply_sampling=sampling)
+    again = gp.generate_predictions(model, tok, shards, "test", **{**kw, "decoding": shorter}, journal=path)
     assert len(calls) == 2 and "another model, data or settings" in capsys.readouterr().err
     assert len(again) == 3
 
@@ -754,4 +759,4 @@ def test_a_killed_generation_resumes_from_its_journal_as_if_never_stopped(model,
     lines = path.read_text().splitlines()
     path.write_text("\n".join([lines[0], "{oops", *lines[1:]]) + "\n")
     with pytest.raises(ValueError, match=r"generation.journal.jsonl line 2: not JSON"):
-        gp.generate_predictions(model, tok, shards, "test", **{**kw, "max_new_tokens": 10}, journal=path)
+        gp.generate_predictions(model, tok, shards, "test", **{**kw, "decoding": shorter}, journal=path)

@@ -232,13 +232,14 @@ def test_coe_template_on_text_only_shards_equals_the_media_shards(model, tok, op
     is identical; its loss formula is L_emp alone; the media templates refuse the text-only folder."""
     from empatheia_jax.data import input_pipeline as ip
     from empatheia_jax.eval import evaluate as ev
+    from empatheia_jax.serve.decoding import Decoding
 
     media, text = tmp_path / "media", tmp_path / "text"
     prep.prepare(optional_raw, media, progress=False, skip_invalid=True)  # "full" only: the others lack media
     prep.prepare(optional_raw, text, progress=False, media="none")
     assert load_manifest(media)["splits"]["train"]["text_only_records"] == 0
-    kw = dict(batch_size=2, max_len=256, max_new_tokens=3, progress=False, compiler_options=FAST,
-              template="coe")
+    kw = dict(batch_size=2, max_len=256, decoding=Decoding(max_new_tokens=3), progress=False,
+              compiler_options=FAST, template="coe")
     got = ev.evaluate(model, tok, text, "train", max_examples=2, **kw)  # records of "full" come first
     want = ev.evaluate(model, tok, media, "train", **kw)
     assert [r["uid"] for r in read_shard_split(text, "train")][:2] == ["full:0", "full:1"]

@@ -36,7 +36,7 @@ from empatheia_jax.eval.report import metric_order, write_predictions
 from empatheia_jax.eval.teacher_forced import teacher_forced_metrics
 from empatheia_jax.models.empatheia import Empatheia
 from empatheia_jax.models.empatheia_config import EmpatheiaConfig
-from empatheia_jax.serve.reply_choice import ReplySampling
+from empatheia_jax.serve.decoding import Decoding
 from empatheia_jax.train import losses, stages
 from empatheia_jax.train.stages import eval_stage
 
@@ -49,11 +49,9 @@ def evaluate(
     *,
     batch_size: int = 8,
     max_len: int = 1024,
-    max_new_tokens: int = 160,
+    decoding: Decoding = Decoding(),
     generate_text: bool = True,
     generate_batch_size: int | None = None,
-    repetition_penalty: float = 1.0,
-    no_repeat_ngram_size: int = 0,
     pipeline_overrides: Mapping[str, Any] | None = None,
     weights: losses.LossWeights | None = None,
     max_examples: int | None = None,
@@ -67,7 +65,6 @@ def evaluate(
     details: dict[str, Any] | None = None,
     score_emotions: bool = False,
     emotion_head: EmotionHead | None = None,
-    reply_sampling: ReplySampling | None = None,
     journal: str | os.PathLike | None = None,
 ) -> dict[str, float]:
     """All metrics of `model` on `split` of `shards_dir` (see the module docstring for the definitions).
@@ -89,13 +86,13 @@ def evaluate(
     also emotion_acc_scored / emotion32_acc_scored / emotion_scored_rate: step 2 chosen among the 32 ED
     labels by likelihood after the model's own step 1 (`generation.score_continuations`); with an
     `emotion_head`, emotion*_acc_head and (scored, the head's weights chosen) emotion*_acc_combined;
-    `reply_sampling` (`ReplySampling`) draws the replies after the greedy CoE; `journal` keeps the finished
-    generation batches (`generate_predictions`), so a killed eval run again alike resumes.
+    `decoding` (`serve.decoding.Decoding`, greedy): the budget, HF's repetition controls
+    (generation.generate_tokens) and `reply_sampling`, the replies drawn after the greedy CoE; `journal` keeps
+    the finished generation batches (`generate_predictions`), so a killed eval run again alike resumes.
     `generate_batch_size` (default
     `batch_size`) batches the generation apart from the teacher-forced pass: decoding holds a KV cache, not
     [B, T, vocab] logits, so it affords more rows per step, and each decode step reads every weight once
-    whatever the batch. `repetition_penalty`/`no_repeat_ngram_size` are HF's (generation.generate_tokens).
-    `predictions_path` writes one JSON
+    whatever the batch. `predictions_path` writes one JSON
     line per generation. `max_examples` evaluates the first N records only. `compiler_options` go to the
     jitted forward passes (tests turn XLA optimisation off). `speech` (a `speech_eval.SpeechEval` of these
     shards) adds the speech rows: the predicted C^s/S^s spoken by Kokoro against the gold speech; `video` (a
@@ -113,10 +110,8 @@ def evaluate(
     if details is not None:
         details["classified"] = _classified(collected)
     if generate_text:
-        preds = generate_predictions(model, tokenizer, shards_dir, split, max_new_tokens=max_new_tokens,
-                                     repetition_penalty=repetition_penalty,
-                                     no_repeat_ngram_size=no_repeat_ngram_size, score_emotions=score_emotions,
-                                     emotion_head=emotion_head, reply_sampling=reply_sampling,
+        preds = generate_predictions(model, tokenizer, shards_dir, split, decoding=decoding,
+                                     score_emotions=score_emotions, emotion_head=emotion_head,
                                      journal=journal,
                                      **{**common, "batch_size": generate_batch_size or batch_size})
         result.update(text_metrics(preds))

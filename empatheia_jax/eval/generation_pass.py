@@ -36,6 +36,7 @@ from empatheia_jax.eval.metrics.names import LABELS
 from empatheia_jax.eval.metrics.text import speaker_turn
 from empatheia_jax.eval.pass_setup import check_model_and_data, progress_bar
 from empatheia_jax.models.empatheia import Empatheia
+from empatheia_jax.serve.decoding import Decoding
 from empatheia_jax.serve.forward import embed_prompts
 from empatheia_jax.serve.generation import (
     eos_token_ids,
@@ -44,7 +45,7 @@ from empatheia_jax.serve.generation import (
     prompt_summaries,
     score_continuations,
 )
-from empatheia_jax.serve.reply_choice import ReplySampling, redraw_replies
+from empatheia_jax.serve.reply_choice import redraw_replies
 from empatheia_jax.train import stages
 from empatheia_jax.train.stages import TemplateError, eval_stage
 
@@ -57,9 +58,7 @@ def generate_predictions(
     *,
     batch_size: int = 8,
     max_len: int = 1024,
-    max_new_tokens: int = 160,
-    repetition_penalty: float = 1.0,
-    no_repeat_ngram_size: int = 0,
+    decoding: Decoding = Decoding(),
     pipeline_overrides: Mapping[str, Any] | None = None,
     max_examples: int | None = None,
     progress: bool = True,
@@ -67,7 +66,6 @@ def generate_predictions(
     template: str | None = None,
     score_emotions: bool = False,
     emotion_head: EmotionHead | None = None,
-    reply_sampling: ReplySampling | None = None,
     journal: str | os.PathLike | None = None,
 ) -> list[dict[str, Any]]:
     """Greedy generations for the records of `split`, parsed (`parse_generation`), in record order.
@@ -88,13 +86,18 @@ def generate_predictions(
     "emotion_head_logprobs" (32), "emotion_fine_head" and "emotion_head" (its class); with `score_emotions`
     and a head whose weights are chosen, "emotion_fine_combined" and "emotion_combined" (`combine`).
 
-    `reply_sampling` draws each reply again after the greedy Chain of Empathy (`ReplySampling`): the CoE
-    steps, hence every emotion field, are the greedy ones; "text_greedy" keeps the greedy text and
+    `decoding` (`serve.decoding.Decoding`): its budget and repetition controls; the decode is greedy (a
+    sampled one, temperature > 0, is refused: the CoE steps and every emotion figure are the mode).
+    `decoding.reply_sampling` draws each reply again after the greedy Chain of Empathy (`ReplySampling`): the
+    CoE steps, hence every emotion field, are the greedy ones; "text_greedy" keeps the greedy text and
     "reply_candidates" the drawn replies the kept one was chosen among (where the text had a step-5 header).
 
     `journal` (a file, `eval.journal`) keeps each finished batch, so a killed run, started again alike,
     generates only the batches it lacks.
     """
+    if not decoding.greedy:
+        raise ValueError(f"generate_predictions: decoding temperature={decoding.temperature} must be 0: the "
+                         "eval decodes the Chain of Empathy greedily (draw the replies with reply_sampling)")
     ps = _PromptSet.of(model, tokenizer, shards_dir, split, "generate_predictions", batch_size=batch_size,
                        max_len=max_len, template=template, pipeline_overrides=pipeline_overrides,
                        max_examples=max_examples)
@@ -106,10 +109,9 @@ def generate_predictions(
     labels = label_continuations(tokenizer) if score_emotions else None
     kept = None if journal is None else _journal_of(journal, model, emotion_head, dict(
         shards=str(Path(shards_dir).resolve()), split=split, manifest=ps.manifest, template=ps.stage.name,
-        batch_size=batch_size, max_len=max_len, max_new_tokens=max_new_tokens,
-        repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-        pipeline_overrides=pipeline_overrides, max_examples=max_examples, score_emotions=score_emotions,
-        reply_sampling=reply_sampling and dataclasses.asdict(reply_sampling)), ps.spliced)
+        batch_size=batch_size, max_len=max_len, **journal_decoding(decoding),
+        pipeline_overrides=pipeline_overrides, max_examples=max_examples, score_emotions=score_emotions),
+        ps.spliced)
     preds: dict[int, dict[str, Any]] = {}
     for chunk in ps.batches(f"eval {split} (generation)", progress):
         if kept is not None and kept.complete(e["record_index"] for e in chunk):
@@ -117,12 +119,21 @@ def generate_predictions(
             continue
         preds.update(_predict_batch(
             model, tokenizer, chunk, ps, emap=emap, signal=signal, eos=eos, labels=labels,
-            emotion_head=emotion_head, max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
-            no_repeat_ngram_size=no_repeat_ngram_size, compiler_options=compiler_options,
-            reply_sampling=reply_sampling))
+            emotion_head=emotion_head, decoding=decoding, compiler_options=compiler_options))
         if kept is not None:
             kept.append(preds[e["record_index"]] for e in chunk)
     return [preds[i] for i in sorted(preds)]
+
+
+def journal_decoding(decoding: Decoding) -> dict[str, Any]:
+    """The decoding settings a generation journal's fingerprint holds (`eval.journal`): the budget, the
+    repetition controls and the drawn replies (a dict, None for greedy replies). Keys and values are those the
+    journal has always recorded, so a journal written before `Decoding` existed still resumes; the greedy
+    decode's temperature, top_p and seed are not among them (the pass refuses any other)."""
+    sampling = decoding.reply_sampling
+    return dict(max_new_tokens=decoding.max_new_tokens, repetition_penalty=decoding.repetition_penalty,
+                no_repeat_ngram_size=decoding.no_repeat_ngram_size,
+                reply_sampling=sampling and dataclasses.asdict(sampling))
 
 
 def _predict_batch(
@@ -136,21 +147,16 @@ def _predict_batch(
     eos: Sequence[int],
     labels: list[list[int]] | None,
     emotion_head: EmotionHead | None,
-    max_new_tokens: int,
-    repetition_penalty: float,
-    no_repeat_ngram_size: int,
+    decoding: Decoding,
     compiler_options: Mapping[str, Any] | None,
-    reply_sampling: ReplySampling | None,
 ) -> dict[int, dict[str, Any]]:
     """One batch of `generate_predictions` by record index: the parsed generations (`_generate_batch`), then
     the step-2 readers' fields: the scored label (with `labels`) and the emotion head's."""
     builder, pcfg, spliced, batch_size = ps.builder, ps.pcfg, ps.spliced, ps.batch_size
     prompts, preds = _generate_batch(
         model, tokenizer, chunk, batch_size=batch_size, builder=builder, pcfg=pcfg, spliced=spliced,
-        emap=emap, pipeline_baseline=ps.stage.pipeline_baseline, signal=signal, eos=eos,
-        max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
-        no_repeat_ngram_size=no_repeat_ngram_size, compiler_options=compiler_options,
-        reply_sampling=reply_sampling)
+        emap=emap, pipeline_baseline=ps.stage.pipeline_baseline, signal=signal, eos=eos, decoding=decoding,
+        compiler_options=compiler_options)
     if labels is not None:
         _add_scored_emotions(model, tokenizer, chunk, prompts, preds, labels, emap, builder, pcfg,
                              spliced, compiler_options)
@@ -280,11 +286,8 @@ def _generate_batch(
     pipeline_baseline: bool,
     signal: set[int] | None,
     eos: Sequence[int],
-    max_new_tokens: int,
-    repetition_penalty: float,
-    no_repeat_ngram_size: int,
+    decoding: Decoding,
     compiler_options: Mapping[str, Any] | None,
-    reply_sampling: ReplySampling | None = None,
 ) -> tuple[list[list[int]], dict[int, dict[str, Any]]]:
     """One batch of `generate_predictions`: (the prompts as generated, padding copies included, for the label
     scoring that conditions on them; the parsed predictions of `chunk` by record index). A short batch is
@@ -293,20 +296,19 @@ def _generate_batch(
     rows = list(chunk) + [chunk[-1]] * (batch_size - len(chunk))  # constant batch size: one program
     prompts = [e["input_ids"].tolist() for e in rows]
     embeds = _prompt_embeds(model, prompts, rows, builder, pcfg, spliced, compiler_options)
-    gen = generate_tokens(model.llm, prompts, max_new_tokens, eos_ids=eos,
+    gen = generate_tokens(model.llm, prompts, decoding.max_new_tokens, eos_ids=eos,
                           pad_token_id=builder.pad_id, inputs_embeds=embeds,
-                          repetition_penalty=repetition_penalty,
-                          no_repeat_ngram_size=no_repeat_ngram_size)
+                          repetition_penalty=decoding.repetition_penalty,
+                          no_repeat_ngram_size=decoding.no_repeat_ngram_size)
     news = [gen.new_tokens[r, : gen.num_new[r]].tolist() for r in range(len(rows))]
     greedy, candidates = news, [None] * len(rows)
+    reply_sampling = decoding.reply_sampling
     if reply_sampling is not None:
         news, candidates = redraw_replies(
-            model.llm, tokenizer, prompts, news, reply_sampling, seed=_batch_seed(reply_sampling, rows),
+            model.llm, tokenizer, prompts, news, decoding, seed=_batch_seed(reply_sampling.seed, rows),
             eos=eos, pad_token_id=builder.pad_id,
             embed=lambda prefixes: _prompt_embeds(model, prefixes, rows, builder, pcfg, spliced,
-                                                  compiler_options),
-            max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
-            no_repeat_ngram_size=no_repeat_ngram_size)
+                                                  compiler_options))
     preds = {}
     for r, e in enumerate(chunk):
         preds[e["record_index"]] = _prediction(
@@ -315,11 +317,10 @@ def _generate_batch(
     return prompts, preds
 
 
-def _batch_seed(reply_sampling: ReplySampling, rows: Sequence[Mapping[str, Any]]) -> int:
-    """The seed of a batch's drawn replies, from (seed, the batch's first record index): a run repeats at the
-    same batch size."""
-    return int(np.random.SeedSequence([reply_sampling.seed, int(rows[0]["record_index"])]
-                                      ).generate_state(1)[0])
+def _batch_seed(seed: int, rows: Sequence[Mapping[str, Any]]) -> int:
+    """The seed of a batch's drawn replies, from (the reply sampling's seed, the batch's first record index):
+    a run repeats at the same batch size."""
+    return int(np.random.SeedSequence([seed, int(rows[0]["record_index"])]).generate_state(1)[0])
 
 
 def _prediction(tokenizer: Any, e: Mapping[str, Any], prompt: Sequence[int], new: list[int], *,
@@ -455,4 +456,4 @@ def _pad_rows(rows: Sequence[np.ndarray], max_rows: int, dim: int) -> tuple[np.n
     return feats, mask
 
 
-__all__ = ["dialogue_summaries", "generate_predictions", "label_continuations"]
+__all__ = ["dialogue_summaries", "generate_predictions", "journal_decoding", "label_continuations"]

@@ -31,7 +31,7 @@ from empatheia_jax.data import splits
 from empatheia_jax.eval import report as eval_report
 from empatheia_jax.eval.metrics import text as mtext
 from empatheia_jax.serve import load as serve_load
-from empatheia_jax.serve.reply_choice import ReplySampling
+from empatheia_jax.serve.decoding import Decoding
 from empatheia_jax.train import stages
 
 # stages.TEMPLATES, spelt out so that the command line's flags name them without building a stage
@@ -52,43 +52,41 @@ class EvalUsageError(ValueError):
     --vote_templates name); the command line prints it as bad usage, exit 2."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalOptions:
-    """What `empatheia eval` was asked for: one field per flag, named as the flag (its help says what it
-    means), with the flag's default; `split_given` says whether --split was given (a csv's split is named
-    from its file otherwise) and `reply_sampling` is the flags --reply_* and --seed resolved (None: greedy
-    replies)."""
+    """What `empatheia eval` was asked for: one field per flag, named as the flag; what each means, and its
+    default, is the flag's (`cli`), which fills every field, so no default is restated here. `split_given`
+    says whether --split was given (a csv's split is named from its file otherwise) and `decoding` is the
+    decoding flags resolved (`cli._decoding_from_flags`: --max_new_tokens, --repetition_penalty,
+    --no_repeat_ngram_size, and --reply_* with --seed as its `reply_sampling`, None: greedy replies)."""
 
     ckpt: str
-    step: int | None = None
-    backbone: str | None = None
-    split: str = "test"
-    split_given: bool = False
-    shards: str | None = None
-    data: str | None = None
-    data_cache: str | None = None
-    asr: bool = False
-    raw: str | None = None
-    template: str | None = None
-    untrained: bool = False
-    generate: bool = True
-    batch_size: int = 8
-    max_examples: int = 0
-    generate_batch_size: int = 0
-    max_new_tokens: int = 160
-    repetition_penalty: float = 1.0
-    no_repeat_ngram_size: int = 0
-    score_emotions: bool = False
-    emotion_head: str | None = None
-    reply_sampling: ReplySampling | None = None
-    json: str | None = None
-    report: str | None = None
-    journal: str | None = None
-    vote_templates: Sequence[str] = ()
-    vote_ckpt: Sequence[str] = ()
-    speech_examples: int = 16
-    video_examples: int = 6
-    gold_speech: str | None = None
+    step: int | None
+    backbone: str | None
+    split: str
+    split_given: bool
+    shards: str | None
+    data: str | None
+    data_cache: str | None
+    asr: bool
+    raw: str | None
+    template: str | None
+    untrained: bool
+    generate: bool
+    batch_size: int
+    max_examples: int
+    generate_batch_size: int
+    decoding: Decoding
+    score_emotions: bool
+    emotion_head: str | None
+    json: str | None
+    report: str | None
+    journal: str | None
+    vote_templates: Sequence[str]
+    vote_ckpt: Sequence[str]
+    speech_examples: int
+    video_examples: int
+    gold_speech: str | None
 
 
 def load_ckpt(ckpt: str, *, step: int | None = None, backbone: str | None = None, restore: bool = True
@@ -318,17 +316,14 @@ def _eval_kwargs(opts: EvalOptions, config: Any, stage: stages.Stage, emotion_he
     return dict(
         batch_size=opts.batch_size,
         max_len=int(config.data.max_len),
-        max_new_tokens=opts.max_new_tokens,
+        decoding=opts.decoding,
         generate_text=opts.generate,
         generate_batch_size=opts.generate_batch_size or None,
-        repetition_penalty=opts.repetition_penalty,
-        no_repeat_ngram_size=opts.no_repeat_ngram_size,
         pipeline_overrides={"max_aud": int(config.data.max_aud), "max_vid": int(config.data.max_vid)},
         template=stage.name,
         max_examples=opts.max_examples or None,
         score_emotions=opts.score_emotions,
         emotion_head=emotion_head,
-        reply_sampling=opts.reply_sampling,
     )
 
 
@@ -371,12 +366,13 @@ def _eval_columns(opts: EvalOptions, model: Any, tokenizer: Any, shards: str, sp
 def _voters(opts: EvalOptions, model: Any, tokenizer: Any, shards: str, split: str, kwargs: dict[str, Any], *,
             exclude: str) -> dict[str, list[dict[str, Any]]]:
     """The generations of every other voter (`--vote_templates` with this model, `--vote_ckpt` each on its
-    trained stage), named for the report: `template:<name>` / `ckpt<i>:<template>`."""
+    trained stage), named for the report: `template:<name>` / `ckpt<i>:<template>`. Voters decode greedy
+    replies (their CoE step 2 is what they vote with)."""
     from empatheia_jax.eval.generation_pass import generate_predictions
 
-    gen = {k: kwargs[k] for k in ("batch_size", "max_len", "max_new_tokens", "repetition_penalty",
-                                  "no_repeat_ngram_size", "pipeline_overrides", "max_examples")}
+    gen = {k: kwargs[k] for k in ("batch_size", "max_len", "pipeline_overrides", "max_examples")}
     gen["batch_size"] = kwargs["generate_batch_size"] or kwargs["batch_size"]
+    gen["decoding"] = dataclasses.replace(kwargs["decoding"], reply_sampling=None)
     out: dict[str, list[dict[str, Any]]] = {}
     for name in opts.vote_templates:
         if name not in TEMPLATE_NAMES:
@@ -420,8 +416,8 @@ def _eval_outputs(opts: EvalOptions, columns: _Columns, details: dict[str, Any] 
         extra["asr"] = asr
     if _voting(opts):
         extra["voters"] = list(voters)
-    if opts.reply_sampling is not None:  # temperature, top_p, seed, candidates
-        extra["reply_sampling"] = dataclasses.asdict(opts.reply_sampling)
+    if opts.decoding.reply_sampling is not None:  # temperature, top_p, seed, candidates
+        extra["reply_sampling"] = dataclasses.asdict(opts.decoding.reply_sampling)
     if opts.json:
         Path(opts.json).parent.mkdir(parents=True, exist_ok=True)
         Path(opts.json).write_text(json.dumps({**columns, **extra}, indent=1))

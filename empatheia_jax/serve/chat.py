@@ -37,10 +37,11 @@ from empatheia_jax.generators.speech_synth import listener_style
 from empatheia_jax.models.empatheia import Empatheia
 from empatheia_jax.models.empatheia_config import EmpatheiaConfig
 from empatheia_jax.serve import forward
+from empatheia_jax.serve.decoding import Decoding
 from empatheia_jax.serve.generation import bucket, eos_token_ids, generate_tokens, left_pad
 from empatheia_jax.serve.history import ChatInputError, conversation, transcribe_utterances
 from empatheia_jax.serve.prompt import ChatPrompt, build_prompt
-from empatheia_jax.serve.reply_choice import ReplySampling, redraw_replies
+from empatheia_jax.serve.reply_choice import redraw_replies
 
 
 @dataclasses.dataclass
@@ -138,12 +139,7 @@ def respond(
     history: Sequence[Mapping[str, Any]] | None = None,
     encoder: str | enc_lib.Encoder = "lite",
     encoder_kwargs: Mapping[str, Any] | None = None,
-    max_new_tokens: int = 160,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    repetition_penalty: float = 1.0,
-    no_repeat_ngram_size: int = 0,
+    decoding: Decoding = Decoding(),
     max_len: int = 1024,
     chat_format: str = "auto",
     compiler_options: Mapping[str, Any] | None = None,
@@ -151,17 +147,17 @@ def respond(
     video_targets: str = STAND_IN,
     asr_threads: int = 2,
     listener: Mapping[str, str] | None = None,
-    reply_sampling: ReplySampling | None = None,
     written: str | None = None,
 ) -> ChatResult:
     """The model's reply to `text` (the speaker's latest utterance; `audio`/`video` its media files) after
     `history` (`load_history` entries, oldest first). See the module docstring for the steps.
 
     encoder: the name (with `encoder_kwargs`) or an instance; it must be the encoder of the training shards
-    (`encoder_from_manifest(shards_dir)`). Greedy at temperature 0, else sampled with `seed`/`top_p`;
-    `repetition_penalty`/`no_repeat_ngram_size` are HF's, over the prompt and the reply (generation.py).
+    (`encoder_from_manifest(shards_dir)`). `decoding` (`serve.decoding.Decoding`): the budget
+    (`max_new_tokens`), greedy at temperature 0, else sampled with its `seed`/`top_p`; its
+    `repetition_penalty`/`no_repeat_ngram_size` are HF's, over the prompt and the reply (generation.py); its
     `reply_sampling` draws the reply again after the CoE's step-5 header, the consensus of its candidates
-    (`reply_choice`, as `empatheia eval --reply_temperature` measures it), seeded with its seed.
+    (`reply_choice`, as `empatheia eval --reply_temperature` measures it), seeded with its own seed.
     Missing media raise `FileNotFoundError`, unreadable media and a latest utterance that cannot fit in
     `max_len` `ChatInputError` (`PromptTooLongError`), each naming the file or the limit.
     speech_targets / video_targets: the sources of the targets the model was trained on (checkpoint meta
@@ -184,16 +180,14 @@ def respond(
     if isinstance(encoder, str):
         encoder = enc_lib.get_encoder(encoder, **dict(encoder_kwargs or {}))
     prompt = build_prompt(cfg, tokenizer, utterances, encoder=encoder, max_len=max_len,
-                          reserve=max_new_tokens + _forced_room(cfg), chat_format=chat_format)
+                          reserve=decoding.max_new_tokens + _forced_room(cfg), chat_format=chat_format)
     eos, pad = _eos_and_pad(model, tokenizer)
     feats = _feature_batch(cfg, prompt)
     if written is not None:
         new = [*tokenizer(written, add_special_tokens=False)["input_ids"], eos[0]]
     else:
-        new = _generate(model, tokenizer, prompt, feats, eos=eos, pad=pad, max_new_tokens=max_new_tokens,
-                        temperature=temperature, top_p=top_p, seed=seed,
-                        repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-                        compiler_options=compiler_options, reply_sampling=reply_sampling)
+        new = _generate(model, tokenizer, prompt, feats, eos=eos, pad=pad, decoding=decoding,
+                        compiler_options=compiler_options)
     reading = _read_reply(cfg, tokenizer, new, eos, notes=list(prompt.notes))
     result = _run_heads(model, prompt, feats, reading, pad=pad, speech_targets=speech_targets,
                         video_targets=video_targets, listener=listener, compiler_options=compiler_options)
@@ -274,10 +268,8 @@ def warm_up(
     tokenizer: Any,
     *,
     max_len: int,
-    max_new_tokens: int = 160,
+    decoding: Decoding = Decoding(),
     encoder: str | enc_lib.Encoder = "lite",
-    repetition_penalty: float = 1.0,
-    no_repeat_ngram_size: int = 0,
     speech_targets: str = STAND_IN,
     compiler_options: Mapping[str, Any] | None = None,
     chat_format: str = "auto",
@@ -285,33 +277,33 @@ def warm_up(
 ) -> list[int]:
     """Compiles, before anyone waits for them, the programs a text turn of `respond` can need: the decode
     for every prompt bucket from the shortest prompt to `max_len` (the prompt budget), then the heads (and
-    a unit-aligned video block) for every sequence bucket that prompt plus up to `max_new_tokens` (and any
-    forced signal tokens) can reach. The calls are respond's own with dummy ids of each bucket's length, so
-    the shapes are those a real turn compiles; a turn with media also compiles its feature-row bucket. Greedy
-    decoding with these repetition controls, as a server runs them. Returns the prompt buckets; `progress`
-    is called with each once it is compiled."""
+    a unit-aligned video block) for every sequence bucket that prompt plus up to `decoding.max_new_tokens`
+    (and any forced signal tokens) can reach. The calls are respond's own with dummy ids of each bucket's
+    length, so the shapes are those a real turn compiles; a turn with media also compiles its feature-row
+    bucket. The decode is `decoding`'s (greedy or sampled, its repetition controls), as a server runs it; a
+    reply drawn again (`decoding.reply_sampling`) is not warmed. Returns the prompt buckets; `progress` is
+    called with each once it is compiled."""
     cfg = model.config
     if isinstance(encoder, str):
         encoder = enc_lib.get_encoder(encoder)
     room = _forced_room(cfg)
     shortest = build_prompt(cfg, tokenizer, [{"role": "speaker", "utterance": "Hi."}], encoder=encoder,
-                            max_len=max_len + max_new_tokens + room, chat_format=chat_format)
+                            max_len=max_len + decoding.max_new_tokens + room, chat_format=chat_format)
     eos, pad = _eos_and_pad(model, tokenizer)
     empty = ChatPrompt(ids=[], aud_feats=np.zeros((0, cfg.audio_dim), np.float32),
                        vid_feats=np.zeros((0, cfg.video_dim), np.float32), notes=[])
     feats = _feature_batch(cfg, empty)  # a text turn's (empty) feature rows
     units = _speech_units(cfg, "", speech_targets)
     token = int(shortest.ids[-1])
+    first_pass = dataclasses.replace(decoding, reply_sampling=None)  # dummy ids write no step-5 header
     warmed = []
     for b in _powers_of_two(bucket(len(shortest.ids)), bucket(max_len)):
         ids = [token] * b
         _generate(model, tokenizer, dataclasses.replace(empty, ids=ids), feats, eos=eos, pad=pad,
-                  max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, seed=0,
-                  repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-                  compiler_options=compiler_options)
+                  decoding=first_pass, compiler_options=compiler_options)
         if cfg.heads:
             ids_np, mask = left_pad([ids], pad)
-            for length in _powers_of_two(2 * b, bucket(b + max_new_tokens + room)):
+            for length in _powers_of_two(2 * b, bucket(b + decoding.max_new_tokens + room)):
                 final = [token] * (length - b)
                 batch = _heads_batch(cfg, ids_np, mask, final, np.zeros(len(final), np.int32), feats, pad,
                                      units)
@@ -349,18 +341,13 @@ def _generate(
     *,
     eos: Sequence[int],
     pad: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    seed: int,
-    repetition_penalty: float,
-    no_repeat_ngram_size: int,
+    decoding: Decoding,
     compiler_options: Mapping[str, Any] | None,
-    reply_sampling: ReplySampling | None = None,
 ) -> list[int]:
-    """The new token ids (up to and including the end token), decoded with the KV cache; a model with media
-    gets its features spliced through `inputs_embeds`, as in the eval generation pass. `reply_sampling`
-    then draws the reply again after the CoE's step-5 header (`redraw_replies`), the media spliced alike."""
+    """The new token ids (up to and including the end token), decoded with the KV cache as `decoding` says;
+    a model with media gets its features spliced through `inputs_embeds`, as in the eval generation pass.
+    `decoding.reply_sampling` then draws the reply again after the CoE's step-5 header (`redraw_replies`),
+    the media spliced alike."""
 
     def embed(prompts: list[list[int]]) -> Any:
         if not model.config.has_media:
@@ -368,16 +355,16 @@ def _generate(
         return forward.embed_prompts(model, left_pad(prompts, pad)[0], *feats,
                                      compiler_options=compiler_options)
 
-    gen = generate_tokens(model.llm, [prompt.ids], max_new_tokens, temperature, top_p, seed=seed, eos_ids=eos,
-                          pad_token_id=pad, inputs_embeds=embed([prompt.ids]),
-                          repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size)
+    d = decoding
+    gen = generate_tokens(model.llm, [prompt.ids], d.max_new_tokens, d.temperature, d.top_p, seed=d.seed,
+                          eos_ids=eos, pad_token_id=pad, inputs_embeds=embed([prompt.ids]),
+                          repetition_penalty=d.repetition_penalty,
+                          no_repeat_ngram_size=d.no_repeat_ngram_size)
     new = [int(t) for t in gen.new_tokens[0, : gen.num_new[0]]]
-    if reply_sampling is None:
+    if d.reply_sampling is None:
         return new
-    return redraw_replies(model.llm, tokenizer, [prompt.ids], [new], reply_sampling, seed=reply_sampling.seed,
-                          eos=eos, pad_token_id=pad, embed=embed, max_new_tokens=max_new_tokens,
-                          repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size
-                          )[0][0]
+    return redraw_replies(model.llm, tokenizer, [prompt.ids], [new], d, seed=d.reply_sampling.seed, eos=eos,
+                          pad_token_id=pad, embed=embed)[0][0]
 
 
 def _with_signal_tokens(cfg: EmpatheiaConfig, tokenizer: Any, new: list[int], eos: Sequence[int],

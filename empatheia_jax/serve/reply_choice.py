@@ -1,6 +1,6 @@
-"""How the reply of a Chain of Empathy is decoded: drawn again after the greedy reasoning
-(`ReplySampling`, `redraw_replies`), and chosen among several draws by their consensus (`consensus_index`).
-Eval (`generate_predictions(reply_sampling=)`) and chat (`chat.respond(reply_sampling=)`) share it.
+"""How the reply of a Chain of Empathy is decoded: drawn again after the greedy reasoning (`redraw_replies`,
+as `decoding.ReplySampling` asks), and chosen among several draws by their consensus (`consensus_index`).
+Eval and chat (`Decoding(reply_sampling=)` given to `generate_predictions` / `chat.respond`) share it.
 
 The consensus (minimum-Bayes-risk) choice. Why: greedy decoding returns the mode token by token, and the
 mode of an empathetic reply is the same few sentences for every dialogue ("I'm sorry to hear that."); one
@@ -18,7 +18,6 @@ ROUGE-L gain (docs/benchmarks.md).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
@@ -27,33 +26,8 @@ import numpy as np
 
 from empatheia_jax.data import templates as tpl
 from empatheia_jax.data.parse import has_repeated_ngram
+from empatheia_jax.serve.decoding import Decoding
 from empatheia_jax.serve.generation import generate_tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplySampling:
-    """Draw the reply, not the reasoning: after the greedy Chain of Empathy, each reply is generated again
-    from the prompt + the greedy text through the step-5 header ("Finally, the response is:", found in token
-    space: `reply_header_tokens`) with temperature + nucleus sampling. Why: greedy decoding returns the mode,
-    and the mode of an empathetic reply is the same few sentences for every dialogue ("I'm sorry to hear
-    that."); sampling the reply alone spreads the replies while the event, emotion, cause and goal steps,
-    and every emotion figure, stay the greedy ones. A text without the header keeps its greedy reply.
-    `candidates` > 1 draws that many replies per turn from one prefill and keeps their consensus
-    (`consensus_index`); the decode then holds batch x candidates rows."""
-
-    temperature: float = 0.8
-    top_p: float = 0.95
-    seed: int = 0
-    candidates: int = 1
-
-    def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"reply sampling: temperature={self.temperature} must be > 0 (0 is greedy: "
-                             "leave sampling off)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"reply sampling: top_p={self.top_p} must be in (0, 1]")
-        if self.candidates < 1:
-            raise ValueError(f"reply sampling: candidates={self.candidates} must be >= 1")
 
 
 def reply_header_tokens(tokenizer: Any, new: Sequence[int]) -> int | None:
@@ -67,16 +41,19 @@ def reply_header_tokens(tokenizer: Any, new: Sequence[int]) -> int | None:
 
 
 def redraw_replies(llm: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], news: Sequence[list[int]],
-                   sampling: ReplySampling, *, seed: int, eos: Sequence[int], pad_token_id: int,
-                   embed: Callable[[list[list[int]]], Any], max_new_tokens: int,
-                   repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0
-                   ) -> tuple[list[list[int]], list[list[str] | None]]:
-    """(`news` (each prompt's greedy new tokens) with every reply after a step-5 header drawn again
-    (`ReplySampling`, the consensus of its candidates) in one sampled decode of the whole batch, seeded with
-    `seed`; each row's drawn candidate replies as text, in draw order, None where the text has no header and
-    is kept). `embed(prefixes)` gives the prefixes' input embeddings with the prompts' media spliced (None
-    when nothing is spliced); the total stays within `max_new_tokens`. The candidates let a reader re-choose
-    offline (`bench/reply_decoding.py score` on an eval's predictions)."""
+                   decoding: Decoding, *, seed: int, eos: Sequence[int], pad_token_id: int,
+                   embed: Callable[[list[list[int]]], Any]) -> tuple[list[list[int]], list[list[str] | None]]:
+    """(`news` (each prompt's greedy new tokens) with every reply after a step-5 header drawn again as
+    `decoding.reply_sampling` asks (the consensus of its candidates) in one sampled decode of the whole
+    batch, seeded with `seed`, under `decoding`'s repetition controls; each row's drawn candidate replies as
+    text, in draw order, None where the text has no header and is kept). `embed(prefixes)` gives the
+    prefixes' input embeddings with the prompts' media spliced (None when nothing is spliced); the total stays
+    within `decoding.max_new_tokens`. The candidates let a reader re-choose offline (`bench/reply_decoding.py
+    score` on an eval's predictions)."""
+    sampling = decoding.reply_sampling
+    if sampling is None:
+        raise ValueError("redraw_replies: decoding.reply_sampling is None (the greedy reply): no draw asked")
+    max_new_tokens = decoding.max_new_tokens
     heads = [reply_header_tokens(tokenizer, n) for n in news]
     if all(k is None for k in heads):
         return [list(n) for n in news], [None] * len(news)
@@ -86,8 +63,8 @@ def redraw_replies(llm: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], n
     m = sampling.candidates
     drawn = generate_tokens(llm, prefixes, budget, sampling.temperature, sampling.top_p, seed=seed,
                             eos_ids=eos, pad_token_id=pad_token_id, inputs_embeds=embed(prefixes),
-                            repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-                            num_samples=m)
+                            repetition_penalty=decoding.repetition_penalty,
+                            no_repeat_ngram_size=decoding.no_repeat_ngram_size, num_samples=m)
     out, texts = [], []
     for r, (n, k) in enumerate(zip(news, heads, strict=True)):
         if k is None:

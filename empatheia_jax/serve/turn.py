@@ -20,9 +20,9 @@ from typing import Any
 
 from empatheia_jax.data.targets import STAND_IN
 from empatheia_jax.serve import avatar, chat, outputs
+from empatheia_jax.serve.decoding import Decoding
 from empatheia_jax.serve.history import ChatInputError
 from empatheia_jax.serve.prompt import EncoderManifestError, PromptTooLongError, encoder_from_manifest
-from empatheia_jax.serve.reply_choice import ReplySampling
 from empatheia_jax.train.checkpoint import CheckpointError
 
 RENDERS = ("text", "speech", "avatar")  # what a turn produces: the reply only, + its speech, + the video
@@ -49,13 +49,11 @@ class Replier:
             avatar.check_can_speak(self.speech_targets, self.video_targets, self.where,
                                    video=avatar.VIDEO_GENERATOR if render == "avatar" else None)
 
-    def warm_up(self, *, max_new_tokens: int = 160, repetition_penalty: float = 1.0,
-                no_repeat_ngram_size: int = 0, progress: Any = None) -> list[int]:
-        """`chat.warm_up` over this model's prompt budget, with the generation settings `run_turn` will be
-        given: a server compiles once at start, and no user's turn waits for a compile."""
-        return chat.warm_up(self.model, self.tokenizer, max_len=self.max_len, max_new_tokens=max_new_tokens,
-                            encoder=self.encoder, repetition_penalty=repetition_penalty,
-                            no_repeat_ngram_size=no_repeat_ngram_size, speech_targets=self.speech_targets,
+    def warm_up(self, decoding: Decoding = Decoding(), *, progress: Any = None) -> list[int]:
+        """`chat.warm_up` over this model's prompt budget, with the `decoding` `run_turn` will be given: a
+        server compiles once at start, and no user's turn waits for a compile."""
+        return chat.warm_up(self.model, self.tokenizer, max_len=self.max_len, decoding=decoding,
+                            encoder=self.encoder, speech_targets=self.speech_targets,
                             compiler_options=self.compiler_options, progress=progress)
 
 
@@ -108,18 +106,15 @@ def run_turn(
     render: str = "text",
     listener: Mapping[str, str] | None = None,
     hear: bool = False,
-    max_new_tokens: int = 160,
-    repetition_penalty: float = 1.0,
-    no_repeat_ngram_size: int = 0,
-    reply_sampling: ReplySampling | None = None,
+    decoding: Decoding = Decoding(),
     text_name: str = "--text",
     written: str | None = None,
 ) -> Turn:
     """One reply to `text` (with its optional `audio` .wav / `video` .mp4) after `history`, written to
     OUT.npz/OUT.json; `render` "speech" adds OUT.wav (Kokoro), "avatar" also OUT.mp4 (the face with that
     speech); `hear` has Whisper tiny.en transcribe the speech into OUT.json (`outputs.hear_reply`).
-    `reply_sampling` (`reply_choice.ReplySampling`) draws the reply after the greedy CoE (`chat.respond`);
-    `written` (a CoE text) is read instead of generated (`chat.respond`).
+    `decoding` (`serve.decoding.Decoding`: the budget, sampling, repetition controls, a reply drawn after the
+    greedy CoE) is `chat.respond`'s; `written` (a CoE text) is read instead of generated (`chat.respond`).
 
     The prompt gets the training budget and the reply (with its signal tokens) comes on top of it; a latest
     utterance that alone does not fit is a `ChatInputError` naming `text_name` and the limit.
@@ -130,12 +125,10 @@ def run_turn(
     try:
         result = chat.respond(
             model, replier.tokenizer, text=text or "", audio=audio, video=video, history=history,
-            encoder=replier.encoder, max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
-            no_repeat_ngram_size=no_repeat_ngram_size,
-            max_len=replier.max_len + max_new_tokens + 2 * model.config.n_signal + 2,
+            encoder=replier.encoder, decoding=decoding,
+            max_len=replier.max_len + decoding.max_new_tokens + 2 * model.config.n_signal + 2,
             speech_targets=replier.speech_targets, video_targets=replier.video_targets,
-            compiler_options=replier.compiler_options, listener=listener, reply_sampling=reply_sampling,
-            written=written,
+            compiler_options=replier.compiler_options, listener=listener, written=written,
         )
     except PromptTooLongError as e:
         raise ChatInputError(

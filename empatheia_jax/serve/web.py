@@ -45,6 +45,7 @@ from fastapi.responses import FileResponse, JSONResponse
 
 from empatheia_jax.data import schema
 from empatheia_jax.serve import turn
+from empatheia_jax.serve.decoding import Decoding
 from empatheia_jax.serve.history import ChatInputError
 from empatheia_jax.serve.prompt import PromptTooLongError
 
@@ -94,13 +95,14 @@ class Session:
 TurnFn = Callable[..., dict[str, Any]]
 
 
-def replier_turn(replier: turn.Replier, **options: Any) -> TurnFn:
-    """The turn function of a loaded model: `turn.run_turn` with `options` (max_new_tokens, ...)."""
+def replier_turn(replier: turn.Replier, decoding: Decoding = Decoding()) -> TurnFn:
+    """The turn function of a loaded model: `turn.run_turn` decoding every turn with `decoding` (the
+    server's flags: budget, repetition controls, drawn replies)."""
 
     def run(*, text: str, audio: Path | None, video: Path | None, history: list[dict[str, Any]], out: Path,
             render: str, listener: dict[str, str] | None) -> dict[str, Any]:
         done = turn.run_turn(replier, text=text, audio=audio, video=video, history=history, out=out,
-                             render=render, listener=listener, text_name="text", **options)
+                             render=render, listener=listener, text_name="text", decoding=decoding)
         r = done.result
         return {
             "reply": r.reply, "text": r.text, "coe": r.coe, "emotion": r.emotion,
