@@ -1,5 +1,5 @@
-"""Matmul precision "bfloat16" on the CPU (`llama.einsum_f32`, `llama._dense_dot_general`): XLA:CPU ignores a
-dot's precision, so under `jax_default_matmul_precision="bfloat16"` the backbone's dense projections and LM
+"""Matmul precision "bfloat16" on the CPU (`bf16_operands.einsum_f32`, `dense_dot_general`): XLA:CPU ignores
+a dot's precision, so under `jax_default_matmul_precision="bfloat16"` the backbone's dense projections and LM
 head cast their float32 operands to bfloat16 themselves, and their gradients cast the cotangent, with
 float32 accumulation: what a TPU's one bf16 pass computes. Checked against float64 numpy on the rounded
 operands, and in the model: which dots take the bf16 path, and how near the float32 model it stays. The
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from empatheia_jax.models.llama import Llama, LlamaConfig, einsum_f32
+from empatheia_jax.models.bf16_operands import einsum_f32
+from empatheia_jax.models.llama import Llama, LlamaConfig
 from empatheia_jax.models.lora import LoraConfig, apply_lora, set_lora_b
 from tests.helpers import jaxpr_eqns
 
@@ -131,7 +132,7 @@ def test_every_dot_of_the_model_and_of_its_gradient_runs_on_xla_cpu(spec):
     """A BF16 x BF16 = F32 dot in an order XLA:CPU must permute ('bkgts,bksd->btkgd', or its transpose
     'btkgd,bkgts->bksd' under jit) lands on its DotThunk: UNIMPLEMENTED at run time. Each spec, forward
     and both cotangents, eager and jitted, against float64 numpy."""
-    from empatheia_jax.models.llama import _bf16_dot, _transposed_specs
+    from empatheia_jax.models.bf16_operands import _bf16_dot, _transposed_specs
 
     for sp in (spec, *_transposed_specs(spec)):
         ref_spec = sp.replace("...", "xy")

@@ -235,7 +235,8 @@ def _eval_shards(opts: EvalOptions, shards: str | None, split: str, ed_json: str
 
 def _prepare_cached(opts: EvalOptions, ed_json: str, split: str, emotion_map: str) -> tuple[str, bool]:
     """The text-only shards of an imported csv: prepared under --data_cache, or reused from there."""
-    from empatheia_jax.data.prepare import InvalidInputError, cached_text_only_shards
+    from empatheia_jax.data.prepare import cached_text_only_shards
+    from empatheia_jax.data.raw_splits import InvalidInputError
 
     cache = _data_cache(opts)
     try:

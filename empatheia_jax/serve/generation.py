@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from empatheia_jax.models.llama import KVCache, Llama, with_float32_operands
+from empatheia_jax.models.bf16_operands import with_float32_operands
+from empatheia_jax.models.llama import KVCache, Llama
 
 MIN_BUCKET = 16
 
