@@ -66,7 +66,11 @@ def _assert_same(got, ref, what):
             # rounding noise (~5e-7 here, which the compiler's fusion choices move), never a value to compare
             assert max(np.abs(grads[k]).max(), scale) <= 1e-5 * top, (what, k, scale, top)
             continue
-        assert err <= 1e-5 * scale + 1e-9, (what, k, err, scale)
+        # A leaf whose gradient is a near-cancelling sum (a cross-attention's query bias: ~0.05 here, next to
+        # a largest gradient of ~270) carries rounding noise of the terms it sums, not of its result: on an
+        # AVX-512 CPU the chunked CE moved it by 7e-7 (1.4e-5 of it). The floor is 1e-8 of the largest
+        # gradient; a dropped or wrong target moves a leaf by a share of its own size.
+        assert err <= 1e-5 * scale + 1e-8 * top, (what, k, err, scale, top)
 
 
 @pytest.mark.parametrize("stage_name", ["coe", "sac"])
