@@ -76,6 +76,7 @@ CONVERTER_SOURCES = (
     "empatheia_jax/weights/hf_names.py",
     "empatheia_jax/weights/checkpoint_io.py",
     "empatheia_jax/models/llama.py",
+    "empatheia_jax/models/bf16_operands.py",
     "empatheia_jax/models/lora.py",
     "empatheia_jax/data/templates.py",
 )
